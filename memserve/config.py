@@ -1,0 +1,54 @@
+"""Typed configuration shared by the gateway and every worker process.
+
+The gateway builds one ``ServeConfig`` from the command line and hands each worker a
+``WorkerConfig`` (msgpack-friendly: plain fields only)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF folder or .gguf path; None means the embedded SmolLM2
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "cpu"  # "cpu" or "cuda:N"
+    block_size: int = 16
+    num_blocks: int | None = None  # overrides kv_cache_gb
+    kv_cache_gb: float = 1.0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # defaults to the model's context window
+    enable_prefix_caching: bool = True
+    kv_layout: str = "aggregated"  # aggregated | layer-major
+    seed: int = 0
+
+
+@dataclass
+class WorkerConfig:
+    instance_id: int
+    role: str  # colocated | prefill | decode
+    engine: EngineConfig
+    gateway_addr: str  # ZeroMQ address of the gateway's ROUTER socket
+    heartbeat_s: float = 1.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "WorkerConfig":
+        d = dict(d)
+        d["engine"] = EngineConfig(**d["engine"])
+        return cls(**d)
+
+
+@dataclass
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    cpu_workers: int = 1
+    gpus: list[int] | None = None
+    served_model_name: str | None = None
+    max_body_bytes: int = 4 * 1024 * 1024
+    heartbeat_timeout_s: float = 30.0

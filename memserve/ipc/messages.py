@@ -1,0 +1,162 @@
+"""Typed gateway <-> worker messages, encoded with msgpack.
+
+Every message is a dataclass with a class-level ``kind`` tag. ``encode`` turns one into
+bytes ``[version, kind, fields...]``; ``decode`` reverses it. Bulk KV data never goes
+through here: it travels as separate zero-copy ZeroMQ frames next to a header message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+
+
+@dataclass
+class SamplingParams:
+    """What the worker needs to pick tokens. Stop *strings* are applied by the gateway,
+    which owns detokenisation, and turn into an abort of the request."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass
+class AddRequest:
+    kind: ClassVar[str] = "add"
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    session_id: str | None = None
+    arrival_time: float = 0.0
+
+
+@dataclass
+class AbortRequest:
+    kind: ClassVar[str] = "abort"
+    request_id: str
+
+
+@dataclass
+class Heartbeat:
+    """Sent both ways. From a worker it carries its load and pool statistics."""
+
+    kind: ClassVar[str] = "heartbeat"
+    instance_id: int
+    time: float
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Shutdown:
+    kind: ClassVar[str] = "shutdown"
+
+
+@dataclass
+class WorkerReady:
+    kind: ClassVar[str] = "ready"
+    instance_id: int
+    role: str
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RequestOutput:
+    """The tokens one request produced in one engine step (a delta, not the total)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class StepOutputs:
+    kind: ClassVar[str] = "step"
+    instance_id: int
+    outputs: list[RequestOutput]
+
+
+@dataclass
+class WorkerError:
+    """A fatal worker error, sent before the worker exits."""
+
+    kind: ClassVar[str] = "error"
+    instance_id: int
+    message: str
+
+
+MESSAGE_TYPES: dict[str, type] = {
+    cls.kind: cls
+    for cls in (AddRequest, AbortRequest, Heartbeat, Shutdown, WorkerReady, StepOutputs, WorkerError)
+}
+
+# Nested dataclass fields that need rebuilding on decode.
+_NESTED: dict[tuple[str, str], type] = {
+    ("add", "params"): SamplingParams,
+}
+_NESTED_LISTS: dict[tuple[str, str], type] = {
+    ("step", "outputs"): RequestOutput,
+}
+
+
+def register(cls: type, nested: dict[str, type] | None = None, nested_lists: dict[str, type] | None = None) -> type:
+    """Add a message type defined elsewhere (KV events, transfers) to the codec."""
+    MESSAGE_TYPES[cls.kind] = cls
+    for name, sub in (nested or {}).items():
+        _NESTED[(cls.kind, name)] = sub
+    for name, sub in (nested_lists or {}).items():
+        _NESTED_LISTS[(cls.kind, name)] = sub
+    return cls
+
+
+def _fields(obj: Any) -> list[Any]:
+    out = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            value = _fields(value)
+        elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
+            value = [_fields(v) for v in value]
+        out.append(value)
+    return out
+
+
+def encode(msg: Any) -> bytes:
+    return msgpack.packb([PROTOCOL_VERSION, msg.kind, *_fields(msg)], use_bin_type=True)
+
+
+def decode(data: bytes) -> Any:
+    version, kind, *values = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    if version != PROTOCOL_VERSION:
+        raise ValueError(f"protocol version {version} != {PROTOCOL_VERSION}")
+    cls = MESSAGE_TYPES.get(kind)
+    if cls is None:
+        raise ValueError(f"unknown message kind {kind!r}")
+    kwargs = {}
+    for f, value in zip(dataclasses.fields(cls), values):
+        if (kind, f.name) in _NESTED:
+            value = _NESTED[(kind, f.name)](*value)
+        elif (kind, f.name) in _NESTED_LISTS:
+            value = [_NESTED_LISTS[(kind, f.name)](*v) for v in value]
+        kwargs[f.name] = value
+    return cls(**kwargs)
