@@ -16,6 +16,7 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None  # overrides kv_cache_gb
     kv_cache_gb: float = 1.0
+    num_host_blocks: int = 0  # host-DRAM tier (same layout); 0 disables it
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # defaults to the model's context window

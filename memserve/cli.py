@@ -1,0 +1,93 @@
+"""Command line: `memserve up | bench`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+from memserve.config import EngineConfig, ServeConfig
+
+
+def _add_up(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="serve a model over the OpenAI API")
+    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--cpu-workers", type=int, default=1, help="worker processes on a machine without a GPU")
+    p.add_argument("--gpus", default=None, help="comma-separated GPU ids, one worker each (e.g. 0,1)")
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker")
+    kv.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache size per worker")
+    p.add_argument("--num-host-blocks", type=int, default=0, help="host-DRAM KV tier blocks per worker")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-prefix-cache", action="store_true", help="disable context caching (the baseline)")
+    p.add_argument("--kv-layout", default="aggregated", choices=["aggregated", "layer-major"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-level", default=os.environ.get("MEMSERVE_LOG_LEVEL", "INFO"))
+    p.set_defaults(func=_run_up)
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    from memserve.gateway.engine_client import WorkerStartError
+    from memserve.gateway.server import serve
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s gateway %(levelname)s %(message)s")
+    os.environ["MEMSERVE_LOG_LEVEL"] = args.log_level
+    engine = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        kv_cache_gb=args.kv_cache_gb,
+        num_host_blocks=args.num_host_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_cache,
+        kv_layout=args.kv_layout,
+        seed=args.seed,
+    )
+    cfg = ServeConfig(
+        host=args.host,
+        port=args.port,
+        engine=engine,
+        cpu_workers=args.cpu_workers,
+        gpus=[int(g) for g in args.gpus.split(",")] if args.gpus else None,
+        served_model_name=args.served_model_name,
+    )
+    try:
+        from uvloop import run
+    except ImportError:
+        run = asyncio.run
+    try:
+        run(serve(cfg))
+    except WorkerStartError as exc:
+        print(f"memserve: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"memserve: cannot listen on {args.host}:{args.port}: {exc.strerror}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="memserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_up(sub)
+    from memserve.bench.cli import add_parser as add_bench
+
+    add_bench(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

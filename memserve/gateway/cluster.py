@@ -1,0 +1,135 @@
+"""Cluster manager: spawns one worker process per GPU (or per CPU worker), tracks their
+liveness from heartbeats and exit codes, restarts a worker that died, and stops them all
+on shutdown so that no orphan is left behind.
+
+Workers are started with ``subprocess`` (not ``fork``) so the gateway never imports
+torch and a worker never inherits the gateway's event loop."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field, replace
+
+from memserve.config import EngineConfig, WorkerConfig
+
+log = logging.getLogger("memserve.cluster")
+
+
+@dataclass
+class WorkerHandle:
+    config: WorkerConfig
+    process: subprocess.Popen | None = None
+    ready: bool = False
+    last_heartbeat: float = 0.0
+    stats: dict = field(default_factory=dict)
+    num_blocks: int = 0
+    max_model_len: int = 0
+    restarts: int = 0
+
+    @property
+    def instance_id(self) -> int:
+        return self.config.instance_id
+
+    @property
+    def alive(self) -> bool:
+        return self.ready and self.process is not None and self.process.poll() is None
+
+
+def plan_workers(engine: EngineConfig, gateway_addr: str, cpu_workers: int, gpus: list[int] | None,
+                 roles: list[str] | None = None) -> list[WorkerConfig]:
+    """One WorkerConfig per GPU in ``gpus``, else ``cpu_workers`` CPU workers."""
+    devices = [f"cuda:{g}" for g in gpus] if gpus else ["cpu"] * cpu_workers
+    roles = roles or ["colocated"] * len(devices)
+    if len(roles) != len(devices):
+        raise ValueError(f"{len(roles)} roles for {len(devices)} workers")
+    return [
+        WorkerConfig(instance_id=i, role=role, engine=replace(engine, device=dev), gateway_addr=gateway_addr)
+        for i, (dev, role) in enumerate(zip(devices, roles))
+    ]
+
+
+class Cluster:
+    def __init__(self, configs: list[WorkerConfig], heartbeat_timeout_s: float = 30.0) -> None:
+        self.workers = {c.instance_id: WorkerHandle(c) for c in configs}
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+
+    def spawn(self, instance_id: int) -> None:
+        handle = self.workers[instance_id]
+        env = dict(os.environ)
+        device = handle.config.engine.device
+        if device.startswith("cuda:"):
+            # Each worker sees only its GPU, as cuda:0.
+            env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
+            handle.config.engine.device = "cuda:0"
+        if device == "cpu" and len(self.workers) > 1 and "OMP_NUM_THREADS" not in env:
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // len(self.workers)))
+        handle.ready = False
+        handle.process = subprocess.Popen(
+            [sys.executable, "-m", "memserve.workers.worker", json.dumps(handle.config.to_dict())], env=env
+        )
+        log.info("spawned worker %d (pid %d, %s, role %s)", instance_id, handle.process.pid, device,
+                 handle.config.role)
+
+    def spawn_all(self) -> None:
+        for i in self.workers:
+            self.spawn(i)
+
+    def mark_ready(self, instance_id: int, num_blocks: int, max_model_len: int, stats: dict) -> None:
+        h = self.workers[instance_id]
+        h.ready, h.num_blocks, h.max_model_len, h.stats = True, num_blocks, max_model_len, stats
+        h.last_heartbeat = time.monotonic()
+
+    def heartbeat(self, instance_id: int, stats: dict) -> None:
+        h = self.workers[instance_id]
+        h.last_heartbeat, h.stats = time.monotonic(), stats
+
+    def find_dead(self) -> list[WorkerHandle]:
+        """Workers that exited or went silent since they became ready."""
+        now = time.monotonic()
+        dead = []
+        for h in self.workers.values():
+            if h.process is None or not h.ready:
+                continue
+            if h.process.poll() is not None or now - h.last_heartbeat > self.heartbeat_timeout_s:
+                dead.append(h)
+        return dead
+
+    def exited_before_ready(self) -> list[WorkerHandle]:
+        return [h for h in self.workers.values() if not h.ready and h.process and h.process.poll() is not None]
+
+    def restart(self, handle: WorkerHandle) -> None:
+        self._kill(handle, grace_s=0)
+        handle.restarts += 1
+        self.spawn(handle.instance_id)
+
+    def stop_all(self, grace_s: float = 5.0) -> None:
+        """SIGTERM every worker, wait up to ``grace_s``, then SIGKILL what is left."""
+        procs = [h.process for h in self.workers.values() if h.process and h.process.poll() is None]
+        for p in procs:
+            p.terminate()
+        deadline = time.monotonic() + grace_s
+        for p in procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for h in self.workers.values():
+            h.ready = False
+
+    @staticmethod
+    def _kill(handle: WorkerHandle, grace_s: float) -> None:
+        p = handle.process
+        if p is None or p.poll() is not None:
+            return
+        p.terminate()
+        try:
+            p.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

@@ -1,0 +1,193 @@
+"""The gateway's side of the workers: sends requests over ZeroMQ, fans token deltas back
+out to per-request streams, exchanges heartbeats, keeps each worker's KV mirror, and
+fails the requests of a worker that died (then restarts it)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import AsyncIterator
+
+from memserve.gateway.cluster import Cluster, WorkerHandle
+from memserve.ipc.channel import GatewayChannel
+from memserve.ipc.messages import (
+    AbortRequest,
+    AddRequest,
+    Heartbeat,
+    RequestOutput,
+    SamplingParams,
+    Shutdown,
+    StepOutputs,
+    WorkerError,
+    WorkerReady,
+)
+from memserve.kvcache.events import KVEvents
+from memserve.kvcache.mirror import PromptTreeMirror
+
+log = logging.getLogger("memserve.gateway")
+
+
+class WorkerStartError(RuntimeError):
+    pass
+
+
+class ZmqEngineClient:
+    """Implements ``gateway.engine_protocol.EngineClient`` over real worker processes."""
+
+    def __init__(self, channel: GatewayChannel, cluster: Cluster, block_size: int, heartbeat_s: float = 1.0) -> None:
+        self.channel = channel
+        self.cluster = cluster
+        self.heartbeat_s = heartbeat_s
+        self.max_model_len = 0
+        self.mirrors = {i: PromptTreeMirror(i, block_size) for i in cluster.workers}
+        self._streams: dict[str, tuple[int, asyncio.Queue[RequestOutput]]] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._ready = asyncio.Event()
+        self._start_error: str | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self, timeout_s: float = 600.0) -> None:
+        """Spawn the workers and wait until every one reports ready."""
+        self.cluster.spawn_all()
+        self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._watch_loop())]
+        deadline = time.monotonic() + timeout_s
+        while not all(h.ready for h in self.cluster.workers.values()):
+            if self._start_error:
+                raise WorkerStartError(self._start_error)
+            exited = self.cluster.exited_before_ready()
+            if exited:
+                raise WorkerStartError(f"worker {exited[0].instance_id} exited with code "
+                                       f"{exited[0].process.returncode} before it was ready")
+            if time.monotonic() > deadline:
+                raise WorkerStartError(f"workers not ready after {timeout_s:.0f} s")
+            await asyncio.sleep(0.05)
+        self.max_model_len = min(h.max_model_len for h in self.cluster.workers.values())
+
+    async def close(self) -> None:
+        for h in self.cluster.workers.values():
+            if h.alive:
+                try:
+                    await self.channel.send(h.instance_id, Shutdown())
+                except Exception:
+                    pass
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.to_thread(self.cluster.stop_all)
+        self.channel.close()
+
+    # ------------------------------------------------------------------ requests
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       session_id: str | None = None, slo: dict | None = None) -> AsyncIterator[RequestOutput]:
+        if request_id in self._streams:
+            raise ValueError(f"duplicate request id {request_id}")
+        worker = self._pick_worker()
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._streams[request_id] = (worker, queue)
+        finished = False
+        try:
+            await self.channel.send(worker, AddRequest(request_id, list(prompt_token_ids), params, session_id,
+                                                       time.time()))
+            while not finished:
+                out = await queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                await self._send_abort(worker, request_id)
+
+    async def abort(self, request_id: str) -> None:
+        entry = self._streams.pop(request_id, None)
+        if entry is not None:
+            await self._send_abort(entry[0], request_id)
+            entry[1].put_nowait(RequestOutput(request_id, [], True, "abort"))
+
+    async def _send_abort(self, worker: int, request_id: str) -> None:
+        try:
+            await self.channel.send(worker, AbortRequest(request_id))
+        except Exception:  # the worker is gone; its requests are failed by the watcher
+            pass
+
+    def _pick_worker(self) -> int:
+        """Least-loaded live worker (by requests in flight from this gateway)."""
+        load = {i: 0 for i, h in self.cluster.workers.items() if h.alive}
+        if not load:
+            raise RuntimeError("no live worker")
+        for worker, _ in self._streams.values():
+            if worker in load:
+                load[worker] += 1
+        return min(load, key=lambda i: (load[i], i))
+
+    def stats(self) -> dict:
+        workers = []
+        for h in self.cluster.workers.values():
+            s = h.stats
+            mp = s.get("mempool", {})
+            workers.append({
+                "instance_id": h.instance_id,
+                "role": h.config.role,
+                "alive": h.alive,
+                "restarts": h.restarts,
+                "num_running": s.get("num_running", 0),
+                "num_waiting": s.get("num_waiting", 0),
+                "num_preemptions": s.get("num_preemptions", 0),
+                "free_blocks": mp.get("free_blocks", {}),
+                "cache_hit_rate": s.get("cache_hit_rate", 0.0),
+                "cached_tokens_total": s.get("cached_tokens_total", 0),
+                "prompt_tokens_total": s.get("prompt_tokens_total", 0),
+                "mirror_blocks": len(self.mirrors[h.instance_id]),
+            })
+        return {"workers": workers, "num_requests_in_flight": len(self._streams)}
+
+    # ------------------------------------------------------------------ loops
+    async def _recv_loop(self) -> None:
+        while True:
+            try:
+                instance_id, msg, _bulk = await self.channel.recv()
+                self._dispatch(instance_id, msg)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("bad message from a worker")
+
+    def _dispatch(self, instance_id: int, msg) -> None:
+        if isinstance(msg, StepOutputs):
+            for out in msg.outputs:
+                entry = self._streams.get(out.request_id)
+                if entry is not None:
+                    entry[1].put_nowait(out)
+        elif isinstance(msg, KVEvents):
+            self.mirrors[instance_id].apply(msg.events)
+        elif isinstance(msg, Heartbeat):
+            self.cluster.heartbeat(instance_id, msg.stats)
+        elif isinstance(msg, WorkerReady):
+            self.cluster.mark_ready(instance_id, msg.num_blocks, msg.max_model_len, msg.stats)
+            log.info("worker %d ready: %d KV blocks of %d tokens, context %d", instance_id, msg.num_blocks,
+                     msg.block_size, msg.max_model_len)
+        elif isinstance(msg, WorkerError):
+            log.error("%s", msg.message)
+            self._start_error = msg.message
+
+    async def _watch_loop(self) -> None:
+        """Heartbeats to the workers; fail and restart the ones that died."""
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            now = time.time()
+            for h in self.cluster.workers.values():
+                if h.alive:
+                    try:
+                        await self.channel.send(h.instance_id, Heartbeat(-1, now))
+                    except Exception:
+                        pass
+            for h in self.cluster.find_dead():
+                self._fail_worker(h)
+
+    def _fail_worker(self, h: WorkerHandle) -> None:
+        log.error("worker %d died (exit code %s); failing its requests and restarting it", h.instance_id,
+                  h.process.poll() if h.process else None)
+        for rid, (worker, queue) in list(self._streams.items()):
+            if worker == h.instance_id:
+                queue.put_nowait(RequestOutput(rid, [], True, "error", error=f"worker {worker} died"))
+        self.mirrors[h.instance_id].clear()
+        self.cluster.restart(h)

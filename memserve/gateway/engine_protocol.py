@@ -1,0 +1,47 @@
+"""What the HTTP layer needs from the engine side (the ZeroMQ engine client).
+
+The gateway's handlers code against this protocol only, so they can be tested with a
+scripted fake engine and wired to the real cluster without changes."""
+
+from __future__ import annotations
+
+from typing import AsyncIterator, Protocol
+
+from memserve.ipc.messages import RequestOutput, SamplingParams
+
+
+class EngineClient(Protocol):
+    max_model_len: int
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        session_id: str | None = None,
+        slo: dict | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield ``RequestOutput`` deltas until one has ``finished`` set."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request; must be harmless for unknown or already finished ids."""
+        ...
+
+    def stats(self) -> dict:
+        """``{"workers": [{"instance_id", "alive", "num_running", "num_waiting",
+        "free_blocks": {tier: n}, "cache_hit_rate", "cached_tokens_total"}, ...]}``."""
+        ...
+
+
+class RequestRejected(Exception):
+    """Raised by ``generate`` before the first output when admission refuses a request
+    (it cannot meet its SLO anywhere); the gateway answers 429 with Retry-After."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class EngineUnavailable(Exception):
+    """Raised by ``generate`` when no live worker can take the request; answered 503."""

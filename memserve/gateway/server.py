@@ -1,0 +1,66 @@
+"""`memserve up`: prepare the model folder, start the workers, serve the OpenAI API until
+SIGINT/SIGTERM, then stop everything in order."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+from aiohttp import web
+
+from memserve.config import ServeConfig
+from memserve.gateway.app import create_app
+from memserve.gateway.cluster import Cluster, plan_workers
+from memserve.gateway.engine_client import ZmqEngineClient
+from memserve.gateway.tokenizer import Tokenizer
+from memserve.ipc.channel import GatewayChannel
+from memserve.workers.model.gguf_convert import ensure_model_dir
+
+log = logging.getLogger("memserve.gateway")
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def served_model_name(cfg: ServeConfig) -> str:
+    if cfg.served_model_name:
+        return cfg.served_model_name
+    if cfg.engine.model is None:
+        return DEFAULT_MODEL_NAME
+    path = Path(cfg.engine.model)
+    return path.stem.split(".")[0] if path.suffix == ".gguf" else path.name
+
+
+async def serve(cfg: ServeConfig) -> None:
+    model_dir = await asyncio.to_thread(ensure_model_dir, cfg.engine.model)
+    cfg.engine.model = str(model_dir)  # workers load the prepared folder directly
+    tokenizer = Tokenizer.from_folder(model_dir)
+    name = served_model_name(cfg)
+    channel = GatewayChannel()
+    cluster = Cluster(plan_workers(cfg.engine, channel.address, cfg.cpu_workers, cfg.gpus),
+                      cfg.heartbeat_timeout_s)
+    client = ZmqEngineClient(channel, cluster, cfg.engine.block_size)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    runner: web.AppRunner | None = None
+    try:
+        start = asyncio.create_task(client.start())
+        await asyncio.wait([start, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+        if stop.is_set():
+            start.cancel()
+            return
+        start.result()
+        runner = web.AppRunner(create_app(client, tokenizer, name, cfg.max_body_bytes), access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, cfg.host, cfg.port).start()
+        n = len(cluster.workers)
+        print(f"memserve: serving {name} on http://{cfg.host}:{cfg.port}/v1 with {n} worker(s)", flush=True)
+        await stop.wait()
+        log.info("shutting down")
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        await client.close()

@@ -1,0 +1,76 @@
+"""ZeroMQ channels between the gateway and its workers.
+
+The gateway binds one ROUTER socket; every worker connects a DEALER whose identity is its
+instance id. A message is ``[header, *bulk]`` frames: the msgpack header from
+``messages.encode`` and optional raw buffers sent without copying. TCP (loopback by
+default) so that a worker may live on another host later.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import zmq
+import zmq.asyncio
+
+from memserve.ipc.messages import decode, encode
+
+Buffer = bytes | memoryview
+
+
+def _identity(instance_id: int) -> bytes:
+    return b"w%d" % instance_id
+
+
+class GatewayChannel:
+    """Asyncio side, owned by the gateway."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        port = self._sock.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
+
+    async def send(self, instance_id: int, msg: Any, bulk: Sequence[Buffer] = ()) -> None:
+        await self._sock.send_multipart([_identity(instance_id), encode(msg), *bulk], copy=not bulk)
+
+    async def recv(self) -> tuple[int, Any, list[zmq.Frame]]:
+        ident, header, *bulk = await self._sock.recv_multipart(copy=False)
+        return int(ident.bytes[1:]), decode(header.bytes), bulk
+
+    def close(self) -> None:
+        self._sock.close(0)
+        self._ctx.term()
+
+
+class WorkerChannel:
+    """Blocking side, owned by a worker's engine loop (which is not asyncio: it spends its
+    time in the model, and polls the socket between steps)."""
+
+    def __init__(self, address: str, instance_id: int) -> None:
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.IDENTITY, _identity(instance_id))
+        self._sock.setsockopt(zmq.LINGER, 1000)
+        self._sock.connect(address)
+
+    def send(self, msg: Any, bulk: Sequence[Buffer] = ()) -> None:
+        self._sock.send_multipart([encode(msg), *bulk], copy=not bulk)
+
+    def poll(self, timeout_ms: int) -> list[tuple[Any, list[zmq.Frame]]]:
+        """Every message that is waiting, after blocking at most ``timeout_ms`` for the first."""
+        out = []
+        if self._sock.poll(timeout_ms, zmq.POLLIN):
+            while True:
+                try:
+                    header, *bulk = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                out.append((decode(header.bytes), bulk))
+        return out
+
+    def close(self) -> None:
+        self._sock.close()
+        self._ctx.term()

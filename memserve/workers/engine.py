@@ -1,0 +1,87 @@
+"""The engine of one worker: scheduler -> model runner -> sampler -> token deltas.
+
+It wires the MemPool (KV bookkeeping), the scheduler (policy) and the runner (tensors)
+together and knows nothing about sockets; ``worker.py`` drives it."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+from memserve.config import EngineConfig
+from memserve.ipc.messages import AddRequest, RequestOutput
+from memserve.kvcache.address import Tier
+from memserve.kvcache.events import KVEvent
+from memserve.kvcache.mempool import MemPool
+from memserve.workers.model_runner import ModelRunner
+from memserve.workers.scheduler import Scheduler
+from memserve.workers.sequence import Sequence
+
+
+def eos_token_ids(model_dir: Path) -> set[int]:
+    """EOS ids as Hugging Face ``generate`` sees them: generation_config, else config."""
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        path = model_dir / name
+        if path.exists():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            if value is not None:
+                ids.update(value if isinstance(value, list) else [value])
+                break
+    return ids
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig, model_dir: Path, instance_id: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg
+        self.runner = ModelRunner(cfg, model_dir)
+        model_len = self.runner.model_config.max_position_embeddings
+        self.max_model_len = min(cfg.max_model_len or model_len, model_len)
+        tiers = {Tier.DEVICE: self.runner.num_blocks}
+        if cfg.num_host_blocks:
+            tiers[Tier.HOST] = cfg.num_host_blocks
+        self.mempool = MemPool(instance_id, tiers, cfg.block_size, enable_caching=cfg.enable_prefix_caching,
+                               mover=self.runner.pools, clock=clock)
+        self.scheduler = Scheduler(
+            self.mempool,
+            block_size=cfg.block_size,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            eos_token_ids=eos_token_ids(model_dir),
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            clock=clock,
+        )
+        self.clock = clock
+        self.num_steps = 0
+
+    def add_request(self, req: AddRequest) -> RequestOutput | None:
+        seq = Sequence(req.request_id, list(req.prompt_token_ids), req.params, self.clock(), req.session_id)
+        return self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return None
+        return RequestOutput(request_id, [], True, "abort", seq.num_prompt_tokens, seq.num_cached_tokens)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if not out:
+            return []
+        sampled = self.runner.execute(out)
+        self.num_steps += 1
+        return self.scheduler.update(out, sampled)
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        return self.mempool.drain_events()
+
+    def stats(self) -> dict:
+        return {**self.scheduler.stats(), "mempool": self.mempool.stats(), "num_steps": self.num_steps}

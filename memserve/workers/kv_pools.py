@@ -1,0 +1,89 @@
+"""The KV tensors of one worker, one pool per tier, and the block mover the MemPool uses
+to copy blocks between tiers and to read/write them for transfers.
+
+Aggregated layout (default): ``[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]``
+so a run of consecutive blocks is one contiguous buffer. Layer-major layout
+``[num_layers, 2, num_blocks, ...]`` is kept for comparison (MemServe Figs. 11-12)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from memserve.config import EngineConfig
+from memserve.kvcache.address import Tier
+from memserve.workers.model.attention import allocate_kv_cache
+
+
+def contiguous_runs(blocks: Sequence[int]) -> list[tuple[int, int]]:
+    """[(start, length)] of consecutive block ids, in order."""
+    runs: list[tuple[int, int]] = []
+    for b in blocks:
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    return runs
+
+
+@dataclass
+class KVPools:
+    pools: dict[Tier, torch.Tensor]
+    layout: str
+
+    @classmethod
+    def create(cls, model_config, cfg: EngineConfig, dtype: torch.dtype, device: torch.device) -> "KVPools":
+        shape = (model_config.num_hidden_layers, cfg.block_size, model_config.num_key_value_heads, model_config.head_dim)
+        block_bytes = 2 * shape[0] * shape[1] * shape[2] * shape[3] * torch.finfo(dtype).bits // 8
+        num_blocks = cfg.num_blocks or max(1, int(cfg.kv_cache_gb * 2**30) // block_bytes)
+
+        def pool(n: int, dev: torch.device) -> torch.Tensor:
+            return allocate_kv_cache(n, shape[0], cfg.block_size, shape[2], shape[3], dtype, dev, cfg.kv_layout)
+
+        pools = {Tier.DEVICE: pool(num_blocks, device)}
+        if cfg.num_host_blocks:
+            host = pool(cfg.num_host_blocks, torch.device("cpu"))
+            pools[Tier.HOST] = host.pin_memory() if device.type == "cuda" else host
+        return cls(pools, cfg.kv_layout)
+
+    @property
+    def device(self) -> torch.Tensor:
+        return self.pools[Tier.DEVICE]
+
+    @property
+    def num_device_blocks(self) -> int:
+        return self._num_blocks(self.device)
+
+    def _num_blocks(self, pool: torch.Tensor) -> int:
+        return pool.shape[0] if self.layout == "aggregated" else pool.shape[2]
+
+    def _blocks(self, pool: torch.Tensor, start: int, length: int) -> torch.Tensor:
+        if self.layout == "aggregated":
+            return pool[start : start + length]
+        return pool[:, :, start : start + length]
+
+    # ----------------------------------------------------------- BlockMover
+    def copy_blocks(self, src_tier: Tier, src_blocks: list[int], dst_tier: Tier, dst_blocks: list[int]) -> None:
+        src, dst = self.pools[src_tier], self.pools[dst_tier]
+        dim = 0 if self.layout == "aggregated" else 2
+        src_idx = torch.tensor(src_blocks, device=src.device)
+        dst_idx = torch.tensor(dst_blocks, device=dst.device)
+        dst.index_copy_(dim, dst_idx, src.index_select(dim, src_idx).to(dst.device, non_blocking=True))
+
+    def read_blocks(self, tier: Tier, blocks: list[int]) -> list[memoryview]:
+        """One host buffer per contiguous run of blocks (zero-copy on CPU, aggregated)."""
+        pool = self.pools[tier]
+        out = []
+        for start, length in contiguous_runs(blocks):
+            t = self._blocks(pool, start, length).contiguous().cpu()
+            out.append(memoryview(t.view(torch.uint8).numpy()).cast("B"))
+        return out
+
+    def write_blocks(self, tier: Tier, blocks: list[int], buffers: Sequence[bytes | memoryview]) -> None:
+        pool = self.pools[tier]
+        for (start, length), buf in zip(contiguous_runs(blocks), buffers, strict=True):
+            dst = self._blocks(pool, start, length)
+            src = torch.frombuffer(bytearray(buf) if isinstance(buf, bytes) else buf, dtype=pool.dtype)
+            dst.copy_(src.view(dst.shape).to(dst.device))

@@ -1,0 +1,55 @@
+"""A request inside a worker: its tokens, its KV blocks and how far it has been computed."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from memserve.ipc.messages import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    session_id: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    # MemPool addresses of the device blocks holding this sequence's KV, in order.
+    block_addrs: list[int] = field(default_factory=list)
+    # Device block ids matching block_addrs (what the runner's block tables hold).
+    block_ids: list[int] = field(default_factory=list)
+    # Tokens whose K/V is in the cache (prefix-cache hits plus everything computed).
+    num_computed_tokens: int = 0
+    # Prompt tokens served from the prefix cache at the latest admission.
+    num_cached_tokens: int = 0
+    # Full blocks already offered to the MemPool index.
+    num_indexed_blocks: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    generator: Any = None  # the runner's per-request RNG when a seed is given
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,151 @@
+"""Worker process: connects to the gateway over ZeroMQ and drives its engine.
+
+The loop alternates between draining the socket (new requests, aborts, heartbeats) and
+one engine step; every step's token deltas go back at once, so streaming clients see
+each token as soon as it is sampled. The worker exits when told to, on SIGTERM, when its
+parent dies, or when the gateway's heartbeats stop.
+
+Run as ``python -m memserve.workers.worker '<WorkerConfig as JSON>'``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+
+from memserve.config import WorkerConfig
+from memserve.ipc.channel import WorkerChannel
+from memserve.ipc.messages import (
+    AbortRequest,
+    AddRequest,
+    Heartbeat,
+    RequestOutput,
+    Shutdown,
+    StepOutputs,
+    WorkerError,
+    WorkerReady,
+)
+from memserve.kvcache.events import KVEvents
+from memserve.workers.model.gguf_convert import ensure_model_dir
+
+log = logging.getLogger("memserve.worker")
+
+# Missed gateway heartbeats after which a worker decides it has been orphaned.
+GATEWAY_SILENCE_HEARTBEATS = 15
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM us when the gateway dies, even by SIGKILL."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Worker:
+    def __init__(self, cfg: WorkerConfig) -> None:
+        self.cfg = cfg
+        self.id = cfg.instance_id
+        self.channel = WorkerChannel(cfg.gateway_addr, cfg.instance_id)
+        self.stopping = False
+        self.parent = os.getppid()
+        self.engine = None
+
+    def start(self) -> None:
+        from memserve.workers.engine import Engine  # heavy: torch and the model
+
+        try:
+            self.engine = Engine(self.cfg.engine, ensure_model_dir(self.cfg.engine.model), self.id)
+        except Exception as exc:
+            self.channel.send(WorkerError(self.id, f"worker {self.id} failed to start: {exc!r}"))
+            raise
+        e = self.engine
+        self.channel.send(WorkerReady(self.id, self.cfg.role, e.runner.num_blocks, self.cfg.engine.block_size,
+                                      e.max_model_len, e.stats()))
+
+    def run(self) -> None:
+        hb = self.cfg.heartbeat_s
+        last_sent = last_heard = time.monotonic()
+        while not self.stopping:
+            timeout_ms = 0 if self.engine.has_work else int(hb * 1000)
+            outputs: list[RequestOutput] = []
+            for msg, _bulk in self.channel.poll(timeout_ms):
+                if isinstance(msg, Heartbeat):
+                    last_heard = time.monotonic()
+                else:
+                    outputs += self._handle(msg)
+            if self.engine.has_work:
+                outputs += self._step()
+            if outputs:
+                self.channel.send(StepOutputs(self.id, outputs))
+            events = self.engine.drain_kv_events()
+            if events:
+                self.channel.send(KVEvents(self.id, events))
+            now = time.monotonic()
+            if now - last_sent >= hb:
+                self.channel.send(Heartbeat(self.id, now, self.engine.stats()))
+                last_sent = now
+            if now - last_heard > GATEWAY_SILENCE_HEARTBEATS * hb or os.getppid() != self.parent:
+                log.warning("worker %d: gateway is gone, exiting", self.id)
+                break
+
+    def _handle(self, msg) -> list[RequestOutput]:
+        if isinstance(msg, AddRequest):
+            out = self.engine.add_request(msg)
+            return [out] if out else []
+        if isinstance(msg, AbortRequest):
+            out = self.engine.abort(msg.request_id)
+            return [out] if out else []
+        if isinstance(msg, Shutdown):
+            self.stopping = True
+            return []
+        log.warning("worker %d: unexpected message %r", self.id, msg)
+        return []
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step; a failure fails the requests in flight, not the worker."""
+        try:
+            return self.engine.step()
+        except Exception:
+            log.error("worker %d: engine step failed:\n%s", self.id, traceback.format_exc())
+            failed = []
+            for seq in list(self.engine.scheduler.running) + list(self.engine.scheduler.waiting):
+                out = self.engine.abort(seq.request_id)
+                out.finish_reason, out.error = "error", "internal error in the engine step"
+                failed.append(out)
+            return failed
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = WorkerConfig.from_dict(json.loads(argv[0]))
+    logging.basicConfig(level=os.environ.get("MEMSERVE_LOG_LEVEL", "INFO"),
+                        format=f"%(asctime)s worker{cfg.instance_id} %(levelname)s %(message)s")
+    _die_with_parent()
+    # Ctrl-C reaches the whole process group; the gateway shuts workers down in order.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    worker = Worker(cfg)
+
+    def on_term(*_):
+        worker.stopping = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        worker.start()
+        worker.run()
+    finally:
+        worker.close()
+
+
+if __name__ == "__main__":
+    main()
