@@ -93,5 +93,5 @@ class IncrementalDetokenizer:
     def _take(self, final: bool) -> str:
         end = len(self.text) if final else len(self.text) - self._held_back()
         delta = self.text[self._emitted:end]
-        self._emitted = max(self._emitted, end)
+        self._emitted = end
         return delta

@@ -35,7 +35,7 @@ class KVPools:
 
     @classmethod
     def create(cls, model_config, cfg: EngineConfig, dtype: torch.dtype, device: torch.device) -> "KVPools":
-        shape = (model_config.num_hidden_layers, cfg.block_size, model_config.num_key_value_heads, model_config.head_dim)
+        shape = (model_config.num_layers, cfg.block_size, model_config.num_kv_heads, model_config.head_dim)
         block_bytes = 2 * shape[0] * shape[1] * shape[2] * shape[3] * torch.finfo(dtype).bits // 8
         num_blocks = cfg.num_blocks or max(1, int(cfg.kv_cache_gb * 2**30) // block_bytes)
 
