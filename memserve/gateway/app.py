@@ -1,0 +1,297 @@
+"""The gateway's OpenAI-compatible HTTP layer (aiohttp).
+
+``create_app`` wires the endpoints to an ``EngineClient``. Every request is handled
+inside an error middleware, so nothing a client sends can take the process down: bad
+input becomes an OpenAI error object with the right status, an engine failure a 500
+(or an SSE error event once a stream has started).
+
+An engine request is aborted whenever its HTTP request ends before the engine finished
+it: a stop string was hit, the client disconnected (the handler is cancelled when the
+runner has ``handler_cancellation=True``, or a write or transport check fails otherwise),
+or an error occurred."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import uuid
+from contextlib import aclosing
+from typing import AsyncIterator, Awaitable, Callable
+
+import orjson
+from aiohttp import web
+
+from memserve.gateway.detokenizer import IncrementalDetokenizer
+from memserve.gateway.engine_protocol import EngineClient, EngineUnavailable, RequestRejected
+from memserve.gateway.errors import APIError, bad_request
+from memserve.gateway.metrics import GatewayMetrics
+from memserve.gateway.protocol import (
+    ChatFormat,
+    CompletionFormat,
+    GenerationRequest,
+    ResponseFormat,
+    Usage,
+    check_prompt_ids,
+    parse_chat_request,
+    parse_completion_request,
+    resolve_max_tokens,
+)
+from memserve.gateway.tokenizer import ChatTemplateError, Tokenizer
+
+log = logging.getLogger("memserve.gateway")
+
+MiB = 1024 * 1024
+# nginx's status for "client closed the request"; only ever seen in metrics.
+CLIENT_CLOSED_REQUEST = 499
+
+
+def _json(obj: object, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(obj), content_type="application/json")
+
+
+async def _read_json(request: web.Request) -> dict:
+    raw = await request.read()  # raises 413 past client_max_size
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise bad_request(f"invalid JSON body: {e}") from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    return body
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+def _engine_error(exc: Exception) -> APIError:
+    if isinstance(exc, RequestRejected):
+        headers = {"Retry-After": str(math.ceil(exc.retry_after_s))} if exc.retry_after_s is not None else None
+        return APIError(429, str(exc), code="slo_unattainable", headers=headers)
+    if isinstance(exc, EngineUnavailable):
+        return APIError(503, str(exc))
+    return APIError(500, f"engine error: {exc}")
+
+
+class _Generation:
+    """One request's trip through the engine: detokenises, applies stop strings, keeps
+    usage and metrics, and aborts the engine request if it ends before the engine did."""
+
+    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, metrics: GatewayMetrics, request_id: str,
+                 prompt_ids: list[int], request: GenerationRequest, max_tokens: int, arrival: float) -> None:
+        self._engine = engine
+        self._tokenizer = tokenizer
+        self._metrics = metrics
+        self._request_id = request_id
+        self._prompt_ids = prompt_ids
+        self._request = request
+        self._params = request.sampling_params(max_tokens, tokenizer.eos_token_ids)
+        self._arrival = arrival
+        self.usage = Usage(prompt_tokens=len(prompt_ids))
+        self.finish_reason: str | None = None
+
+    async def text_deltas(self) -> AsyncIterator[str]:
+        """One text delta (possibly empty) per engine output; ``finish_reason`` is set
+        before the last one. Engine failures are raised as ``APIError``."""
+        detokenizer = IncrementalDetokenizer(self._tokenizer, self._prompt_ids, self._request.stop)
+        outputs = self._engine.generate(self._request_id, self._prompt_ids, self._params,
+                                        self._request.session_id, self._request.slo)
+        engine_done = False
+        first_token_at: float | None = None
+        try:
+            try:
+                async for out in outputs:
+                    engine_done = out.finished
+                    if out.error is not None or out.finish_reason == "error":
+                        raise APIError(500, f"engine error: {out.error or 'unknown'}")
+                    self.usage.cached_tokens = max(self.usage.cached_tokens, out.num_cached_tokens)
+                    if out.new_token_ids and first_token_at is None:
+                        first_token_at = time.monotonic()
+                        self._metrics.observe_first_token(first_token_at - self._arrival)
+                    text = detokenizer.add_tokens(out.new_token_ids)
+                    if detokenizer.stopped:
+                        self.finish_reason = "stop"
+                    elif out.finished:
+                        text += detokenizer.flush()
+                        self.finish_reason = out.finish_reason
+                    yield text
+                    if self.finish_reason is not None:
+                        break
+            except (APIError, asyncio.CancelledError):
+                raise
+            except Exception as e:
+                log.exception("engine failed on request %s", self._request_id)
+                raise _engine_error(e) from e
+            if self.finish_reason is None:
+                raise APIError(500, "the engine stream ended before the request finished")
+        finally:
+            if not engine_done:
+                await self._engine.abort(self._request_id)
+            close = getattr(outputs, "aclose", None)
+            if close is not None:
+                await close()
+            self.usage.completion_tokens = detokenizer.num_tokens
+            self._metrics.observe_tokens(self.usage.prompt_tokens, self.usage.completion_tokens)
+            if self.finish_reason is not None and first_token_at is not None:
+                self._metrics.observe_finished(first_token_at - self._arrival, time.monotonic() - self._arrival,
+                                               self.usage.completion_tokens)
+
+
+async def _send_event(response: web.StreamResponse, obj: object) -> None:
+    await response.write(b"data: " + orjson.dumps(obj) + b"\n\n")
+
+
+class _OpenAIServer:
+    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model_name: str, metrics: GatewayMetrics) -> None:
+        self._engine = engine
+        self._tokenizer = tokenizer
+        self._model_name = model_name
+        self._metrics = metrics
+        self._created = int(time.time())
+
+    def _check_model(self, model: str | None) -> None:
+        """A missing ``model`` means the served one (as vLLM)."""
+        if model is not None and model != self._model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        arrival = time.monotonic()
+        req = parse_completion_request(await _read_json(request))
+        self._check_model(req.model)
+        prompt_ids = self._tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
+        return await self._generate(request, CompletionFormat, req, prompt_ids, "prompt", arrival)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        arrival = time.monotonic()
+        req = parse_chat_request(await _read_json(request))
+        self._check_model(req.model)
+        try:
+            prompt_ids = self._tokenizer.encode_chat(req.messages)
+        except ChatTemplateError as e:
+            raise bad_request(str(e), "messages") from None
+        return await self._generate(request, ChatFormat, req, prompt_ids, "messages", arrival)
+
+    async def _generate(self, request: web.Request, format_cls: type[ResponseFormat], req: GenerationRequest,
+                        prompt_ids: list[int], prompt_param: str, arrival: float) -> web.StreamResponse:
+        check_prompt_ids(prompt_ids, self._tokenizer.vocab_size, prompt_param)
+        max_tokens = resolve_max_tokens(req.max_tokens, len(prompt_ids), self._engine.max_model_len, prompt_param)
+        fmt = format_cls(format_cls.id_prefix + uuid.uuid4().hex, self._model_name, int(time.time()))
+        generation = _Generation(self._engine, self._tokenizer, self._metrics, fmt.id, prompt_ids, req, max_tokens,
+                                 arrival)
+        if req.stream:
+            return await self._stream(request, fmt, generation, req.include_usage)
+        return await self._complete(request, fmt, generation)
+
+    async def _complete(self, request: web.Request, fmt: ResponseFormat, generation: _Generation) -> web.Response:
+        parts = []
+        async with aclosing(generation.text_deltas()) as deltas:
+            async for text in deltas:
+                parts.append(text)
+                if False:
+                    return web.Response(status=CLIENT_CLOSED_REQUEST, reason="Client Closed Request")
+        return _json(fmt.response("".join(parts), generation.finish_reason, generation.usage))
+
+    async def _stream(self, request: web.Request, fmt: ResponseFormat, generation: _Generation,
+                      include_usage: bool) -> web.StreamResponse:
+        """Headers go out only after the engine's first output, so a request the engine
+        refuses still gets a plain HTTP error status."""
+        async with aclosing(generation.text_deltas()) as deltas:
+            first = await anext(deltas)
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await response.prepare(request)
+            try:
+                await self._write_events(response, fmt, generation, first, deltas, include_usage)
+            except ConnectionResetError:
+                log.info("client disconnected from %s", fmt.id)  # leaving aclosing aborts the engine request
+        return response
+
+    async def _write_events(self, response: web.StreamResponse, fmt: ResponseFormat, generation: _Generation,
+                            first: str, deltas: AsyncIterator[str], include_usage: bool) -> None:
+        opening = fmt.opening_chunk()
+        if opening is not None:
+            await _send_event(response, opening)
+        try:
+            if first:
+                await _send_event(response, fmt.chunk(first, None))
+            async for text in deltas:
+                if text:
+                    await _send_event(response, fmt.chunk(text, None))
+            await _send_event(response, fmt.chunk("", generation.finish_reason))
+            if include_usage:
+                await _send_event(response, fmt.usage_chunk(generation.usage))
+        except APIError as e:
+            await _send_event(response, e.body())
+        await response.write(b"data: [DONE]\n\n")
+
+    async def models(self, request: web.Request) -> web.Response:
+        return _json({"object": "list", "data": [{
+            "id": self._model_name, "object": "model", "created": self._created, "owned_by": "memserve",
+            "max_model_len": self._engine.max_model_len,
+        }]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 when every worker is alive, else 503 naming the dead ones."""
+        workers = [{"instance_id": w.get("instance_id"), "alive": bool(w.get("alive"))}
+                   for w in self._engine.stats().get("workers", [])]
+        dead = [w["instance_id"] for w in workers if not w["alive"]]
+        if not workers or dead:
+            detail = f"workers not alive: {dead}" if dead else "no workers"
+            return _json({"status": "unhealthy", "detail": detail, "workers": workers}, status=503)
+        return _json({"status": "ok", "workers": workers})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self._metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
+def _http_exception_response(request: web.Request, exc: web.HTTPException) -> web.Response:
+    """aiohttp's own 404/405/413 and friends, re-shaped as OpenAI error objects."""
+    if exc.status in (404, 405):
+        message = f"{exc.reason}: {request.method} {request.path}"
+    else:
+        message = exc.text or exc.reason
+    headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+    return APIError(exc.status, message, headers=headers).response()
+
+
+def _error_middleware(metrics: GatewayMetrics) -> Callable:
+    @web.middleware
+    async def middleware(request: web.Request,
+                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        resource = request.match_info.route.resource
+        endpoint = resource.canonical if resource is not None else "unmatched"
+        try:
+            response = await handler(request)
+        except APIError as e:
+            response = e.response()
+        except web.HTTPException as e:
+            response = _http_exception_response(request, e)
+        except asyncio.CancelledError:
+            metrics.count_request(endpoint, CLIENT_CLOSED_REQUEST)
+            raise
+        except Exception:
+            log.exception("unhandled error in %s %s", request.method, request.path)
+            response = APIError(500, "internal server error").response()
+        metrics.count_request(endpoint, response.status)
+        return response
+
+    return middleware
+
+
+def create_app(engine: EngineClient, tokenizer: Tokenizer, model_name: str,
+               max_body_bytes: int = 4 * MiB) -> web.Application:
+    """The OpenAI API over ``engine``. Serve it with ``web.AppRunner(app,
+    handler_cancellation=True)`` so a client disconnect cancels its handler at once."""
+    metrics = GatewayMetrics(engine.stats)
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[_error_middleware(metrics)])
+    server = _OpenAIServer(engine, tokenizer, model_name, metrics)
+    app.add_routes([
+        web.post("/v1/completions", server.completions),
+        web.post("/v1/chat/completions", server.chat_completions),
+        web.get("/v1/models", server.models),
+        web.get("/health", server.health),
+        web.get("/metrics", server.metrics),
+    ])
+    return app

@@ -1,0 +1,95 @@
+"""Prometheus metrics of one gateway app.
+
+Each app owns its ``CollectorRegistry`` (several apps in one process, as in tests, do not
+clash). Request-level metrics are recorded by the HTTP layer; worker gauges are read
+from ``engine.stats()`` at scrape time so they are never stale."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+log = logging.getLogger("memserve.gateway")
+
+# Buckets as vLLM's, so dashboards built for it read the same.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0)
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                480.0, 960.0, 1920.0, 7680.0)
+
+
+class EngineStatsCollector(Collector):
+    """Per-worker gauges from ``engine.stats()["workers"]``, labelled by instance id."""
+
+    def __init__(self, stats: Callable[[], dict]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            workers = self._stats().get("workers", [])
+        except Exception:
+            log.exception("engine.stats() failed; worker metrics skipped in this scrape")
+            return
+        alive = GaugeMetricFamily("memserve_worker_alive", "1 if the worker process is alive", labels=["instance"])
+        running = GaugeMetricFamily("memserve_num_requests_running", "Requests in the worker's running batch",
+                                    labels=["instance"])
+        waiting = GaugeMetricFamily("memserve_num_requests_waiting", "Requests queued at the worker",
+                                    labels=["instance"])
+        free_blocks = GaugeMetricFamily("memserve_free_blocks", "Free KV blocks per memory tier",
+                                        labels=["instance", "tier"])
+        hit_rate = GaugeMetricFamily("memserve_cache_hit_rate", "Fraction of prompt tokens served from the KV cache",
+                                     labels=["instance"])
+        cached = CounterMetricFamily("memserve_cached_tokens", "Prompt tokens served from the KV cache",
+                                     labels=["instance"])
+        for worker in workers:
+            instance = str(worker.get("instance_id"))
+            alive.add_metric([instance], 1.0 if worker.get("alive") else 0.0)
+            running.add_metric([instance], worker.get("num_running", 0))
+            waiting.add_metric([instance], worker.get("num_waiting", 0))
+            for tier, count in worker.get("free_blocks", {}).items():
+                free_blocks.add_metric([instance, tier], count)
+            hit_rate.add_metric([instance], worker.get("cache_hit_rate", 0.0))
+            cached.add_metric([instance], worker.get("cached_tokens_total", 0))
+        yield from (alive, running, waiting, free_blocks, hit_rate, cached)
+
+
+class GatewayMetrics:
+    def __init__(self, engine_stats: Callable[[], dict]) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("memserve_requests", "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=self.registry)
+        self.prompt_tokens = Counter("memserve_prompt_tokens", "Prompt tokens of generation requests",
+                                     registry=self.registry)
+        self.generation_tokens = Counter("memserve_generation_tokens", "Tokens generated",
+                                         registry=self.registry)
+        self.ttft = Histogram("memserve_time_to_first_token_seconds", "Arrival to first output token",
+                              buckets=_TTFT_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("memserve_time_per_output_token_seconds", "Mean gap between output tokens of a request",
+                              buckets=_TPOT_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("memserve_e2e_request_latency_seconds", "Arrival to last output token",
+                             buckets=_E2E_BUCKETS, registry=self.registry)
+        self.registry.register(EngineStatsCollector(engine_stats))
+
+    def count_request(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def observe_tokens(self, prompt_tokens: int, generation_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generation_tokens)
+
+    def observe_first_token(self, ttft_s: float) -> None:
+        self.ttft.observe(ttft_s)
+
+    def observe_finished(self, ttft_s: float, e2e_s: float, num_output_tokens: int) -> None:
+        self.e2e.observe(e2e_s)
+        if num_output_tokens > 1:
+            self.tpot.observe((e2e_s - ttft_s) / (num_output_tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

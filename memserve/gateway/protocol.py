@@ -1,0 +1,316 @@
+"""OpenAI request validation and response shapes for /v1/completions and
+/v1/chat/completions.
+
+Validation is hand-written (no pydantic in the gateway's dependencies) and always names
+the offending field in ``param``. Fields that change what OpenAI would return and that
+memserve does not implement (logprobs, penalties, tools, n > 1, ...) are rejected with
+400 rather than silently ignored; unknown fields are ignored, like OpenAI does.
+
+Defaults follow vLLM: /v1/completions generates 16 tokens when ``max_tokens`` is absent
+(OpenAI's legacy default), chat requests and an explicit ``null`` use the rest of the
+context window."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from memserve.gateway.errors import APIError, bad_request
+from memserve.ipc.messages import SamplingParams
+
+COMPLETION_MAX_TOKENS_DEFAULT = 16
+
+_TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+               dict: "an object"}
+
+# Accepted only at their "off" value: field -> predicate that the value is off.
+_UNSUPPORTED: dict[str, Any] = {
+    "logprobs": lambda v: v in (None, False, 0),
+    "top_logprobs": lambda v: v in (None, 0),
+    "echo": lambda v: v in (None, False),
+    "best_of": lambda v: v in (None, 1),
+    "suffix": lambda v: v in (None, ""),
+    "presence_penalty": lambda v: v in (None, 0),
+    "frequency_penalty": lambda v: v in (None, 0),
+    "logit_bias": lambda v: not v,
+    "tools": lambda v: not v,
+    "functions": lambda v: not v,
+    "tool_choice": lambda v: v in (None, "none"),
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+}
+
+
+def _get(body: dict, name: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
+    """``body[name]`` checked against ``kind`` (``None``/absent gives ``default``).
+    ``bool`` is never accepted where a number is expected, although it is an int."""
+    value = body.get(name)
+    if value is None:
+        return default
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
+        raise bad_request(f"'{name}' must be {' or '.join(_TYPE_NAMES[k] for k in kinds)}", name)
+    return value
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float | None, low_open: bool = False) -> float:
+    value = float(_get(body, name, (int, float), default))
+    if value < low or (low_open and value == low) or (high is not None and value > high):
+        bounds = f"{'(' if low_open else '['}{low}, {high if high is not None else 'inf'}]"
+        raise bad_request(f"'{name}' must be in {bounds}, got {value}", name)
+    return value
+
+
+def _token_ids(value: Any, name: str) -> list[int]:
+    if not isinstance(value, list) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in value):
+        raise bad_request(f"'{name}' must be an array of non-negative integers", name)
+    return value
+
+
+def _stop_strings(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise bad_request("'stop' must be a non-empty string or an array of non-empty strings", "stop")
+    return stops
+
+
+@dataclass
+class GenerationRequest:
+    """What both endpoints share: model, streaming, sampling and memserve extensions."""
+
+    model: str | None
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None  # None: the rest of the context window
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: list[str]
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    session_id: str | None
+    slo: dict | None  # {"ttft_ms", "tbt_ms", "priority"}, only the keys the client sent
+
+    def sampling_params(self, max_tokens: int, eos_token_ids: list[int]) -> SamplingParams:
+        """The model's end-of-sequence ids join the stop ids unless ``ignore_eos``, as
+        vLLM does with generation_config's extra EOS ids."""
+        stop_ids = list(self.stop_token_ids)
+        if not self.ignore_eos:
+            stop_ids += [t for t in eos_token_ids if t not in stop_ids]
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, seed=self.seed, stop_token_ids=stop_ids, ignore_eos=self.ignore_eos)
+
+
+def _parse_common(body: dict, max_tokens_names: tuple[str, ...], max_tokens_default: int | None) -> dict:
+    for name, is_off in _UNSUPPORTED.items():
+        if not is_off(body.get(name)):
+            raise bad_request(f"'{name}' is not supported by this server", name)
+    n = _get(body, "n", int, 1)
+    if n != 1:
+        raise bad_request("only n=1 is supported", "n")
+    stream = _get(body, "stream", bool, False)
+    stream_options = _get(body, "stream_options", dict)
+    if stream_options is not None and not stream:
+        raise bad_request("'stream_options' is only allowed with stream=true", "stream_options")
+    include_usage = _get(stream_options or {}, "include_usage", bool, False)
+
+    max_tokens: int | None = max_tokens_default
+    for name in max_tokens_names:  # the first one present wins
+        if name in body:
+            max_tokens = _get(body, name, int)
+            if max_tokens is not None and max_tokens <= 0:
+                raise bad_request(f"'{name}' must be at least 1, got {max_tokens}", name)
+            break
+
+    top_k = _get(body, "top_k", int, 0)
+    if top_k < -1:
+        raise bad_request(f"'top_k' must be -1 or 0 (disabled) or positive, got {top_k}", "top_k")
+
+    slo: dict[str, float | int] = {}
+    for key, name in (("ttft_ms", "slo_ttft_ms"), ("tbt_ms", "slo_tbt_ms")):
+        if body.get(name) is not None:
+            slo[key] = _number(body, name, 0.0, 0.0, None, low_open=True)
+    priority = _get(body, "priority", int)
+    if priority is not None:
+        slo["priority"] = priority
+
+    return dict(
+        model=_get(body, "model", str),
+        stream=stream,
+        include_usage=include_usage,
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, 0.0, None),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        top_k=max(top_k, 0),
+        seed=_get(body, "seed", int),
+        stop=_stop_strings(body),
+        stop_token_ids=_token_ids(_get(body, "stop_token_ids", list, []), "stop_token_ids"),
+        ignore_eos=_get(body, "ignore_eos", bool, False),
+        session_id=_get(body, "session_id", str),
+        slo=slo or None,
+    )
+
+
+@dataclass
+class CompletionRequest(GenerationRequest):
+    prompt: str | list[int]
+
+
+@dataclass
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[dict]
+
+
+def parse_completion_request(body: dict) -> CompletionRequest:
+    """``prompt`` is a string or a list of token ids; a batch of several prompts is
+    rejected (one prompt per request), a batch of one is unwrapped."""
+    if "prompt" not in body:
+        raise bad_request("'prompt' is required", "prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) > 1:
+            raise bad_request("batched prompts are not supported; send one prompt per request", "prompt")
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        prompt = _token_ids(prompt, "prompt")
+    max_tokens_default = COMPLETION_MAX_TOKENS_DEFAULT if "max_tokens" not in body else None
+    return CompletionRequest(**_parse_common(body, ("max_tokens",), max_tokens_default), prompt=prompt)
+
+
+def _message_content(content: Any, index: int) -> str | None:
+    """String content, or text parts joined by newlines (as vLLM); no other part types."""
+    param = f"messages[{index}].content"
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"'{param}' must be a string or an array of content parts", param)
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise bad_request(f"'{param}' parts must be {{\"type\": \"text\", \"text\": string}}; "
+                              "only text content is supported", param)
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def parse_chat_request(body: dict) -> ChatCompletionRequest:
+    """``max_completion_tokens`` takes precedence over the deprecated ``max_tokens``."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty array", "messages")
+    cleaned = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise bad_request(f"'messages[{i}]' must be an object with a string 'role'", f"messages[{i}].role")
+        cleaned.append({**message, "content": _message_content(message.get("content"), i)})
+    common = _parse_common(body, ("max_completion_tokens", "max_tokens"), None)
+    return ChatCompletionRequest(**common, messages=cleaned)
+
+
+def check_prompt_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
+    if not token_ids:
+        raise bad_request("the prompt is empty", param)
+    bad = next((t for t in token_ids if t >= vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is out of the vocabulary (size {vocab_size})", param)
+
+
+def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, param: str) -> int:
+    """The output budget, refusing prompts that leave no room in the context window."""
+    if prompt_len >= max_model_len:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+                       f"has {prompt_len} tokens, which leaves no room for the completion.", param,
+                       "context_length_exceeded")
+    if requested is None:
+        return max_model_len - prompt_len
+    if prompt_len + requested > max_model_len:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                       f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
+                       "completion). Please reduce the prompt or the completion length.", "max_tokens",
+                       "context_length_exceeded")
+    return requested
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def to_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+class ResponseFormat:
+    """Builds one endpoint's JSON objects; subclasses differ only in object names and
+    in how a choice carries its text."""
+
+    id_prefix: str
+    object_name: str
+    chunk_object_name: str
+
+    def __init__(self, request_id: str, model: str, created: int) -> None:
+        self.id = request_id
+        self.model = model
+        self.created = created
+
+    def _envelope(self, object_name: str, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def response(self, text: str, finish_reason: str | None, usage: Usage) -> dict:
+        body = self._envelope(self.object_name, [self._full_choice(text, finish_reason)])
+        body["usage"] = usage.to_dict()
+        return body
+
+    def chunk(self, text: str, finish_reason: str | None) -> dict:
+        return self._envelope(self.chunk_object_name, [self._chunk_choice(text, finish_reason)])
+
+    def usage_chunk(self, usage: Usage) -> dict:
+        body = self._envelope(self.chunk_object_name, [])
+        body["usage"] = usage.to_dict()
+        return body
+
+    def opening_chunk(self) -> dict | None:
+        """Sent before any text (chat announces the assistant role)."""
+        return None
+
+    def _full_choice(self, text: str, finish_reason: str | None) -> dict:
+        raise NotImplementedError
+
+    def _chunk_choice(self, text: str, finish_reason: str | None) -> dict:
+        raise NotImplementedError
+
+
+class CompletionFormat(ResponseFormat):
+    id_prefix = "cmpl-"
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+
+    def _full_choice(self, text: str, finish_reason: str | None) -> dict:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+    _chunk_choice = _full_choice
+
+
+class ChatFormat(ResponseFormat):
+    id_prefix = "chatcmpl-"
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def _full_choice(self, text: str, finish_reason: str | None) -> dict:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": finish_reason}
+
+    def _chunk_choice(self, text: str, finish_reason: str | None) -> dict:
+        delta = {"content": text} if text else {}
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+    def opening_chunk(self) -> dict:
+        return self._envelope(self.chunk_object_name, [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                        "logprobs": None, "finish_reason": None}])

@@ -1,0 +1,57 @@
+"""Block names: a chained xxhash of each full block's tokens and its parent's name.
+
+The name of block i depends on every token before it, so one name identifies a whole
+prefix. Workers (radix index), KV events and the gateway's mirrors all use these names,
+which is what lets the router see exactly what each worker has cached.
+
+Chaining uses xxh3_64's seed: ``name_i = xxh3_64(le_uint32(tokens of block i),
+seed=name_{i-1})``, with a fixed seed for the first block. Tokens are packed once per call
+with ``array`` (about 7 ns a token), then hashed block by block (about 130 ns a block).
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Sequence
+
+import xxhash
+
+ROOT_SEED = 0x6D656D7365727665  # b"memserve": the "parent" of a prompt's first block
+
+_TYPECODE = next(code for code in "IL" if array(code).itemsize == 4)
+_hash = xxhash.xxh3_64_intdigest
+
+
+def pack_tokens(tokens: Sequence[int]) -> bytes:
+    """Token ids as little-endian uint32 bytes."""
+    if isinstance(tokens, array) and tokens.typecode == _TYPECODE:
+        packed = tokens
+    else:
+        packed = array(_TYPECODE, tokens)
+    if sys.byteorder == "big":
+        packed = array(_TYPECODE, packed)
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def block_hashes(tokens: Sequence[int], block_size: int, parent: int | None = None) -> list[int]:
+    """Names of the full blocks of ``tokens``; a trailing partial block has no name.
+
+    ``parent`` is the name of the block just before ``tokens`` (None: they start a prompt),
+    so a sequence can name its blocks incrementally as they fill up.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    num_full = len(tokens) // block_size
+    if num_full == 0:
+        return []
+    data = pack_tokens(tokens[: num_full * block_size])
+    step = block_size * 4
+    h = ROOT_SEED if parent is None else parent
+    out = []
+    append = out.append
+    for start in range(0, len(data), step):
+        h = _hash(data[start : start + step], h)
+        append(h)
+    return out

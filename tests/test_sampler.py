@@ -1,0 +1,80 @@
+"""Sampler: greedy rows, filtering (temperature, top-k, top-p), per-request seeds."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from memserve.ipc.messages import SamplingParams
+from memserve.workers.model.sampler import Sampler
+
+VOCAB = 50
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture
+def logits() -> torch.Tensor:
+    return torch.randn(4, VOCAB, generator=_generator(0)) * 3
+
+
+def test_greedy_rows_take_the_argmax(logits):
+    params = [SamplingParams(temperature=0.0)] * 4
+    assert Sampler().sample(logits, params, [None] * 4) == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.5, top_k=1), SamplingParams(temperature=1.5, top_p=1e-6)])
+def test_filters_that_keep_one_token_give_the_argmax(logits, params):
+    for seed in range(5):
+        tokens = Sampler().sample(logits, [params] * 4, [_generator(seed + i) for i in range(4)])
+        assert tokens == logits.argmax(-1).tolist()
+
+
+def test_greedy_and_sampled_rows_mix(logits):
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_p=1e-6)] * 2
+    assert Sampler().sample(logits, params, [None, _generator(1), None, _generator(2)]) == logits.argmax(-1).tolist()
+
+
+def test_seeded_request_is_reproducible_whatever_its_batch_companions(logits):
+    target = logits[0]
+    params = SamplingParams(temperature=1.0, seed=7)
+    draws_alone, draws_batched = [], []
+    gen_alone, gen_batched = _generator(7), _generator(7)
+    for step in range(20):
+        draws_alone.append(Sampler().sample(target[None], [params], [gen_alone])[0])
+        companions = torch.randn(3, VOCAB, generator=_generator(100 + step))
+        batch = torch.cat([companions[:1], target[None], companions[1:]])
+        other = SamplingParams(temperature=0.8, top_k=5)
+        tokens = Sampler().sample(batch, [other, params, other, other], [None, gen_batched, _generator(step), None])
+        draws_batched.append(tokens[1])
+    assert draws_alone == draws_batched
+    assert len(set(draws_alone)) > 1  # it really samples
+
+
+def _frequencies(probs: list[float], params: SamplingParams, draws: int = 4000) -> torch.Tensor:
+    logits = torch.log(torch.tensor(probs)).expand(draws, -1).contiguous()
+    gen = _generator(3)
+    tokens = Sampler().sample(logits, [params] * draws, [gen] * draws)
+    return torch.bincount(torch.tensor(tokens), minlength=len(probs)).float() / draws
+
+
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        (SamplingParams(temperature=1.0), [0.5, 0.3, 0.2]),
+        (SamplingParams(temperature=0.5), [0.25 / 0.38, 0.09 / 0.38, 0.04 / 0.38]),
+        (SamplingParams(temperature=1.0, top_k=2), [0.625, 0.375, 0.0]),
+        (SamplingParams(temperature=1.0, top_p=0.6), [0.625, 0.375, 0.0]),
+    ],
+)
+def test_sampled_frequencies_follow_the_filtered_distribution(params, expected):
+    freq = _frequencies([0.5, 0.3, 0.2], params)
+    tolerance = 4 * math.sqrt(0.25 / 4000)  # four standard deviations at worst p=0.5
+    assert torch.allclose(freq, torch.tensor(expected), atol=tolerance), freq
+    for token, p in enumerate(expected):
+        if p == 0.0:
+            assert freq[token] == 0.0
