@@ -4,9 +4,9 @@ broken character, and never leak any part of a stop string."""
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
 from memserve.gateway.detokenizer import IncrementalDetokenizer
 from memserve.gateway.tokenizer import Tokenizer
@@ -65,10 +65,16 @@ def test_special_tokens_are_skipped(tokenizer: Tokenizer) -> None:
     assert "".join(stream(IncrementalDetokenizer(tokenizer, []), ids)) == "Hi there"
 
 
-def test_leading_space_kept_after_prompt_context(tokenizer: Tokenizer) -> None:
-    prompt = tokenizer.encode("Hello")
-    output = tokenizer.encode(" world")
-    assert "".join(stream(IncrementalDetokenizer(tokenizer, prompt), output)) == " world"
+def test_leading_space_kept_with_sentencepiece_style_decoder() -> None:
+    """Metaspace decoders (Llama, Mistral) drop the space of a sequence's first word, so
+    the first output token must be decoded after some prompt context."""
+    vocab = {"[UNK]": 0, "\u2581Hello": 1, "\u2581world": 2, "\u2581again": 3}
+    metaspace = HFTokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    metaspace.pre_tokenizer = pre_tokenizers.Metaspace()
+    metaspace.decoder = decoders.Metaspace()
+    assert metaspace.decode([2]) == "world"  # what naive per-token decoding would send
+    prompt, output = metaspace.encode("Hello").ids, metaspace.encode("world again").ids
+    assert "".join(stream(IncrementalDetokenizer(metaspace, prompt), output)) == " world again"
 
 
 def test_incomplete_character_is_held_then_completed() -> None:

@@ -15,6 +15,7 @@ from memserve.workers.model.default_model import default_gguf_path
 from memserve.workers.model.gguf_convert import ensure_model_dir
 from memserve.workers.model.llama import LlamaForCausalLM
 from memserve.workers.model.loader import load_model
+from memserve.workers.model.model_config import ModelConfig
 
 NEW_TOKENS = 32
 BLOCK_SIZE = 16
@@ -53,9 +54,9 @@ class PagedGreedyDriver:
         self.free_blocks = list(range(num_blocks))  # block 0 included: it is also the table padding
         random.Random(0).shuffle(self.free_blocks)  # scattered blocks, as after some churn
 
-    def step(self, schedule: list[tuple[Sequence, int]]) -> None:
+    def step(self, schedule: list[tuple[Sequence, int]]) -> torch.Tensor:
         """Compute ``n`` more tokens of each scheduled sequence; sequences whose known tokens
-        are then all computed get their greedy next token appended."""
+        are then all computed get their greedy next token appended. Returns the hidden states."""
         input_ids, positions, slots, starts, context_lens = [], [], [], [0], []
         for seq, n in schedule:
             end = seq.num_computed + n
@@ -77,6 +78,7 @@ class PagedGreedyDriver:
             seq.num_computed += n
         for i, token in zip(finishing, next_tokens):
             schedule[i][0].tokens.append(token)
+        return hidden
 
     def generate(self, prompts: list[list[int]], chunk: int = 10_000, stagger: int = 0) -> list[list[int]]:
         """Greedy NEW_TOKENS for every prompt; prompt i joins at step i * stagger and its
@@ -162,3 +164,59 @@ def test_layer_major_layout_matches(model, prompts, reference):
     chosen = [1, 4]
     generated = PagedGreedyDriver(model, layout="layer-major").generate([prompts[i] for i in chosen], stagger=1)
     assert generated == [reference[i] for i in chosen]
+
+
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+
+
+@pytest.mark.parametrize(
+    ("architecture", "options"),
+    [
+        ("LlamaConfig", {"tie_word_embeddings": False, "attention_bias": True, "mlp_bias": True, "rope_parameters": LLAMA3_ROPE}),
+        ("LlamaConfig", {"tie_word_embeddings": True, "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}),
+        ("Qwen2Config", {"tie_word_embeddings": False}),
+    ],
+)
+def test_tiny_random_variants_match_transformers_logits(tmp_path, architecture, options):
+    """Biases, untied heads and rotary scalings the default model does not exercise: a tiny
+    random model saved by transformers must give the same logits through our loader,
+    prefilled in two chunks (the second attends to the cached first)."""
+    import transformers
+
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(getattr(transformers, architecture)(**TINY, **options)).eval()
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.normal_(0.0, 0.2)
+    hf.save_pretrained(tmp_path)
+    ids = torch.randint(0, TINY["vocab_size"], (70,)).tolist()
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0]
+
+    model = load_model(tmp_path, torch.float32, "cpu")
+    driver, seq = PagedGreedyDriver(model, num_blocks=8), Sequence(list(ids), len(ids))
+    hidden = torch.cat([driver.step([(seq, 45)]), driver.step([(seq, 25)])])
+    torch.testing.assert_close(model.compute_logits(hidden), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_config_reads_legacy_rope_spelling():
+    legacy = {**TINY, "model_type": "llama", "rope_theta": 500000.0, "rope_scaling": {"type": "linear", "factor": 4.0}}
+    config = ModelConfig.from_dict(legacy)
+    assert config.rope_parameters == {"rope_type": "linear", "rope_theta": 500000.0, "factor": 4.0}
+    assert ModelConfig.from_dict({**TINY, "model_type": "qwen2"}).qkv_bias

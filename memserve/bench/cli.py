@@ -24,17 +24,45 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from memserve.bench.client import DIALECTS, ENDPOINTS, BenchError, OpenAIClient
+from memserve.bench.client import (
+    DIALECTS,
+    ENDPOINTS,
+    BenchError,
+    ModelListUnavailable,
+    OpenAIClient,
+    RequestSpec,
+)
 from memserve.bench.dataset import TextCorpus, default_sharegpt_path, load_conversations
 from memserve.bench.metrics import compute_metrics
 from memserve.bench.records import RequestRecord
 from memserve.bench.report import RunPoint, compare_table, load_points, print_run, write_json
 from memserve.bench.runner import Replayer, ReplayOptions, ReplayResult
 from memserve.bench.tokens import make_token_counter
-from memserve.bench.workloads import MULTI_TURN_WORKLOADS, WORKLOADS, LengthDist, Session, WorkloadSpec, build_workload
+from memserve.bench.workloads import (
+    MULTI_TURN_WORKLOADS,
+    WORKLOADS,
+    LengthDist,
+    Session,
+    WorkloadSpec,
+    build_workload,
+)
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 DEFAULT_COUNTS = {"sharegpt": 50, "long-doc-qa": 20, "shared-prefix": 200, "random": 200}
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be >= 1")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError("must be > 0")
+    return value
 
 
 def _rate(text: str) -> float:
@@ -91,21 +119,22 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                         help="extension fields to send: memserve (also vLLM/SGLang), openai (none), "
                              "transformers (transformers serve)")
     server.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (env OPENAI_API_KEY)")
-    server.add_argument("--extra-body", type=_json_object, default={}, help="JSON object merged into every request body")
-    server.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
+    server.add_argument("--extra-body", type=_json_object, default={},
+                        help="JSON object merged into every request body")
+    server.add_argument("--request-timeout", type=_positive_float, default=600.0, help="seconds per request (default 600)")
 
     wl = p.add_argument_group("workload")
     wl.add_argument("--workload", choices=WORKLOADS, default="sharegpt")
     wl.add_argument("--dataset", help="ShareGPT JSONL (default ../shared/data/sharegpt-sample.jsonl or $MEMSERVE_DATA)")
     wl.add_argument("--tokenizer", help="tokenizer.json or model folder for token lengths (default ~4 chars/token)")
-    wl.add_argument("--num-sessions", type=int, help="sessions (multi-turn workloads; default 50, long-doc-qa 20)")
-    wl.add_argument("--num-requests", type=int, help="requests (single-turn workloads; default 200)")
-    wl.add_argument("--max-turns", type=int, help="use at most this many turns of each session")
-    wl.add_argument("--max-session-tokens", type=int, help="sharegpt: skip conversations longer than this")
-    wl.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: system prompt tokens")
-    wl.add_argument("--num-prefixes", type=int, default=1, help="shared-prefix: distinct system prompts")
-    wl.add_argument("--doc-len", type=int, default=2048, help="long-doc-qa: document tokens")
-    wl.add_argument("--questions-per-doc", type=int, default=4, help="long-doc-qa: questions (turns) per document")
+    wl.add_argument("--num-sessions", type=_positive_int, help="sessions (multi-turn workloads; default 50, long-doc-qa 20)")
+    wl.add_argument("--num-requests", type=_positive_int, help="requests (single-turn workloads; default 200)")
+    wl.add_argument("--max-turns", type=_positive_int, help="use at most this many turns of each session")
+    wl.add_argument("--max-session-tokens", type=_positive_int, help="sharegpt: skip conversations longer than this")
+    wl.add_argument("--prefix-len", type=_positive_int, default=1024, help="shared-prefix: system prompt tokens")
+    wl.add_argument("--num-prefixes", type=_positive_int, default=1, help="shared-prefix: distinct system prompts")
+    wl.add_argument("--doc-len", type=_positive_int, default=2048, help="long-doc-qa: document tokens")
+    wl.add_argument("--questions-per-doc", type=_positive_int, default=4, help="long-doc-qa: questions (turns) per document")
     wl.add_argument("--input-len", type=_length, default=LengthDist("fixed", 128),
                     help="random/shared-prefix prompt tokens: N, uniform:LO:HI, normal:MEAN:STD or exp:MEAN")
     wl.add_argument("--output-len", type=_length, default=LengthDist("fixed", 128),
@@ -116,10 +145,12 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     load.add_argument("--rate", type=_rate, help="session starts per second, Poisson (default inf: all at once)")
     load.add_argument("--request-rate", type=_rate, help="request starts per second for single-turn workloads")
     load.add_argument("--sweep-rate", type=_rates, help="comma-separated rates to run one after another")
-    load.add_argument("--concurrency", type=int, help="cap on requests in flight")
-    load.add_argument("--duration", type=float, help="stop sending new requests after this many seconds")
+    load.add_argument("--concurrency", type=_positive_int, help="cap on requests in flight")
+    load.add_argument("--duration", type=_positive_float, help="stop sending new requests after this many seconds")
+    load.add_argument("--warmup", type=int, default=0,
+                      help="unmeasured requests sent first (servers that compile or allocate on first use)")
     load.add_argument("--think-time", type=float, default=0.0, help="mean pause between turns, seconds")
-    load.add_argument("--max-tokens", type=int,
+    load.add_argument("--max-tokens", type=_positive_int,
                       help="output cap (natural mode default 256; caps recorded lengths with --fixed-output-len)")
     load.add_argument("--fixed-output-len", action="store_true",
                       help="ask for exactly the recorded answer's length (max_tokens + ignore_eos) and replay "
@@ -185,7 +216,7 @@ def _config(args: argparse.Namespace, model: str, spec: WorkloadSpec, dataset: s
         num_sessions=spec.num_sessions,
         input_len=asdict(spec.input_len),
         output_len=asdict(spec.output_len),
-        rate="inf" if rate is None else rate,
+        rate="inf" if rate is None or math.isinf(rate) else rate,
         sweep_rate=args.sweep_rate,
         token_lengths="tokenizer" if args.tokenizer else "heuristic ~4 chars/token",
         multi_turn=args.workload in MULTI_TURN_WORKLOADS,
@@ -225,8 +256,47 @@ def _run_bench_command(args: argparse.Namespace) -> int:
     return asyncio.run(_bench(args, rates, spec, parts, str(dataset)))
 
 
+class _Interrupts:
+    """Ctrl-C (SIGINT) halts the replay in progress and ends the sweep; what finished is
+    still reported and written."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.replayer: Replayer | None = None
+
+    def __call__(self) -> None:
+        self.requested = True
+        if self.replayer is not None:
+            self.replayer.halt()
+
+    def install(self, loop: asyncio.AbstractEventLoop) -> bool:
+        try:  # only possible from the main thread
+            loop.add_signal_handler(signal.SIGINT, self)
+            return True
+        except (ValueError, RuntimeError, NotImplementedError):
+            return False
+
+
 async def _bench(
     args: argparse.Namespace, rates: list[float], spec: WorkloadSpec, parts: list[list[Session]], dataset: str
+) -> int:
+    loop = asyncio.get_running_loop()
+    interrupts = _Interrupts()
+    installed = interrupts.install(loop)
+    try:
+        return await _bench_with(args, rates, spec, parts, dataset, interrupts)
+    finally:
+        if installed:
+            loop.remove_signal_handler(signal.SIGINT)
+
+
+async def _bench_with(
+    args: argparse.Namespace,
+    rates: list[float],
+    spec: WorkloadSpec,
+    parts: list[list[Session]],
+    dataset: str,
+    interrupts: _Interrupts,
 ) -> int:
     console = Console()
     err_console = Console(stderr=True)
@@ -243,6 +313,11 @@ async def _bench(
     async with client:
         try:
             models = await client.list_models()
+        except ModelListUnavailable as e:
+            if not args.model:
+                return _fail(f"{e}; pass --model", EXIT_USAGE)
+            err_console.print(f"note: {e}; going on with --model {args.model}", highlight=False)
+            models = [args.model]
         except BenchError as e:
             return _fail(str(e), EXIT_USAGE)
         if not args.model:
@@ -250,32 +325,49 @@ async def _bench(
                 return _fail(f"{client.base_url}/v1/models lists no model; pass --model", EXIT_USAGE)
             client.model = models[0]
         elif args.model not in models:
-            err_console.print(f"note: {args.model!r} is not in /v1/models ({', '.join(models) or 'empty'}); trying it anyway",
+            listed = ", ".join(models) or "empty"
+            err_console.print(f"note: {args.model!r} is not in /v1/models ({listed}); trying it anyway",
                               highlight=False)
+        failure = await _warm_up(client, args.warmup)
+        if failure is not None:
+            return _fail(f"warm-up request failed with {failure.status}: {failure.error}", EXIT_FAILED)
         label = args.label or client.model
         config = _config(args, client.model, spec, dataset)
         points: list[RunPoint] = []
         outcome = EXIT_OK
         for rate, sessions in zip(rates, parts):
-            result = await _replay(client, args, rate, sessions, err_console)
+            if interrupts.requested:
+                break
+            result = await _replay(client, args, rate, sessions, err_console, interrupts)
             points.append(RunPoint(label, rate if args.sweep_rate else None, _point_result(result)))
             print_run(console, points[-1])
             if result.aborted:
                 outcome = _fail(result.aborted, EXIT_FAILED)
                 break
-            if result.interrupted:
-                err_console.print("interrupted: writing what was measured")
-                outcome = EXIT_INTERRUPTED
-                break
-            if not any(r.ok for r in result.records):
+            if not any(r.ok for r in result.records) and not interrupts.requested:
                 outcome = _fail(_all_failed_message(result.records), EXIT_FAILED)
                 break
             errors = points[-1].result["errors"]
             if errors["count"]:
                 by_status = ", ".join(f"{k}: {v}" for k, v in errors["by_status"].items())
                 err_console.print(f"warning: {errors['count']} requests failed ({by_status})", highlight=False)
+    if interrupts.requested and outcome == EXIT_OK:
+        err_console.print("interrupted" + (": writing what was measured" if points else ""))
+        outcome = EXIT_INTERRUPTED
     _write_outputs(args, config, label, points, console)
     return outcome
+
+
+async def _warm_up(client: OpenAIClient, count: int) -> RequestRecord | None:
+    """Send ``count`` short requests one by one, outside the measurement; the first
+    failure, if any."""
+    for i in range(count):
+        spec = RequestSpec(session_id=f"warmup-{i}", turn=0,
+                           messages=[{"role": "user", "content": f"Warm-up {i}: say hello."}], max_tokens=8)
+        record = await client.send(spec)
+        if not record.ok:
+            return record
+    return None
 
 
 def _all_failed_message(records: list[RequestRecord]) -> str:
@@ -286,7 +378,12 @@ def _all_failed_message(records: list[RequestRecord]) -> str:
 
 
 async def _replay(
-    client: OpenAIClient, args: argparse.Namespace, rate: float, sessions: list[Session], console: Console
+    client: OpenAIClient,
+    args: argparse.Namespace,
+    rate: float,
+    sessions: list[Session],
+    console: Console,
+    interrupts: _Interrupts,
 ) -> ReplayResult:
     options = ReplayOptions(
         rate=rate,
@@ -319,27 +416,18 @@ async def _replay(
         progress.update(task, advance=1, failed=failed)
 
     replayer = Replayer(client, options, on_request_done=done)
-    loop = asyncio.get_running_loop()
-    handles_sigint = _install_sigint(loop, replayer.halt)
+    interrupts.replayer = replayer
     client.t0 = time.perf_counter()
     try:
         with progress:
             return await replayer.run(sessions)
     finally:
-        if handles_sigint:
-            loop.remove_signal_handler(signal.SIGINT)
+        interrupts.replayer = None
 
 
-def _install_sigint(loop: asyncio.AbstractEventLoop, callback) -> bool:
-    """Ctrl-C halts the run cleanly (only possible from the main thread)."""
-    try:
-        loop.add_signal_handler(signal.SIGINT, callback)
-        return True
-    except (ValueError, RuntimeError, NotImplementedError):
-        return False
-
-
-def _write_outputs(args: argparse.Namespace, config: dict, label: str, points: list[RunPoint], console: Console) -> None:
+def _write_outputs(
+    args: argparse.Namespace, config: dict, label: str, points: list[RunPoint], console: Console
+) -> None:
     if not points:
         return
     if args.output:

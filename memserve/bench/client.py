@@ -37,6 +37,11 @@ class BenchError(Exception):
     """A failure worth one clear line to the user (unreachable server, wrong model...)."""
 
 
+class ModelListUnavailable(BenchError):
+    """The server answered, but not with a model list (some servers, such as
+    ``transformers serve`` without a Hugging Face cache, fail ``/v1/models``)."""
+
+
 def normalize_base_url(url: str) -> str:
     """Accept ``http://host:port``, with or without a trailing ``/v1``."""
     url = url.rstrip("/")
@@ -167,7 +172,7 @@ class OpenAIClient:
             async with self._session().get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 body = await resp.text()
                 if resp.status != 200:
-                    raise BenchError(f"{url} answered HTTP {resp.status}: {error_message(body)}")
+                    raise ModelListUnavailable(f"{url} answered HTTP {resp.status}: {error_message(body)}")
         except aiohttp.ClientConnectorError as e:
             raise BenchError(f"cannot reach the server at {self.base_url}: {e.os_error or e}") from None
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -175,7 +180,7 @@ class OpenAIClient:
         try:
             return [str(m["id"]) for m in json.loads(body).get("data", [])]
         except (ValueError, AttributeError, KeyError, TypeError):
-            raise BenchError(f"{url} did not return an OpenAI model list") from None
+            raise ModelListUnavailable(f"{url} did not return an OpenAI model list") from None
 
     def body(self, spec: RequestSpec) -> dict:
         body: dict = {"model": self.model, "stream": True, "stream_options": {"include_usage": True}}

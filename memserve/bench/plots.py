@@ -12,6 +12,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 import numpy as np  # noqa: E402
 
 from memserve.bench.metrics import jct_ms, tbt_gaps_ms, ttft_ms  # noqa: E402
@@ -64,6 +65,7 @@ def plot_by_turn(points: list[RunPoint], out_dir: Path) -> Path | None:
     ax_ttft.set(xlabel="turn", ylabel="mean TTFT (ms)", title="TTFT by turn")
     ax_cache.set(xlabel="turn", ylabel="cached-token ratio", title="Cached prompt tokens by turn", ylim=(0, 1.01))
     for ax in (ax_ttft, ax_cache):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     return _save(fig, out_dir / "ttft_by_turn.png")

@@ -66,7 +66,7 @@ def write_json(path: str | Path, data: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, allow_nan=False))
+    tmp.write_text(json.dumps(data, indent=1, allow_nan=False, default=str))
     tmp.replace(path)
 
 

@@ -85,17 +85,21 @@ class Replayer:
     _in_flight: int = 0
     _any_ok: bool = False
     _abort_reason: str | None = None
+    _halt_requested: bool = False
     _halt: asyncio.Event | None = None
     _slots: asyncio.Semaphore | None = None
 
     def halt(self) -> None:
         """Stop now (Ctrl-C): cancel requests in flight, keep what finished."""
+        self._halt_requested = True
         if self._halt is not None:
             self._halt.set()
 
     async def run(self, sessions: list[Session]) -> ReplayResult:
-        self._records, self._in_flight, self._any_ok, self._abort_reason = [], 0, False, None
+        """Replay ``sessions`` once (a Replayer serves one run)."""
         self._halt = asyncio.Event()
+        if self._halt_requested:
+            self._halt.set()
         self._slots = asyncio.Semaphore(self.options.concurrency) if self.options.concurrency else None
         rng = random.Random(f"arrivals:{self.options.seed}")
         start = self.client.now()
@@ -108,13 +112,15 @@ class Replayer:
         everything = asyncio.gather(*tasks)
         halted = asyncio.create_task(self._halt.wait())
         await asyncio.wait({everything, halted}, return_when=asyncio.FIRST_COMPLETED)
+        halted.cancel()
         cancelled = 0
         if self._halt.is_set():
             cancelled = self._in_flight
             for t in tasks:
                 t.cancel()
-        await asyncio.gather(everything, return_exceptions=True)
-        halted.cancel()
+            await asyncio.gather(everything, return_exceptions=True)
+        else:
+            await everything  # surfaces a failure of the replay code itself
         return ReplayResult(
             records=list(self._records),
             duration_s=self.client.now() - start,

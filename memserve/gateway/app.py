@@ -26,7 +26,7 @@ from aiohttp import web
 from memserve.gateway.detokenizer import IncrementalDetokenizer
 from memserve.gateway.engine_protocol import EngineClient, EngineUnavailable, RequestRejected
 from memserve.gateway.errors import APIError, bad_request
-from memserve.gateway.metrics import GatewayMetrics
+from memserve.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, GatewayMetrics
 from memserve.gateway.protocol import (
     ChatFormat,
     CompletionFormat,
@@ -123,8 +123,10 @@ class _Generation:
             except (APIError, asyncio.CancelledError):
                 raise
             except Exception as e:
-                log.exception("engine failed on request %s", self._request_id)
-                raise _engine_error(e) from e
+                error = _engine_error(e)
+                if error.status == 500:
+                    log.exception("engine failed on request %s", self._request_id)
+                raise error from e
             if self.finish_reason is None:
                 raise APIError(500, "the engine stream ended before the request finished")
         finally:
@@ -157,11 +159,16 @@ class _OpenAIServer:
         if model is not None and model != self._model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
+    # Tokenising runs in a thread: a megabyte prompt takes seconds and must not stall
+    # the streams of other requests.
     async def completions(self, request: web.Request) -> web.StreamResponse:
         arrival = time.monotonic()
         req = parse_completion_request(await _read_json(request))
         self._check_model(req.model)
-        prompt_ids = self._tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
+        if isinstance(req.prompt, str):
+            prompt_ids = await asyncio.to_thread(self._tokenizer.encode, req.prompt)
+        else:
+            prompt_ids = req.prompt
         return await self._generate(request, CompletionFormat, req, prompt_ids, "prompt", arrival)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -169,7 +176,7 @@ class _OpenAIServer:
         req = parse_chat_request(await _read_json(request))
         self._check_model(req.model)
         try:
-            prompt_ids = self._tokenizer.encode_chat(req.messages)
+            prompt_ids = await asyncio.to_thread(self._tokenizer.encode_chat, req.messages)
         except ChatTemplateError as e:
             raise bad_request(str(e), "messages") from None
         return await self._generate(request, ChatFormat, req, prompt_ids, "messages", arrival)
@@ -190,7 +197,7 @@ class _OpenAIServer:
         async with aclosing(generation.text_deltas()) as deltas:
             async for text in deltas:
                 parts.append(text)
-                if False:
+                if _client_gone(request):
                     return web.Response(status=CLIENT_CLOSED_REQUEST, reason="Client Closed Request")
         return _json(fmt.response("".join(parts), generation.finish_reason, generation.usage))
 
@@ -233,9 +240,9 @@ class _OpenAIServer:
         }]})
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 when every worker is alive, else 503 naming the dead ones."""
-        workers = [{"instance_id": w.get("instance_id"), "alive": bool(w.get("alive"))}
-                   for w in self._engine.stats().get("workers", [])]
+        """200 when every worker is alive, else 503 naming the dead ones; each worker's
+        load and KV pool figures come along for operators and tests."""
+        workers = [{**w, "alive": bool(w.get("alive"))} for w in self._engine.stats().get("workers", [])]
         dead = [w["instance_id"] for w in workers if not w["alive"]]
         if not workers or dead:
             detail = f"workers not alive: {dead}" if dead else "no workers"
@@ -243,7 +250,7 @@ class _OpenAIServer:
         return _json({"status": "ok", "workers": workers})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self._metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
+        return web.Response(body=self._metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 
 def _http_exception_response(request: web.Request, exc: web.HTTPException) -> web.Response:

@@ -10,6 +10,7 @@ import time
 from typing import AsyncIterator
 
 from memserve.gateway.cluster import Cluster, WorkerHandle
+from memserve.gateway.engine_protocol import EngineUnavailable
 from memserve.ipc.channel import GatewayChannel
 from memserve.ipc.messages import (
     AbortRequest,
@@ -113,7 +114,7 @@ class ZmqEngineClient:
         """Least-loaded live worker (by requests in flight from this gateway)."""
         load = {i: 0 for i, h in self.cluster.workers.items() if h.alive}
         if not load:
-            raise RuntimeError("no live worker")
+            raise EngineUnavailable("no live worker: the workers are restarting")
         for worker, _ in self._streams.values():
             if worker in load:
                 load[worker] += 1

@@ -15,6 +15,9 @@ from prometheus_client.registry import Collector
 
 log = logging.getLogger("memserve.gateway")
 
+# generate_latest writes the classic text format.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
 # Buckets as vLLM's, so dashboards built for it read the same.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                  40.0, 80.0)

@@ -13,7 +13,7 @@ context window."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from memserve.gateway.errors import APIError, bad_request
 from memserve.ipc.messages import SamplingParams
@@ -24,7 +24,7 @@ _TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a 
                dict: "an object"}
 
 # Accepted only at their "off" value: field -> predicate that the value is off.
-_UNSUPPORTED: dict[str, Any] = {
+_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "logprobs": lambda v: v in (None, False, 0),
     "top_logprobs": lambda v: v in (None, 0),
     "echo": lambda v: v in (None, False),

@@ -53,7 +53,8 @@ async def serve(cfg: ServeConfig) -> None:
             start.cancel()
             return
         start.result()
-        runner = web.AppRunner(create_app(client, tokenizer, name, cfg.max_body_bytes), access_log=None)
+        runner = web.AppRunner(create_app(client, tokenizer, name, cfg.max_body_bytes), access_log=None,
+                                    handler_cancellation=True)
         await runner.setup()
         await web.TCPSite(runner, cfg.host, cfg.port).start()
         n = len(cluster.workers)

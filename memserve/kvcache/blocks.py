@@ -139,12 +139,25 @@ class BlockPool:
 
     def park(self, ids: Sequence[int]) -> list[int]:
         """Hand held blocks to another owner: returns their reference counts and parks them."""
-        self._require(ids, "park", lambda r: r >= 1)
         refs = self._refs
-        counts = [refs[b] for b in ids]
-        for b in ids:
-            refs[b] = 0
-        return counts
+        counts: list[int] = []
+        append = counts.append
+        k = 0
+        try:
+            for k, b in enumerate(ids):  # noqa: B007 - k is read below
+                r = refs[b]
+                if r < 1:  # also a repeated id: parked a moment ago
+                    break
+                append(r)
+                refs[b] = 0
+            else:
+                return counts
+        except (IndexError, TypeError):
+            pass
+        for b, c in zip(ids[:k], counts):
+            refs[b] = c
+        self._require(ids, "park", lambda r: r >= 1)
+        raise AssertionError("unreachable: _require raises")
 
     def unpark(self, ids: Sequence[int], counts: Sequence[int]) -> None:
         """Give parked blocks back their references; a count of 0 frees the block."""

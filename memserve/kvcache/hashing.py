@@ -46,7 +46,7 @@ def block_hashes(tokens: Sequence[int], block_size: int, parent: int | None = No
     num_full = len(tokens) // block_size
     if num_full == 0:
         return []
-    data = pack_tokens(tokens[: num_full * block_size])
+    data = pack_tokens(tokens if len(tokens) == num_full * block_size else tokens[: num_full * block_size])
     step = block_size * 4
     h = ROOT_SEED if parent is None else parent
     out = []

@@ -187,9 +187,11 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[..., blocks] block ids -> [..., heads, blocks * block_size, dim] keys or values."""
-    gathered = cache[block_tables]  # [..., blocks, block_size, heads, dim]
-    return gathered.flatten(-4, -3).transpose(-3, -2)
+    """[..., blocks] block ids -> [..., heads, blocks * block_size, dim] keys or values.
+    index_select copies whole blocks and is several times faster than advanced indexing on CPU."""
+    gathered = cache.index_select(0, block_tables.flatten())  # [n, block_size, heads, dim]
+    tokens = gathered.view(*block_tables.shape[:-1], -1, *cache.shape[-2:])
+    return tokens.transpose(-3, -2)
 
 
 def paged_attention(
@@ -243,8 +245,9 @@ def _xformers_paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[-2]
     group = num_heads // num_kv_heads
-    keys = k_cache[batch.block_tables].reshape(1, -1, num_kv_heads, 1, head_dim)
-    values = v_cache[batch.block_tables].reshape(1, -1, num_kv_heads, 1, head_dim)
+    blocks = batch.block_tables.flatten()
+    keys = k_cache.index_select(0, blocks).view(1, -1, num_kv_heads, 1, head_dim)
+    values = v_cache.index_select(0, blocks).view(1, -1, num_kv_heads, 1, head_dim)
     out = _xformers_attention(
         q.reshape(1, num_tokens, num_kv_heads, group, head_dim),
         keys.expand(-1, -1, -1, group, -1),

@@ -1,0 +1,151 @@
+"""MemPool micro-benchmarks (MemServe §8.4, Figs. 9-10), pure Python, no model.
+
+Prints, as medians over many repetitions (time.perf_counter_ns):
+
+1. alloc + free, ns per block, by batch size: the raw ``BlockPool`` and the address-level
+   ``MemPool.alloc_mem`` + ``free_mem`` (MemServe measured ~800 ns a block);
+2. ``insert`` and ``match`` of a 4K-token prompt (256 blocks of 16), hashing included,
+   at several cached ratios (MemServe: at most 0.7 ms to insert);
+3. ``match`` latency against prompt length (512 .. 16K tokens), radix index versus a
+   vLLM-style prefix cache (a dict from chained block hash to block, all blocks hashed
+   up front, then looked up block by block), for a fully cached prompt and an uncached
+   one (MemServe Fig. 10's case), with ratios.
+
+    python benchmarks/mempool_micro.py [--reps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+from memserve.kvcache.address import Tier
+from memserve.kvcache.blocks import BlockPool
+from memserve.kvcache.hashing import block_hashes
+from memserve.kvcache.mempool import KVFlags, MemPool
+from memserve.kvcache.radix import RadixIndex
+
+BLOCK_SIZE = 16
+
+
+class HashPrefixCache:
+    """The vLLM-style baseline: chained block hash -> block id, no tree."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.table: dict[int, int] = {}
+
+    def insert(self, tokens: Sequence[int], blocks: Sequence[int]) -> None:
+        for h, b in zip(block_hashes(tokens, self.block_size), blocks):
+            self.table.setdefault(h, b)
+
+    def match(self, tokens: Sequence[int]) -> list[int]:
+        table = self.table
+        out = []
+        for h in block_hashes(tokens, self.block_size):
+            block = table.get(h)
+            if block is None:
+                break
+            out.append(block)
+        return out
+
+
+def median_ns(run: Callable[[], object], reps: int, after: Callable[[object], object] | None = None) -> float:
+    """Median wall time of ``run``; ``after`` (untimed) gets each result, e.g. to free it."""
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter_ns()
+        result = run()
+        times.append(time.perf_counter_ns() - start)
+        if after is not None:
+            after(result)
+    return statistics.median(times)
+
+
+def tokens_of(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(128_000) for _ in range(n)]
+
+
+def bench_alloc_free(reps: int) -> None:
+    print("1. alloc + free, ns per block (MemServe: ~800 ns/block; target <= 100 ns)")
+    print(f"   {'batch':>6} {'BlockPool':>10} {'MemPool':>10}")
+    for batch in (16, 64, 256, 1024):
+        pool = BlockPool(4096)
+        raw = median_ns(lambda: pool.free(pool.alloc(batch)), reps)
+        mem = MemPool(0, {Tier.DEVICE: 4096}, BLOCK_SIZE)
+        api = median_ns(lambda: mem.free_mem(mem.alloc_mem(batch)), reps)
+        print(f"   {batch:>6} {raw / batch:>10.1f} {api / batch:>10.1f}")
+
+
+def bench_insert_match_4k(reps: int) -> None:
+    n_tokens = 4096
+    n_blocks = n_tokens // BLOCK_SIZE
+    print(f"\n2. {n_tokens}-token prompt ({n_blocks} blocks) by cached ratio, us (MemServe insert <= 700 us; target <= 100 us)")
+    print(f"   {'cached':>6} {'insert':>8} {'match':>8} | names known: {'insert':>7} {'match':>8}")
+    tokens = tokens_of(n_tokens, seed=1)
+    hashes = block_hashes(tokens, BLOCK_SIZE)
+    for ratio in (0.0, 0.5, 1.0):
+        pool = MemPool(0, {Tier.DEVICE: 4 * n_blocks}, BLOCK_SIZE)
+        cached = int(n_blocks * ratio)
+
+        def reset() -> None:
+            """Only the first ``cached`` blocks of the prompt are cached."""
+            pool.delete(tokens)
+            if cached:
+                pool.insert(tokens[: cached * BLOCK_SIZE], pool.alloc_mem(cached), KVFlags.RELEASE)
+
+        def insert_ns(names: list[int] | None) -> float:
+            times = []
+            for _ in range(reps):
+                reset()
+                addrs = pool.alloc_mem(n_blocks)  # a request that computed the whole prompt
+                start = time.perf_counter_ns()
+                pool.insert(tokens, addrs, hashes=names)
+                times.append(time.perf_counter_ns() - start)
+                pool.free_mem(addrs)
+            reset()
+            return statistics.median(times)
+
+        insert, insert_known = insert_ns(None), insert_ns(hashes)
+        match = median_ns(lambda: pool.match(tokens), reps, after=pool.free_mem)
+        match_known = median_ns(lambda: pool.match(tokens, hashes=hashes), reps, after=pool.free_mem)
+        us = [t / 1e3 for t in (insert, match, insert_known, match_known)]
+        print(f"   {ratio:>6.0%} {us[0]:>8.1f} {us[1]:>8.1f} | {'':>12} {us[2]:>7.1f} {us[3]:>8.1f}")
+
+
+def bench_match_vs_hash(reps: int) -> None:
+    print("\n3. match latency vs prompt length, us: radix index vs vLLM-style hash table")
+    print(f"   {'tokens':>6} | {'cached: radix':>13} {'hash':>8} {'ratio':>6} | {'uncached: radix':>15} {'hash':>8} {'ratio':>6}")
+    for n_tokens in (512, 1024, 2048, 4096, 8192, 16384):
+        tokens = tokens_of(n_tokens, seed=n_tokens)
+        other = tokens_of(n_tokens, seed=n_tokens + 1)
+        blocks = list(range(n_tokens // BLOCK_SIZE))
+        radix = RadixIndex(BLOCK_SIZE)
+        hashes = block_hashes(tokens, BLOCK_SIZE)
+        radix.add_chain(None, hashes, blocks)
+        table = HashPrefixCache(BLOCK_SIZE)
+        table.insert(tokens, blocks)
+        assert len(radix.match(tokens)) == len(table.match(tokens)) == len(blocks)
+        row = []
+        for prompt in (tokens, other):
+            r = median_ns(lambda: radix.match(prompt), reps)
+            h = median_ns(lambda: table.match(prompt), reps)
+            row += [r / 1e3, h / 1e3, h / r]
+        print(f"   {n_tokens:>6} | {row[0]:>13.1f} {row[1]:>8.1f} {row[2]:>5.2f}x | {row[3]:>15.1f} {row[4]:>8.1f} {row[5]:>5.1f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reps", type=int, default=400, help="repetitions per measurement (median reported)")
+    args = parser.parse_args()
+    bench_alloc_free(args.reps * 5)
+    bench_insert_match_4k(args.reps)
+    bench_match_vs_hash(args.reps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,521 @@
+"""MemPool: one instance's KV memory, index and transfer API (MemServe Table 1).
+
+The engine allocates blocks for running requests (``alloc_mem``/``free_mem``), turns
+finished prompts into cached context (``insert``), looks prompts up (``match``), moves
+cached blocks between tiers (``swap_out``/``swap_in``) and ships KV to other instances
+(``transfer``/``transfer_with_insert``). Every API speaks addresses (``address.py``).
+
+Ownership. A block is either *private* (held by its owners, reference-counted in its
+tier's ``BlockPool``) or *indexed* (owned by the radix index; its references are the
+node's ``lock``). ``insert`` turns private blocks into indexed ones, moving their
+references along; an indexed block nobody holds is cached: it stays in the tier until
+eviction needs the room.
+
+Tiers. Pools exist for the tiers given in ``num_blocks``. When a tier runs short,
+``alloc_mem`` evicts its least recently used cached blocks: with a slower tier and a
+mover they are demoted there (device -> host -> disk), otherwise dropped. A cached
+block's children never sit in a faster tier than the block itself, so a tier always
+gives up the deep end of a prompt first and a prompt's cached prefix reads device blocks
+first, then host, then disk.
+
+Pure Python: the data moves through a ``BlockMover`` that the model runner implements.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Callable, Sequence
+from enum import IntFlag
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, Union
+
+from memserve.kvcache.address import (
+    BLOCK_MASK,
+    INSTANCE_SHIFT,
+    TIER_MASK,
+    TIER_SHIFT,
+    Tier,
+    addr_instance,
+    addr_str,
+    make_addrs,
+)
+from memserve.kvcache.blocks import BlockPool, MemPoolError, OutOfBlocks
+from memserve.kvcache.events import MOVED, REMOVED, STORED, KVEvent
+from memserve.kvcache.hashing import block_hashes
+from memserve.kvcache.radix import RadixIndex, RadixNode
+
+if TYPE_CHECKING:
+    from memserve.kvcache.transfer import KVTransferEndpoint
+
+__all__ = ["BlockMover", "KVFlags", "MemPool", "MemPoolError", "OutOfBlocks", "Tier"]
+
+Buffer = Union[bytes, bytearray, memoryview]
+
+
+class KVFlags(IntFlag):
+    """Flags of ``insert`` and the transfer calls."""
+
+    NONE = 0
+    #: insert: drop the caller's references once indexed (active -> historical KV);
+    #: transfer: the receiver drops its references once written (and inserted).
+    RELEASE = 1
+    #: transfer: the receiver allocates in its host tier instead of its device tier.
+    HOST = 2
+
+
+class BlockMover(Protocol):
+    """What the model runner provides: the bytes behind block ids. Copies must take
+    effect in call order relative to the runner's later reads and writes of the same
+    blocks (a CUDA stream gives that)."""
+
+    block_nbytes: int  # bytes of one block (all layers, K and V) in every tier
+
+    def copy_blocks(self, src_tier: Tier, src_blocks: list[int], dst_tier: Tier, dst_blocks: list[int]) -> None:
+        """Copy block ``src_blocks[i]`` of ``src_tier`` to ``dst_blocks[i]`` of ``dst_tier``."""
+
+    def read_blocks(self, tier: Tier, blocks: list[int]) -> list[Buffer]:
+        """The blocks' bytes, one buffer per run of consecutive ids (zero-copy views
+        where the tier is host memory). They must stay valid until the next call that
+        writes those blocks."""
+
+    def write_blocks(self, tier: Tier, blocks: list[int], buffers: Sequence[Buffer]) -> None:
+        """Store ``len(blocks)`` blocks given back to back across ``buffers`` (each
+        buffer holds a whole number of blocks)."""
+
+
+class _Held(NamedTuple):
+    addr: int
+    tier: int
+    block: int
+    node: RadixNode | None  # None: a private block
+
+
+class MemPool:
+    """MemServe's elastic memory pool for one inference instance."""
+
+    def __init__(
+        self,
+        instance_id: int,
+        num_blocks: dict[Tier, int],
+        block_size: int,
+        enable_caching: bool = True,
+        mover: BlockMover | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self.instance_id = instance_id
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.mover = mover
+        self._clock = clock if clock is not None else itertools.count().__next__
+        self._pools: list[BlockPool | None] = [None] * len(Tier)
+        for tier, n in num_blocks.items():
+            if n > 0:
+                self._pools[Tier(tier)] = BlockPool(n)
+        self.tiers = [Tier(t) for t, p in enumerate(self._pools) if p is not None]
+        if not self.tiers:
+            raise ValueError("a MemPool needs blocks in at least one tier")
+        self._node_of: list[list[RadixNode | None]] = [[None] * (p.num_blocks if p else 0) for p in self._pools]
+        self.index = RadixIndex(block_size, self._clock)
+        self._events: list[KVEvent] = []
+        self._hit_tokens = 0
+        self._query_tokens = 0
+        self._transfer: KVTransferEndpoint | None = None
+
+    # ---------------------------------------------------------------- memory
+
+    def alloc_mem(self, size: int, type: Tier = Tier.DEVICE, instance: int | None = None) -> list[int]:  # noqa: A002
+        """``size`` blocks of tier ``type`` on ``instance`` (default: this one), each held
+        once by the caller. Evicts cached blocks when the free list is short; raises
+        ``OutOfBlocks`` and allocates nothing when even that is not enough. A remote
+        allocation asks that instance over the transfer endpoint."""
+        if instance is not None and instance != self.instance_id:
+            return self._endpoint().allocate(instance, size, Tier(type))
+        pool = self._pool(type, "alloc_mem")
+        short = size - pool.num_free
+        if short > 0:
+            if short > self.index.idle_count(type):
+                raise OutOfBlocks(
+                    f"alloc_mem: need {size} {Tier(type).name} blocks; {pool.num_free} free and "
+                    f"{self.index.idle_count(type)} evictable of {pool.num_blocks}"
+                )
+            self._evict(type, short)
+        return make_addrs(self.instance_id, type, pool.alloc(size))
+
+    def can_alloc(self, size: int, tier: Tier = Tier.DEVICE) -> bool:
+        """Whether ``alloc_mem(size, tier)`` would succeed now (free + evictable blocks)."""
+        pool = self._pools[tier] if 0 <= tier < len(self._pools) else None
+        return pool is not None and size <= pool.num_free + self.index.idle_count(tier)
+
+    def free_mem(self, addrs: Sequence[int]) -> None:
+        """Drop one reference on each address. An unindexed block nobody holds returns to
+        the free list; an indexed one stays cached. All or nothing: misuse (double free,
+        unknown or foreign address) raises ``MemPoolError`` and changes nothing."""
+        groups = self._split(addrs, "free_mem")
+        if len(groups) > 1:
+            for tier, blocks in groups:
+                self._check_release(tier, blocks)
+        for tier, blocks in groups:
+            self._release(tier, blocks)
+
+    def _release(self, tier: int, blocks: list[int]) -> None:
+        pool = self._pools[tier]
+        if not self.index.cached_count(tier):
+            try:
+                pool.free(blocks)  # type: ignore[union-attr]
+            except MemPoolError:
+                self._check_release(tier, blocks)  # raises, naming the address
+                raise
+            return
+        owners = self._node_of[tier]
+        nodes = []
+        private = []
+        for b in blocks:
+            node = owners[b]
+            if node is None:
+                private.append(b)
+            else:
+                nodes.append(node)
+        try:
+            self.index.unlock(nodes)
+        except MemPoolError:
+            self._check_release(tier, blocks)  # raises, naming the address
+            raise
+        try:
+            pool.free(private)  # type: ignore[union-attr]
+        except MemPoolError:
+            self.index.lock(nodes)
+            self._check_release(tier, blocks)
+            raise
+
+    def _check_release(self, tier: int, blocks: list[int]) -> None:
+        owners = self._node_of[tier]
+        pool = self._pools[tier]
+        for b, n in Counter(blocks).items():
+            node = owners[b]
+            held = node.lock if node is not None else pool.refcount(b)  # type: ignore[union-attr]
+            if held < n:
+                where = addr_str(self._addr(tier, b))
+                if held < 1:
+                    raise MemPoolError(f"free_mem: {where} is not held (already freed, or never allocated)")
+                raise MemPoolError(f"free_mem: {where} is held {held} times, released {n} times")
+
+    # ----------------------------------------------------------------- index
+
+    def insert(self, tokens: Sequence[int], addrs: Sequence[int], flags: int = 0, hashes: Sequence[int] | None = None) -> int:
+        """Index the full blocks of ``tokens`` (``addrs[i]`` holds block i) and return how
+        many were newly indexed. A block whose name is already cached keeps its cached
+        copy; the given address then stays private to the caller. ``hashes`` (the
+        prompt's ``block_hashes``) skips hashing when the caller already has them."""
+        newly = 0
+        if self.enable_caching:
+            if hashes is None:
+                hashes = block_hashes(tokens, self.block_size)
+            n = min(len(hashes), len(addrs))
+            start = self.index.known_prefix(hashes[:n])
+            if start < n:
+                newly = self._index_chain(hashes[start - 1] if start else None, hashes[start:n], addrs[start:n])
+        if flags & KVFlags.RELEASE:
+            self.free_mem(addrs)
+        return newly
+
+    def _index_chain(self, parent_hash: int | None, hashes: Sequence[int], addrs: Sequence[int]) -> int:
+        groups = self._split(addrs, "insert")
+        if len(groups) != 1:
+            raise MemPoolError("insert: the new blocks of one call must be in one tier")
+        tier, blocks = groups[0]
+        if parent_hash is not None and self.index.get(parent_hash).tier > tier:  # type: ignore[union-attr]
+            return 0  # never below a slower parent: eviction could not go deepest-first
+        try:
+            locks = self._pools[tier].park(blocks)  # type: ignore[union-attr]
+        except MemPoolError as e:
+            raise MemPoolError(f"insert: every new block must be held by the caller ({e})") from e
+        created = self.index.add_chain(parent_hash, hashes, addrs, locks)
+        owners = self._node_of[tier]
+        for b, node in zip(blocks, created):
+            owners[b] = node
+        self._events.append(KVEvent(STORED, list(hashes), parent_hash, list(addrs)))
+        return len(created)
+
+    def match(self, tokens: Sequence[int], take_ref: bool = True, hashes: Sequence[int] | None = None) -> list[int]:
+        """Addresses of the longest cached prefix of ``tokens`` (full blocks; an empty or
+        shorter-than-a-block prompt matches nothing). With ``take_ref`` the caller holds
+        each returned block until it frees it, and the lookup counts for the hit rate;
+        without, it is a peek. Blocks may sit in any tier: ``swap_in`` the slow ones."""
+        if not self.enable_caching:
+            nodes: list[RadixNode] = []
+        elif hashes is not None:
+            nodes = self.index.match_hashes(hashes)
+        else:
+            nodes = self.index.match(tokens)
+        if take_ref:
+            self.index.lock(nodes)
+            self._query_tokens += len(tokens)
+            self._hit_tokens += len(nodes) * self.block_size
+        return [n.addr for n in nodes]
+
+    def delete(self, tokens: Sequence[int]) -> int:
+        """Drop the cached blocks only this prompt uses (see ``RadixIndex.delete``);
+        returns how many."""
+        removed = self.index.delete(tokens)
+        self._forget(removed)
+        return len(removed)
+
+    # ----------------------------------------------------------------- tiers
+
+    def swap_out(self, n: int) -> list[tuple[int, int]]:
+        """Move up to ``n`` least recently used cached device blocks to the host tier;
+        returns ``(old, new)`` addresses. Fewer move when fewer are idle or the host is
+        full of blocks in use."""
+        host = self._pool(Tier.HOST, "swap_out")
+        self._need_mover("swap_out")
+        room = host.num_free + self.index.idle_count(Tier.HOST)
+        n = min(n, self.index.idle_count(Tier.DEVICE), room)
+        if n <= 0:
+            return []
+        return self._move(self.index.select_evictable(Tier.DEVICE, n), Tier.HOST)
+
+    def swap_in(self, addrs: Sequence[int]) -> list[int]:
+        """Copy held blocks of slower tiers to new device blocks; returns the device
+        addresses, each held once by the caller. The caller keeps its references to the
+        old addresses (free them as usual). An indexed block is re-pointed to its device
+        copy; pass a prompt's blocks parent first."""
+        mover = self._need_mover("swap_in")
+        entries = self._held(addrs, "swap_in")
+        promoted: set[RadixNode] = set()
+        for e in entries:
+            if e.tier == Tier.DEVICE:
+                raise MemPoolError(f"swap_in: {addr_str(e.addr)} is already on the device")
+            if e.node is not None:
+                parent = e.node.parent
+                if parent is not self.index.root and parent.tier != Tier.DEVICE and parent not in promoted:  # type: ignore[union-attr]
+                    raise MemPoolError(f"swap_in: {addr_str(e.addr)}'s parent block is not on the device; pass it first")
+                promoted.add(e.node)
+        device_addrs = self.alloc_mem(len(entries), Tier.DEVICE)
+        new_blocks = [a & BLOCK_MASK for a in device_addrs]
+        for tier, pairs in itertools.groupby(zip(entries, new_blocks), key=lambda p: p[0].tier):
+            src, dst = zip(*((e.block, b) for e, b in pairs))
+            mover.copy_blocks(Tier(tier), list(src), Tier.DEVICE, list(dst))
+        moved = [(e, b) for e, b in zip(entries, new_blocks) if e.node is not None]
+        if moved:
+            self._pools[Tier.DEVICE].park([b for _, b in moved])  # type: ignore[union-attr]
+            device_owner = self._node_of[Tier.DEVICE]
+            for e, b in moved:
+                holders = e.node.lock  # type: ignore[union-attr]
+                self.index.move(e.node, self._addr(Tier.DEVICE, b), lock=1)  # type: ignore[arg-type]
+                self._node_of[e.tier][e.block] = None
+                device_owner[b] = e.node
+                self._pools[e.tier].unpark([e.block], [holders])  # type: ignore[union-attr]
+            nodes = [e.node for e, _ in moved]
+            self._events.append(KVEvent(MOVED, [n.hash for n in nodes], None, [n.addr for n in nodes]))  # type: ignore[misc,union-attr]
+        return device_addrs
+
+    # -------------------------------------------------------------- transfer
+
+    def attach_transfer(self, endpoint: KVTransferEndpoint) -> None:
+        """Called by the endpoint that carries this instance's transfers."""
+        if self._transfer is not None and self._transfer is not endpoint:
+            raise MemPoolError("a transfer endpoint is already attached")
+        self._transfer = endpoint
+
+    def transfer(
+        self, instance: int, src: Sequence[int], dst: Sequence[int] | None = None, flags: int = 0, private: Any = None
+    ) -> list[int]:
+        """Copy the held blocks ``src`` to ``instance`` and return their addresses there.
+        Without ``dst`` the receiver allocates them (device, or host with ``KVFlags.HOST``);
+        ``private`` (msgpack-able) reaches the receiving engine with the addresses."""
+        return self._endpoint().send(instance, list(src), dst, flags, private)
+
+    def transfer_with_insert(
+        self,
+        instance: int,
+        tokens: Sequence[int],
+        src: Sequence[int],
+        dst: Sequence[int] | None = None,
+        flags: int = 0,
+        private: Any = None,
+        first_block: int = 0,
+    ) -> list[int]:
+        """``transfer`` plus an ``insert(tokens, ...)`` at the receiver, saving a round
+        trip. ``src`` holds blocks ``first_block..`` of ``tokens``; the receiver must have
+        the blocks before ``first_block`` cached (incremental transfer)."""
+        return self._endpoint().send(instance, list(src), dst, flags, private, list(tokens), first_block)
+
+    def check_held(self, addrs: Sequence[int], op: str) -> None:
+        """Raise unless every address is a local block someone holds."""
+        self._held(addrs, op)
+
+    def read_blocks(self, addrs: Sequence[int]) -> list[Buffer]:
+        """The bytes of held blocks, in order, as the mover's per-run buffers."""
+        mover = self._need_mover("read_blocks")
+        buffers: list[Buffer] = []
+        for tier, blocks in self._runs_by_tier(addrs, "read_blocks"):
+            buffers.extend(mover.read_blocks(tier, blocks))
+        return buffers
+
+    def write_blocks(self, addrs: Sequence[int], buffers: Sequence[Buffer]) -> None:
+        """Store blocks given back to back across ``buffers`` into held blocks ``addrs``."""
+        mover = self._need_mover("write_blocks")
+        groups = self._runs_by_tier(addrs, "write_blocks")
+        if len(groups) == 1:
+            mover.write_blocks(groups[0][0], groups[0][1], buffers)
+            return
+        views = [memoryview(b).cast("B") for b in buffers]
+        for tier, blocks in groups:
+            want = len(blocks) * mover.block_nbytes
+            part: list[memoryview] = []
+            while want:
+                head = views[0]
+                take = min(want, len(head))
+                part.append(head[:take])
+                want -= take
+                if take == len(head):
+                    views.pop(0)
+                else:
+                    views[0] = head[take:]
+            mover.write_blocks(tier, blocks, part)
+
+    # ----------------------------------------------------------------- state
+
+    def drain_events(self) -> list[KVEvent]:
+        """Index changes since the last call, in order (for ``KVEvents``)."""
+        events, self._events = self._events, []
+        return events
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "hit_tokens": self._hit_tokens,
+            "query_tokens": self._query_tokens,
+            "hit_rate": self._hit_tokens / self._query_tokens if self._query_tokens else 0.0,
+        }
+        for tier in self.tiers:
+            pool = self._pools[tier]
+            evictable = self.index.idle_count(tier)
+            out[tier.name.lower()] = {
+                "total": pool.num_blocks,  # type: ignore[union-attr]
+                "free": pool.num_free,  # type: ignore[union-attr]
+                "cached": self.index.cached_count(tier),
+                "evictable": evictable,
+                "used": pool.num_blocks - pool.num_free - evictable,  # type: ignore[union-attr]
+            }
+        return out
+
+    # -------------------------------------------------------------- internals
+
+    def _evict(self, tier: int, n: int) -> None:
+        """Free ``n`` blocks of ``tier`` by giving up its LRU cached blocks: demote them
+        to the next slower tier while it can take them, drop the rest."""
+        victims = self.index.select_evictable(tier, n)
+        nxt = self._next_tier(tier)
+        room = 0
+        if nxt is not None:
+            room = self._pools[nxt].num_free + self.index.idle_count(nxt)  # type: ignore[union-attr]
+        keep = min(len(victims), room)
+        # Drop the oldest: victims come deepest first, so none of them is an ancestor of a
+        # demoted one. A dropped block's slower descendants go with it.
+        dropped = victims[: len(victims) - keep]
+        if dropped:
+            self._forget([gone for v in dropped for gone in self.index.remove_subtree(v)])
+        if keep:
+            self._move(victims[len(victims) - keep :], nxt)  # type: ignore[arg-type]
+
+    def _move(self, nodes: list[RadixNode], dst: Tier) -> list[tuple[int, int]]:
+        """Relocate idle indexed blocks of one tier to tier ``dst``."""
+        src = nodes[0].tier
+        dst_pool = self._pools[dst]
+        short = len(nodes) - dst_pool.num_free  # type: ignore[union-attr]
+        if short > 0:
+            self._evict(dst, short)
+        dst_blocks = dst_pool.alloc(len(nodes))  # type: ignore[union-attr]
+        dst_pool.park(dst_blocks)  # type: ignore[union-attr]
+        src_blocks = [n.addr & BLOCK_MASK for n in nodes]
+        self.mover.copy_blocks(src, src_blocks, dst, dst_blocks)  # type: ignore[union-attr]
+        src_owner, dst_owner = self._node_of[src], self._node_of[dst]
+        pairs = []
+        for node, sb, db in zip(nodes, src_blocks, dst_blocks):
+            new = self._addr(dst, db)
+            pairs.append((node.addr, new))
+            self.index.move(node, new)
+            src_owner[sb] = None
+            dst_owner[db] = node
+        self._pools[src].release(src_blocks)  # type: ignore[union-attr]
+        self._events.append(KVEvent(MOVED, [n.hash for n in nodes], None, [new for _, new in pairs]))  # type: ignore[misc]
+        return pairs
+
+    def _forget(self, removed: list[RadixNode]) -> None:
+        """Return the blocks of nodes just removed from the index to their free lists."""
+        if not removed:
+            return
+        for tier, group in itertools.groupby(removed, key=lambda n: n.tier):
+            blocks = [n.addr & BLOCK_MASK for n in group]
+            owners = self._node_of[tier]
+            for b in blocks:
+                owners[b] = None
+            self._pools[tier].release(blocks)  # type: ignore[union-attr]
+        self._events.append(KVEvent(REMOVED, [n.hash for n in removed]))  # type: ignore[misc]
+
+    def _next_tier(self, tier: int) -> Tier | None:
+        if self.mover is None:
+            return None
+        return next((t for t in self.tiers if t > tier), None)
+
+    def _addr(self, tier: int, block: int) -> int:
+        return (self.instance_id << INSTANCE_SHIFT) | (tier << TIER_SHIFT) | block
+
+    def _split(self, addrs: Sequence[int], op: str) -> list[tuple[int, list[int]]]:
+        """``(tier, blocks)`` groups of local addresses; raises on foreign or unknown ones."""
+        if not addrs:
+            return []
+        base = addrs[0] & ~BLOCK_MASK
+        tier = (base >> TIER_SHIFT) & TIER_MASK
+        if base >> INSTANCE_SHIFT == self.instance_id and tier < len(self._pools) and self._pools[tier] is not None:
+            blocks = [a - base for a in addrs]
+            if min(blocks) >= 0 and max(blocks) < self._pools[tier].num_blocks:  # type: ignore[union-attr]
+                return [(tier, blocks)]
+        groups: dict[int, list[int]] = {}
+        for a in addrs:
+            tier = (a >> TIER_SHIFT) & TIER_MASK
+            if addr_instance(a) != self.instance_id:
+                raise MemPoolError(f"{op}: {addr_str(a)} belongs to instance {addr_instance(a)}, this is {self.instance_id}")
+            pool = self._pools[tier] if tier < len(self._pools) else None
+            if pool is None or not 0 <= a & BLOCK_MASK < pool.num_blocks:
+                raise MemPoolError(f"{op}: {addr_str(a)} is not a block of this pool")
+            groups.setdefault(tier, []).append(a & BLOCK_MASK)
+        return list(groups.items())
+
+    def _runs_by_tier(self, addrs: Sequence[int], op: str) -> list[tuple[Tier, list[int]]]:
+        """Maximal runs of consecutive same-tier held addresses, in order."""
+        return [
+            (Tier(tier), [e.block for e in group])
+            for tier, group in itertools.groupby(self._held(addrs, op), key=lambda e: e.tier)
+        ]
+
+    def _held(self, addrs: Sequence[int], op: str) -> list[_Held]:
+        """Each address decoded; raises unless it is a local block someone holds."""
+        self._split(addrs, op)
+        if len(set(addrs)) != len(addrs):
+            raise MemPoolError(f"{op}: repeated addresses")
+        out = []
+        for a in addrs:
+            tier, block = (a >> TIER_SHIFT) & TIER_MASK, a & BLOCK_MASK
+            node = self._node_of[tier][block]
+            held = node.lock if node is not None else self._pools[tier].refcount(block)  # type: ignore[union-attr]
+            if held < 1:
+                raise MemPoolError(f"{op}: {addr_str(a)} is not held by anyone")
+            out.append(_Held(a, tier, block, node))
+        return out
+
+    def _pool(self, tier: int, op: str) -> BlockPool:
+        pool = self._pools[tier] if 0 <= tier < len(self._pools) else None
+        if pool is None:
+            raise MemPoolError(f"{op}: this pool has no {Tier(tier).name if tier < len(Tier) else tier} tier")
+        return pool
+
+    def _need_mover(self, op: str) -> BlockMover:
+        if self.mover is None:
+            raise MemPoolError(f"{op} needs a BlockMover")
+        return self.mover
+
+    def _endpoint(self) -> KVTransferEndpoint:
+        if self._transfer is None:
+            raise MemPoolError("no transfer endpoint attached to this MemPool")
+        return self._transfer

@@ -1,0 +1,420 @@
+"""Radix index of cached prompts: token-based, block-granular (MemServe §4.2).
+
+A node stands for one full block of some cached prompt and is named by the block's
+chained hash (``hashing.block_hashes``). Because a name fixes the whole prefix, the tree
+is kept as one dict ``name -> node`` plus parent/children links: matching a prompt walks
+the dict block by block, and hashing stops at the first miss (names are computed in
+growing chunks), so a prompt that shares nothing costs one chunk of hashing, not the
+whole prompt.
+
+Each node carries the address of its block (instance, tier, block: ``address.py``), so
+the same tree indexes device, host and disk blocks and, in the gateway's mirrors, blocks
+of other instances.
+
+Locks and eviction. ``lock`` counts the references running requests hold on the node's
+block. A node is *busy* while it or any descendant is locked (``busy_children`` counts
+busy children; the state propagates up only on transitions, so locking a chain is O(1)
+a node). Idle nodes are what a tier can give up; per tier the index keeps their count
+(exact, so the scheduler can ask "can I allocate n?") and a lazy LRU heap of its
+*frontier*: idle nodes with no child in the same tier. Evicting frontier nodes first
+keeps the tree a tree (a parent never goes before its children) and, with the MemPool's rule
+that children live in the same or a slower tier than their parent, lets a tier shed its
+LRU blocks one level at a time: device -> host -> disk -> dropped.
+
+The clock is injected (any callable returning a number); by default a logical counter.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from types import MappingProxyType
+
+from memserve.kvcache.address import TIER_MASK, TIER_SHIFT, Tier, addr_block, addr_instance, addr_str, addr_tier
+from memserve.kvcache.blocks import MemPoolError
+from memserve.kvcache.hashing import block_hashes
+
+_NO_CHILDREN = MappingProxyType({})  # shared by every leaf until it gets a child
+_FIRST_CHUNK_BLOCKS = 16  # match hashes 16 blocks, then 32, 64, ... until the first miss
+_NUM_TIERS = len(Tier)
+
+
+class RadixNode:
+    """One cached full block."""
+
+    __slots__ = ("hash", "parent", "children", "addr", "lock", "busy_children", "last_access")
+
+    def __init__(
+        self, block_hash: int | None, parent: RadixNode | None, addr: int, lock: int, busy_children: int, now: float
+    ) -> None:
+        self.hash = block_hash
+        self.parent = parent
+        self.children: dict[int, RadixNode] = _NO_CHILDREN  # type: ignore[assignment]
+        self.addr = addr
+        self.lock = lock
+        self.busy_children = busy_children
+        self.last_access = now
+
+    @property
+    def tier(self) -> Tier:
+        return addr_tier(self.addr)
+
+    @property
+    def block(self) -> int:
+        return addr_block(self.addr)
+
+    @property
+    def instance(self) -> int:
+        return addr_instance(self.addr)
+
+    @property
+    def idle(self) -> bool:
+        return self.lock == 0 and self.busy_children == 0
+
+    def __repr__(self) -> str:
+        return f"RadixNode({self.hash:#x} @ {addr_str(self.addr)}, lock={self.lock})"
+
+
+def _tier(node: RadixNode) -> int:
+    return (node.addr >> TIER_SHIFT) & TIER_MASK
+
+
+class RadixIndex:
+    """Prefix tree of cached blocks, shared by the worker's MemPool and the gateway."""
+
+    def __init__(self, block_size: int, clock: Callable[[], float] | None = None) -> None:
+        self.block_size = block_size
+        self._clock = clock if clock is not None else itertools.count().__next__
+        # The root is locked for good, so busy/idle propagation stops below it.
+        self.root = RadixNode(None, None, -1, 1, 0, 0)
+        self._nodes: dict[int, RadixNode] = {}
+        self._count = [0] * _NUM_TIERS
+        self._idle = [0] * _NUM_TIERS
+        self._lru: list[list[tuple[float, int, RadixNode]]] = [[] for _ in range(_NUM_TIERS)]
+        self._seq = itertools.count()
+
+    # ----------------------------------------------------------------- lookup
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._nodes
+
+    def get(self, block_hash: int) -> RadixNode | None:
+        return self._nodes.get(block_hash)
+
+    def nodes(self) -> Iterable[RadixNode]:
+        return self._nodes.values()
+
+    def cached_count(self, tier: int) -> int:
+        """Blocks of ``tier`` the index holds."""
+        return self._count[tier]
+
+    def idle_count(self, tier: int) -> int:
+        """Blocks of ``tier`` that eviction could take (unlocked, no locked descendant)."""
+        return self._idle[tier]
+
+    def match(self, tokens: Sequence[int]) -> list[RadixNode]:
+        """Nodes of the longest cached prefix of ``tokens`` (full blocks only)."""
+        bs = self.block_size
+        num_full = len(tokens) // bs
+        nodes = self._nodes
+        out: list[RadixNode] = []
+        append = out.append
+        parent = None
+        start = 0
+        chunk = _FIRST_CHUNK_BLOCKS
+        while start < num_full:
+            end = min(num_full, start + chunk)
+            hashes = block_hashes(tokens[start * bs : end * bs], bs, parent)
+            for h in hashes:
+                node = nodes.get(h)
+                if node is None:
+                    return out
+                append(node)
+            parent = hashes[-1]
+            start = end
+            chunk *= 2
+        return out
+
+    def match_hashes(self, hashes: Sequence[int]) -> list[RadixNode]:
+        """Like ``match`` for a prompt whose block names are already known."""
+        nodes = self._nodes
+        out: list[RadixNode] = []
+        append = out.append
+        for h in hashes:
+            node = nodes.get(h)
+            if node is None:
+                break
+            append(node)
+        return out
+
+    def known_prefix(self, hashes: Sequence[int]) -> int:
+        """How many leading names of ``hashes`` are already indexed."""
+        nodes = self._nodes
+        for i, h in enumerate(hashes):
+            if h not in nodes:
+                return i
+        return len(hashes)
+
+    def entries(self) -> set[tuple[int, int | None, int]]:
+        """``(name, parent name, tier)`` of every node: what a mirror must agree on."""
+        return {(n.hash, n.parent.hash, _tier(n)) for n in self._nodes.values()}  # type: ignore[union-attr]
+
+    # ------------------------------------------------------------- structure
+
+    def add_chain(
+        self,
+        parent_hash: int | None,
+        hashes: Sequence[int],
+        addrs: Sequence[int],
+        locks: Sequence[int] | None = None,
+    ) -> list[RadixNode]:
+        """Index a chain of new blocks below ``parent_hash`` (None: the root).
+
+        ``locks`` gives each new node's initial reference count (default 0: cached only).
+        """
+        nodes = self._nodes
+        parent = self.root if parent_hash is None else nodes.get(parent_hash)
+        if parent is None:
+            raise ValueError(f"parent block {parent_hash:#x} is not indexed")
+        if len(addrs) != len(hashes) or (locks is not None and len(locks) != len(hashes)):
+            raise ValueError(f"{len(hashes)} names need as many addresses and locks")
+        n = len(hashes)
+        if not n:
+            return []
+        # Names chain, so only the first can collide with an indexed block (unless a
+        # 64-bit hash collides); checking it catches a stream that stores a chain twice.
+        if hashes[0] in nodes:
+            raise ValueError(f"block {hashes[0]:#x} is already indexed")
+        if locks is None:
+            locks = [0] * n
+        # A new node is busy when it or a deeper new node is locked: nodes 0..last_busy.
+        last_busy = n - 1
+        while last_busy >= 0 and not locks[last_busy]:
+            last_busy -= 1
+        now = self._clock()
+        created = []
+        append = created.append
+        node = parent
+        for h, a, lock in zip(hashes, addrs, locks):
+            child = RadixNode(h, node, a, lock, 1, now)
+            if node is not parent:
+                node.children = {h: child}
+            append(child)
+            node = child
+        if parent.children is _NO_CHILDREN:
+            parent.children = {}
+        parent.children[hashes[0]] = created[0]
+        nodes.update(zip(hashes, created))
+        for i in range(max(last_busy, 0), n):  # no busy child below these
+            created[i].busy_children = 0
+        tiers = [(a >> TIER_SHIFT) & TIER_MASK for a in addrs]
+        if tiers.count(tiers[0]) == n:
+            self._count[tiers[0]] += n
+        else:
+            for t in tiers:
+                self._count[t] += 1
+        for i in range(last_busy + 1, n):  # idle nodes: count them, list the frontier
+            tier = tiers[i]
+            self._idle[tier] += 1
+            if i == n - 1 or tiers[i + 1] != tier:
+                self._push(tier, created[i])
+        if last_busy >= 0:
+            parent.busy_children += 1
+            if parent.busy_children == 1 and not parent.lock:
+                self._became_busy(parent)
+        return created
+
+    def remove(self, node: RadixNode) -> None:
+        """Unindex an idle leaf."""
+        parent = node.parent
+        self._left_tier(parent, self._unlink(node))  # type: ignore[arg-type]
+
+    def remove_subtree(self, node: RadixNode) -> list[RadixNode]:
+        """Unindex an idle node and everything below it; returns them deepest first."""
+        order: list[RadixNode] = []
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if not n.idle:
+                raise MemPoolError(f"cannot remove {n!r}: it is in use")
+            order.append(n)
+            stack.extend(n.children.values())
+        order.reverse()
+        for n in order[:-1]:
+            self._unlink(n)
+        self.remove(node)
+        return order
+
+    def _unlink(self, node: RadixNode) -> int:
+        """Take an idle leaf out of the tree and the counts; returns its tier. Its parent
+        may become a frontier node: the caller decides whether to list it (``_left_tier``)."""
+        if node.children or not node.idle or node.parent is None:
+            raise MemPoolError(f"cannot remove {node!r}: only idle leaves can be removed")
+        tier = _tier(node)
+        del self._nodes[node.hash]  # type: ignore[arg-type]
+        del node.parent.children[node.hash]  # type: ignore[arg-type]
+        node.parent = None
+        self._count[tier] -= 1
+        self._idle[tier] -= 1
+        return tier
+
+    def move(self, node: RadixNode, addr: int, lock: int | None = None) -> None:
+        """Re-point ``node`` to a block elsewhere (tier move); optionally reset its lock
+        count (a busy node stays busy)."""
+        old_tier, new_tier = _tier(node), (addr >> TIER_SHIFT) & TIER_MASK
+        if lock is not None:
+            if lock < 1 or node.lock < 1:
+                raise MemPoolError(f"move of {node!r}: only the holders of a locked node can change")
+            node.lock = lock
+        node.addr = addr
+        if old_tier == new_tier:
+            return
+        self._count[old_tier] -= 1
+        self._count[new_tier] += 1
+        if node.idle:
+            self._idle[old_tier] -= 1
+            self._idle[new_tier] += 1
+            if self._frontier(node, new_tier):
+                self._push(new_tier, node)
+        self._left_tier(node.parent, old_tier)  # type: ignore[arg-type]
+
+    def delete(self, tokens: Sequence[int]) -> list[RadixNode]:
+        """Unindex the blocks only this prompt needs: walk its cached path bottom-up and
+        remove idle leaves, stopping at a block that is in use or shared with another
+        cached prompt. Returns the removed nodes, deepest first."""
+        path = self.match(tokens)
+        removed = []
+        for node in reversed(path):
+            if node.children or not node.idle:
+                break
+            parent = node.parent
+            tier = self._unlink(node)
+            removed.append(node)
+        if removed:
+            self._left_tier(parent, tier)  # type: ignore[arg-type]
+        return removed
+
+    # ------------------------------------------------------------------ locks
+
+    def lock(self, nodes: Iterable[RadixNode]) -> None:
+        """Take one reference on each node."""
+        idle = self._idle
+        shift, mask = TIER_SHIFT, TIER_MASK
+        for node in nodes:
+            if not node.lock and not node.busy_children:  # idle -> busy
+                idle[(node.addr >> shift) & mask] -= 1
+                parent = node.parent
+                parent.busy_children += 1  # type: ignore[union-attr]
+                if parent.busy_children == 1 and not parent.lock:  # type: ignore[union-attr]
+                    self._became_busy(parent)  # type: ignore[arg-type]
+            node.lock += 1
+
+    def unlock(self, nodes: Sequence[RadixNode]) -> None:
+        """Drop one reference on each node; all or nothing."""
+        now = self._clock()
+        k = 0
+        for k, node in enumerate(nodes):  # noqa: B007 - k is read below
+            lock = node.lock
+            if lock <= 0:
+                break
+            node.lock = lock - 1
+            node.last_access = now
+            if lock == 1 and not node.busy_children:
+                self._became_idle(node, now)
+        else:
+            return
+        self.lock(nodes[:k])
+        drops = Counter(nodes)
+        bad = next(n for n, c in drops.items() if n.lock < c)
+        raise MemPoolError(f"{addr_str(bad.addr)} is not held (lock {bad.lock}, released {drops[bad]} times)")
+
+    def _became_busy(self, node: RadixNode) -> None:
+        """``node`` was idle and now has a busy child: so do its idle ancestors."""
+        while True:
+            self._idle[_tier(node)] -= 1
+            node = node.parent  # type: ignore[assignment]
+            node.busy_children += 1
+            if node.busy_children > 1 or node.lock:
+                return
+
+    def _became_idle(self, node: RadixNode, now: float) -> None:
+        """``node`` just lost its last lock and has no busy child; ancestors kept busy
+        only by it become idle too."""
+        idle = self._idle
+        shift, mask = TIER_SHIFT, TIER_MASK
+        child_tier = -1  # tier of the child we came up from
+        while True:
+            tier = (node.addr >> shift) & mask
+            idle[tier] += 1
+            node.last_access = now
+            # A child in this tier that just went idle means: not a frontier node.
+            if tier != child_tier and self._frontier(node, tier):
+                self._push(tier, node)
+            child_tier = tier
+            node = node.parent  # type: ignore[assignment]
+            node.busy_children -= 1
+            if node.busy_children or node.lock:
+                return
+
+    # --------------------------------------------------------------- eviction
+
+    def select_evictable(self, tier: int, n: int) -> list[RadixNode]:
+        """The ``n`` least recently used idle blocks of ``tier`` to evict, deepest first:
+        each one's descendants in this tier come before it. The caller must then remove
+        or move every returned node out of ``tier``."""
+        if n > self._idle[tier]:
+            raise MemPoolError(f"only {self._idle[tier]} idle blocks in tier {Tier(tier).name}, asked for {n}")
+        heap = self._lru[tier]
+        selected: set[RadixNode] = set()
+        out: list[RadixNode] = []
+        while len(out) < n:
+            last_access, _, node = heapq.heappop(heap)
+            if (
+                node in selected
+                or node.parent is None
+                or last_access != node.last_access
+                or _tier(node) != tier
+                or not node.idle
+                or not self._frontier(node, tier, selected)
+            ):
+                continue
+            selected.add(node)
+            out.append(node)
+            parent = node.parent
+            if parent is not self.root and _tier(parent) == tier and parent.idle and self._frontier(parent, tier, selected):
+                # No compaction here: it would not know about ``selected``.
+                heapq.heappush(heap, (parent.last_access, next(self._seq), parent))
+        return out
+
+    def _frontier(self, node: RadixNode, tier: int, gone: set[RadixNode] | frozenset = frozenset()) -> bool:
+        """True when no child of ``node`` (other than those in ``gone``) is in ``tier``."""
+        for child in node.children.values():
+            if _tier(child) == tier and child not in gone:
+                return False
+        return True
+
+    def _left_tier(self, parent: RadixNode, tier: int) -> None:
+        """A child of ``parent`` left ``tier``: the parent may now be on that tier's frontier."""
+        if parent is not self.root and parent.idle and _tier(parent) == tier and self._frontier(parent, tier):
+            self._push(tier, parent)
+
+    def _push(self, tier: int, node: RadixNode) -> None:
+        heap = self._lru[tier]
+        heapq.heappush(heap, (node.last_access, next(self._seq), node))
+        if len(heap) > 2 * self._count[tier] + 64:
+            self._rebuild_heap(tier)
+
+    def _rebuild_heap(self, tier: int) -> None:
+        """Drop stale entries: one entry per current frontier node."""
+        heap = [
+            (n.last_access, next(self._seq), n)
+            for n in self._nodes.values()
+            if _tier(n) == tier and n.idle and self._frontier(n, tier)
+        ]
+        heapq.heapify(heap)
+        self._lru[tier] = heap

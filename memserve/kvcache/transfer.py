@@ -1,0 +1,275 @@
+"""KV transfer between instances over ZeroMQ (MemServe §4.3).
+
+Each worker owns one ``KVTransferEndpoint``: a ROUTER socket that serves requests from
+other instances, and one DEALER per peer for its own requests. The worker's event loop
+calls ``serve()`` (or polls ``socket``) so peers are answered between engine steps.
+
+A transfer is three steps:
+
+1. allocation: the sender asks the receiver to ``alloc_mem`` (skipped when the sender
+   passes ``dst``, e.g. blocks it allocated earlier with ``alloc_mem(instance=...)``);
+2. transmission: one message whose first frame is a msgpack header and whose other
+   frames are the blocks' bytes, one zero-copy frame per run of consecutive blocks; the
+   receiver writes them into ``dst`` through its mover;
+3. insertion (``transfer_with_insert``): the receiver indexes the blocks under the given
+   tokens, then answers; the sender's call returns when that answer arrives.
+
+Calls block, but while one waits the endpoint keeps serving its own ROUTER, so two
+instances sending to each other at once do not deadlock. The receiver's engine collects
+what arrived (addresses, tokens, the sender's ``private`` payload) with
+``drain_received``; it then holds one reference on each received block, unless the
+sender set ``KVFlags.RELEASE``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import zmq
+
+from memserve.ipc.messages import decode, encode, register
+from memserve.kvcache.address import Tier
+from memserve.kvcache.blocks import MemPoolError
+from memserve.kvcache.mempool import KVFlags, MemPool
+
+
+class TransferError(MemPoolError):
+    """A transfer failed at the receiver or timed out."""
+
+
+@dataclass
+class KVAllocRequest:
+    kind: ClassVar[str] = "kv_alloc"
+    transfer_id: int
+    src_instance: int
+    num_blocks: int
+    tier: int
+
+
+@dataclass
+class KVAllocReply:
+    kind: ClassVar[str] = "kv_alloc_reply"
+    transfer_id: int
+    addrs: list[int]
+    error: str | None = None
+
+
+@dataclass
+class KVData:
+    """Header of a data message; the block bytes follow as separate frames."""
+
+    kind: ClassVar[str] = "kv_data"
+    transfer_id: int
+    src_instance: int
+    dst: list[int]
+    flags: int
+    block_nbytes: int
+    private: Any = None
+    tokens: list[int] | None = None  # set by transfer_with_insert
+    first_block: int = 0  # the blocks sent are blocks first_block.. of tokens
+
+
+@dataclass
+class KVDone:
+    kind: ClassVar[str] = "kv_done"
+    transfer_id: int
+    inserted: int = 0
+    error: str | None = None
+
+
+for _cls in (KVAllocRequest, KVAllocReply, KVData, KVDone):
+    register(_cls)
+
+
+@dataclass
+class ReceivedKV:
+    """Blocks another instance sent here, for the receiving engine."""
+
+    src_instance: int
+    addrs: list[int]
+    tokens: list[int] | None
+    private: Any
+    inserted: int
+
+
+class KVTransferEndpoint:
+    """One worker's end of the KV transfer network, bound to ``pool``."""
+
+    def __init__(
+        self,
+        pool: MemPool,
+        bind: str = "tcp://127.0.0.1:*",
+        context: zmq.Context | None = None,
+        timeout_s: float = 30.0,
+    ) -> None:
+        self.pool = pool
+        self.timeout_s = timeout_s
+        self._ctx = context or zmq.Context.instance()
+        self._server = self._ctx.socket(zmq.ROUTER)
+        self._server.setsockopt(zmq.LINGER, 0)
+        self._server.bind(bind)
+        self.address: str = self._server.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._peers: dict[int, zmq.Socket] = {}
+        self._received: list[ReceivedKV] = []
+        self._ids = itertools.count(1)
+        pool.attach_transfer(self)
+
+    @property
+    def socket(self) -> zmq.Socket:
+        """The serving socket, for the worker's poller: call ``serve()`` when readable."""
+        return self._server
+
+    def connect(self, instance: int, address: str) -> None:
+        if instance in self._peers:
+            self._peers.pop(instance).close(linger=0)
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        self._peers[instance] = sock
+
+    def close(self) -> None:
+        for sock in self._peers.values():
+            sock.close(linger=0)
+        self._peers.clear()
+        self._server.close(linger=0)
+
+    def drain_received(self) -> list[ReceivedKV]:
+        received, self._received = self._received, []
+        return received
+
+    # ------------------------------------------------------------ sender side
+
+    def allocate(self, instance: int, size: int, tier: Tier) -> list[int]:
+        """``alloc_mem`` on another instance; the blocks are handed to its engine once
+        data is transferred into them."""
+        peer = self._peer(instance)
+        tid = next(self._ids)
+        peer.send(encode(KVAllocRequest(tid, self.pool.instance_id, size, int(tier))))
+        reply = self._wait(peer, tid)
+        if reply.error:
+            raise TransferError(f"instance {instance} could not allocate {size} blocks: {reply.error}")
+        return list(reply.addrs)
+
+    def send(
+        self,
+        instance: int,
+        src: list[int],
+        dst: list[int] | None,
+        flags: int,
+        private: Any,
+        tokens: list[int] | None = None,
+        first_block: int = 0,
+    ) -> list[int]:
+        """Copy held blocks ``src`` to ``instance``; returns their addresses there."""
+        self.pool.check_held(src, "transfer")
+        peer = self._peer(instance)
+        if dst is None:
+            dst = self.allocate(instance, len(src), Tier.HOST if flags & KVFlags.HOST else Tier.DEVICE)
+        elif len(dst) != len(src):
+            raise MemPoolError(f"transfer: {len(src)} source blocks but {len(dst)} destinations")
+        buffers = self.pool.read_blocks(src)
+        mover = self.pool.mover
+        tid = next(self._ids)
+        header = KVData(tid, self.pool.instance_id, list(dst), int(flags), mover.block_nbytes, private, tokens, first_block)  # type: ignore[union-attr]
+        # copy=False: the frames point into the mover's memory. They are safe to reuse
+        # once the receiver answers, which means it has received every frame.
+        peer.send_multipart([encode(header), *buffers], copy=False)
+        done = self._wait(peer, tid)
+        if done.error:
+            raise TransferError(f"transfer to instance {instance} failed: {done.error}")
+        return list(dst)
+
+    def _peer(self, instance: int) -> zmq.Socket:
+        sock = self._peers.get(instance)
+        if sock is None:
+            raise MemPoolError(f"no transfer peer for instance {instance}: call connect() first")
+        return sock
+
+    def _wait(self, peer: zmq.Socket, tid: int) -> Any:
+        """The reply to request ``tid``, serving incoming requests meanwhile."""
+        poller = zmq.Poller()
+        poller.register(peer, zmq.POLLIN)
+        poller.register(self._server, zmq.POLLIN)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TransferError(f"no answer to transfer request {tid} within {self.timeout_s} s")
+            ready = dict(poller.poll(remaining * 1000))
+            if self._server in ready:
+                self.serve()
+            if peer in ready:
+                reply = decode(peer.recv())
+                if reply.transfer_id == tid:
+                    return reply
+                # else: a late answer to a request that already timed out
+
+    # ---------------------------------------------------------- receiver side
+
+    def serve(self, timeout_ms: int = 0) -> int:
+        """Handle the requests waiting (waiting up to ``timeout_ms`` for the first);
+        returns how many were handled."""
+        handled = 0
+        if not self._server.poll(timeout_ms, zmq.POLLIN):
+            return 0
+        while True:
+            try:
+                frames = self._server.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return handled
+            try:
+                identity, header, data = frames[0], decode(frames[1].bytes), frames[2:]
+            except Exception:  # noqa: BLE001 - garbage from a peer must not stop the worker
+                continue
+            if isinstance(header, KVAllocRequest):
+                reply: Any = self._on_alloc(header)
+            elif isinstance(header, KVData):
+                reply = self._on_data(header, data)
+            else:
+                continue
+            self._server.send_multipart([identity, encode(reply)])
+            handled += 1
+
+    def _on_alloc(self, req: KVAllocRequest) -> KVAllocReply:
+        try:
+            return KVAllocReply(req.transfer_id, self.pool.alloc_mem(req.num_blocks, Tier(req.tier)))
+        except (MemPoolError, ValueError) as e:
+            return KVAllocReply(req.transfer_id, [], str(e))
+
+    def _on_data(self, msg: KVData, frames: list[zmq.Frame]) -> KVDone:
+        pool = self.pool
+        try:
+            pool.check_held(msg.dst, "transfer")
+        except MemPoolError as e:
+            return KVDone(msg.transfer_id, error=str(e))
+        try:
+            buffers = [f.buffer for f in frames]
+            nbytes = sum(len(b) for b in buffers)
+            mover = pool.mover
+            if mover is None or msg.block_nbytes != mover.block_nbytes or nbytes != len(msg.dst) * msg.block_nbytes:
+                raise MemPoolError(
+                    f"block layout mismatch: sender {msg.block_nbytes} B/block, {nbytes} B for {len(msg.dst)} blocks; "
+                    f"receiver {mover.block_nbytes if mover else 'no mover'} B/block"
+                )
+            pool.write_blocks(msg.dst, buffers)
+            inserted = self._insert(msg) if msg.tokens is not None else 0
+        except Exception as e:  # noqa: BLE001 - any failure is the sender's answer, not our crash
+            pool.free_mem(msg.dst)
+            return KVDone(msg.transfer_id, error=f"{type(e).__name__}: {e}")
+        if msg.flags & KVFlags.RELEASE:
+            pool.free_mem(msg.dst)
+        else:
+            self._received.append(ReceivedKV(msg.src_instance, msg.dst, msg.tokens, msg.private, inserted))
+        return KVDone(msg.transfer_id, inserted)
+
+    def _insert(self, msg: KVData) -> int:
+        """Index the received blocks after the prefix this instance already caches."""
+        pool = self.pool
+        tokens = msg.tokens
+        prefix = pool.match(tokens[: msg.first_block * pool.block_size], take_ref=False) if msg.first_block else []  # type: ignore[index]
+        if len(prefix) < msg.first_block:
+            return 0  # the prefix was evicted here meanwhile: nothing to hang the blocks on
+        return pool.insert(tokens, prefix + msg.dst)  # type: ignore[arg-type]

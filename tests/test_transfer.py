@@ -1,0 +1,189 @@
+"""KV transfer between two real processes over ZeroMQ (MemServe §4.3)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from typing import Any
+
+import pytest
+import zmq
+from test_mempool import BS, NumpyBlockMover, prompt
+
+from memserve.ipc.messages import decode, encode
+from memserve.kvcache.address import Tier, addr_block, addr_instance, addr_tier, make_addr
+from memserve.kvcache.mempool import KVFlags, MemPool, MemPoolError
+from memserve.kvcache.transfer import KVAllocRequest, KVTransferEndpoint, TransferError
+
+SENDER, RECEIVER = 0, 1
+TIERS = {Tier.DEVICE: 32, Tier.HOST: 16}
+
+
+def make_instance(instance: int) -> tuple[MemPool, NumpyBlockMover, KVTransferEndpoint]:
+    mover = NumpyBlockMover(TIERS, block_nbytes=4096)
+    pool = MemPool(instance, TIERS, BS, mover=mover)
+    return pool, mover, KVTransferEndpoint(pool, timeout_s=20)
+
+
+def receiver_main(conn: Any) -> None:
+    """The other worker: serves its endpoint and answers the test's questions."""
+    pool, mover, endpoint = make_instance(RECEIVER)
+    conn.send(endpoint.address)
+    while True:
+        endpoint.serve(timeout_ms=5)
+        if not conn.poll():
+            continue
+        cmd, *args = conn.recv()
+        if cmd == "stop":
+            break
+        if cmd == "connect":
+            endpoint.connect(*args)
+            conn.send(None)
+        elif cmd == "match":
+            addrs = pool.match(args[0], take_ref=False)
+            conn.send((addrs, mover.get(addrs)))
+        elif cmd == "read":
+            conn.send(mover.get(args[0]))
+        elif cmd == "received":
+            received = endpoint.drain_received()
+            for r in received:
+                pool.free_mem(r.addrs)  # the engine would run the request, then free
+            conn.send([(r.src_instance, r.addrs, r.tokens, r.private, r.inserted) for r in received])
+        elif cmd == "stats":
+            conn.send(pool.stats())
+        elif cmd == "send_back":  # decode-phase KV back to the prefill instance
+            tokens, first_block, seed = args
+            addrs = pool.alloc_mem(len(tokens) // BS - first_block)
+            mover.fill(Tier.DEVICE, [addr_block(a) for a in addrs], seed)
+            data = mover.get(addrs)
+            dst = pool.transfer_with_insert(SENDER, tokens, addrs, flags=KVFlags.RELEASE, first_block=first_block)
+            pool.free_mem(addrs)
+            conn.send((dst, data))
+    endpoint.close()
+
+
+@pytest.fixture(scope="module")
+def peer():
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    proc = ctx.Process(target=receiver_main, args=(child_conn,), daemon=True)
+    proc.start()
+    pool, mover, endpoint = make_instance(SENDER)
+    try:
+        assert conn.poll(60), "receiver did not start"
+        endpoint.connect(RECEIVER, conn.recv())
+        peer = Peer(conn, pool, mover, endpoint)
+        peer.ask("connect", SENDER, endpoint.address)
+        yield peer
+        conn.send(("stop",))
+        proc.join(10)
+    finally:
+        endpoint.close()
+        if proc.is_alive():
+            proc.kill()
+
+
+class Peer:
+    def __init__(self, conn, pool: MemPool, mover: NumpyBlockMover, endpoint: KVTransferEndpoint) -> None:
+        self.conn, self.pool, self.mover, self.endpoint = conn, pool, mover, endpoint
+
+    def ask(self, *cmd: Any) -> Any:
+        """Ask the receiver process something, serving our endpoint meanwhile."""
+        self.conn.send(cmd)
+        while not self.conn.poll():
+            self.endpoint.serve(timeout_ms=5)
+        return self.conn.recv()
+
+    def computed(self, n: int, seed: int, tier: Tier = Tier.DEVICE) -> list[int]:
+        """``n`` held blocks whose KV is some model's output."""
+        addrs = self.pool.alloc_mem(n, tier)
+        self.mover.fill(tier, [addr_block(a) for a in addrs], seed)
+        return addrs
+
+
+def test_transfer_with_insert_lets_the_receiver_match_the_prompt(peer: Peer):
+    tokens = prompt(1, 6) + [9, 9]  # six full blocks and a partial one
+    src = peer.computed(7, seed=1)
+    before = peer.ask("stats")
+    dst = peer.pool.transfer_with_insert(RECEIVER, tokens, src, private={"request_id": "r1"})
+    assert all(addr_instance(a) == RECEIVER and addr_tier(a) == Tier.DEVICE for a in dst)
+    addrs, data = peer.ask("match", tokens)
+    assert addrs == dst[:6]
+    assert data == peer.mover.get(src[:6])
+    [(src_instance, got, got_tokens, private, inserted)] = peer.ask("received")
+    assert (src_instance, got, got_tokens, private, inserted) == (SENDER, dst, tokens, {"request_id": "r1"}, 6)
+    after = peer.ask("stats")
+    assert after["device"]["cached"] - before["device"]["cached"] == 6
+    assert after["device"]["free"] == before["device"]["free"] - 6  # the partial block was freed
+    peer.pool.free_mem(src)
+
+
+def test_transfer_into_blocks_allocated_on_the_receiver_beforehand(peer: Peer):
+    dst = peer.pool.alloc_mem(3, Tier.HOST, instance=RECEIVER)
+    assert all(addr_instance(a) == RECEIVER and addr_tier(a) == Tier.HOST for a in dst)
+    src = peer.computed(2, seed=2) + peer.computed(1, seed=3, tier=Tier.HOST)  # partly swapped out
+    assert peer.pool.transfer(RECEIVER, src, dst, private=["layer", 0]) == dst
+    assert peer.ask("read", dst) == peer.mover.get(src)
+    [(_, got, tokens, private, inserted)] = peer.ask("received")
+    assert (got, tokens, private, inserted) == (dst, None, ["layer", 0], 0)
+    peer.pool.free_mem(src)
+
+
+def test_incremental_transfer_extends_what_the_receiver_caches(peer: Peer):
+    tokens = prompt(4, 5)
+    src = peer.computed(5, seed=4)
+    peer.pool.transfer_with_insert(RECEIVER, tokens[: 2 * BS], src[:2], flags=KVFlags.RELEASE | KVFlags.HOST)
+    peer.pool.transfer_with_insert(RECEIVER, tokens, src[2:], flags=KVFlags.RELEASE | KVFlags.HOST, first_block=2)
+    addrs, data = peer.ask("match", tokens)
+    assert len(addrs) == 5 and data == peer.mover.get(src)
+    assert peer.ask("received") == []  # RELEASE: nothing for the receiving engine to free
+    peer.pool.free_mem(src)
+
+
+def test_decode_instance_sends_its_kv_back_while_we_serve(peer: Peer):
+    tokens = prompt(5, 2)
+    src = peer.computed(2, seed=5)
+    peer.pool.insert(tokens, src, KVFlags.RELEASE)
+    longer = tokens + prompt(6, 3)
+    dst, data = peer.ask("send_back", longer, 2, 6)
+    hit = peer.pool.match(longer)
+    assert hit == src + dst and peer.mover.get(dst) == data
+    peer.pool.free_mem(hit)
+    assert peer.pool.stats()["device"]["used"] == 0  # cached, held by nobody
+
+
+def test_failed_transfers_raise_and_leak_nothing(peer: Peer):
+    before = peer.ask("stats")
+    too_many = peer.computed(20, seed=7) + peer.computed(13, seed=8, tier=Tier.HOST)  # receiver has 32
+    with pytest.raises(TransferError, match="could not allocate 33 blocks"):
+        peer.pool.transfer(RECEIVER, too_many)
+    not_allocated_there = [make_addr(RECEIVER, Tier.DEVICE, 0)]
+    with pytest.raises(TransferError, match="not held"):
+        peer.pool.transfer(RECEIVER, too_many[:1], not_allocated_there)
+    peer.pool.free_mem(too_many)
+    with pytest.raises(MemPoolError, match="not held"):
+        peer.pool.transfer(RECEIVER, too_many[:1])
+    with pytest.raises(MemPoolError, match="no transfer peer"):
+        peer.pool.transfer(7, peer.computed(1, seed=9))
+    assert peer.ask("stats") == before
+    assert peer.ask("received") == []
+
+
+def test_garbage_on_the_socket_does_not_stop_serving():
+    pool, _, endpoint = make_instance(RECEIVER)
+    stray = zmq.Context.instance().socket(zmq.DEALER)
+    stray.connect(endpoint.address)
+    try:
+        stray.send(b"\x93not msgpack")
+        stray.send(b"")
+        stray.send(encode(KVAllocRequest(1, 9, 2, int(Tier.DEVICE))))
+        handled = 0
+        for _ in range(100):
+            handled += endpoint.serve(timeout_ms=20)
+            if stray.poll(0):
+                break
+        assert handled == 1  # the garbage was skipped, the request answered
+        reply = decode(stray.recv())
+        assert reply.error is None and len(reply.addrs) == 2
+    finally:
+        stray.close(linger=0)
+        endpoint.close()
