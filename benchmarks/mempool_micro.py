@@ -20,6 +20,8 @@ import argparse
 import random
 import statistics
 import time
+from array import array
+from functools import partial
 from collections.abc import Callable, Sequence
 
 from memserve.kvcache.address import Tier
@@ -53,16 +55,25 @@ class HashPrefixCache:
         return out
 
 
-def median_ns(run: Callable[[], object], reps: int, after: Callable[[object], object] | None = None) -> float:
-    """Median wall time of ``run``; ``after`` (untimed) gets each result, e.g. to free it."""
-    times = []
+def median_ns(run: Callable[[], object], reps: int) -> float:
+    """Median wall time of ``run``."""
+    return interleaved([lambda: _timed(run)], reps)[0]
+
+
+def interleaved(measures: list[Callable[[], int]], reps: int) -> list[float]:
+    """Median of each measurement (a callable returning ns), taken in turns so that a
+    busy moment on a shared machine hits all of them alike."""
+    times: list[list[int]] = [[] for _ in measures]
     for _ in range(reps):
-        start = time.perf_counter_ns()
-        result = run()
-        times.append(time.perf_counter_ns() - start)
-        if after is not None:
-            after(result)
-    return statistics.median(times)
+        for out, measure in zip(times, measures):
+            out.append(measure())
+    return [statistics.median(t) for t in times]
+
+
+def _timed(run: Callable[[], object]) -> int:
+    start = time.perf_counter_ns()
+    run()
+    return time.perf_counter_ns() - start
 
 
 def tokens_of(n: int, seed: int) -> list[int]:
@@ -75,9 +86,11 @@ def bench_alloc_free(reps: int) -> None:
     print(f"   {'batch':>6} {'BlockPool':>10} {'MemPool':>10}")
     for batch in (16, 64, 256, 1024):
         pool = BlockPool(4096)
-        raw = median_ns(lambda: pool.free(pool.alloc(batch)), reps)
         mem = MemPool(0, {Tier.DEVICE: 4096}, BLOCK_SIZE)
-        api = median_ns(lambda: mem.free_mem(mem.alloc_mem(batch)), reps)
+        raw, api = interleaved(
+            [lambda: _timed(lambda: pool.free(pool.alloc(batch))), lambda: _timed(lambda: mem.free_mem(mem.alloc_mem(batch)))],
+            reps,
+        )
         print(f"   {batch:>6} {raw / batch:>10.1f} {api / batch:>10.1f}")
 
 
@@ -85,8 +98,10 @@ def bench_insert_match_4k(reps: int) -> None:
     n_tokens = 4096
     n_blocks = n_tokens // BLOCK_SIZE
     print(f"\n2. {n_tokens}-token prompt ({n_blocks} blocks) by cached ratio, us (MemServe insert <= 700 us; target <= 100 us)")
-    print(f"   {'cached':>6} {'insert':>8} {'match':>8} | names known: {'insert':>7} {'match':>8}")
+    print("   tokens as: a list (hashed here) | an array('I') (hashed here) | names known (no hashing)")
+    print(f"   {'cached':>6} {'insert':>8} {'match':>8} | {'insert':>8} {'match':>8} | {'insert':>8} {'match':>8}")
     tokens = tokens_of(n_tokens, seed=1)
+    packed = array("I", tokens)
     hashes = block_hashes(tokens, BLOCK_SIZE)
     for ratio in (0.0, 0.5, 1.0):
         pool = MemPool(0, {Tier.DEVICE: 4 * n_blocks}, BLOCK_SIZE)
@@ -98,23 +113,26 @@ def bench_insert_match_4k(reps: int) -> None:
             if cached:
                 pool.insert(tokens[: cached * BLOCK_SIZE], pool.alloc_mem(cached), KVFlags.RELEASE)
 
-        def insert_ns(names: list[int] | None) -> float:
-            times = []
-            for _ in range(reps):
-                reset()
-                addrs = pool.alloc_mem(n_blocks)  # a request that computed the whole prompt
-                start = time.perf_counter_ns()
-                pool.insert(tokens, addrs, hashes=names)
-                times.append(time.perf_counter_ns() - start)
-                pool.free_mem(addrs)
+        def insert_ns(prompt: Sequence[int], names: list[int] | None) -> int:
             reset()
-            return statistics.median(times)
+            addrs = pool.alloc_mem(n_blocks)  # a request that computed the whole prompt
+            start = time.perf_counter_ns()
+            pool.insert(prompt, addrs, hashes=names)
+            elapsed = time.perf_counter_ns() - start
+            pool.free_mem(addrs)
+            reset()
+            return elapsed
 
-        insert, insert_known = insert_ns(None), insert_ns(hashes)
-        match = median_ns(lambda: pool.match(tokens), reps, after=pool.free_mem)
-        match_known = median_ns(lambda: pool.match(tokens, hashes=hashes), reps, after=pool.free_mem)
-        us = [t / 1e3 for t in (insert, match, insert_known, match_known)]
-        print(f"   {ratio:>6.0%} {us[0]:>8.1f} {us[1]:>8.1f} | {'':>12} {us[2]:>7.1f} {us[3]:>8.1f}")
+        def match_ns(prompt: Sequence[int], names: list[int] | None) -> int:
+            start = time.perf_counter_ns()
+            addrs = pool.match(prompt, hashes=names)
+            elapsed = time.perf_counter_ns() - start
+            pool.free_mem(addrs)
+            return elapsed
+
+        variants = ((tokens, None), (packed, None), (tokens, hashes))
+        cols = interleaved([partial(fn, p, h) for p, h in variants for fn in (insert_ns, match_ns)], reps)
+        print(f"   {ratio:>6.0%} " + " | ".join(f"{cols[i] / 1e3:>8.1f} {cols[i + 1] / 1e3:>8.1f}" for i in (0, 2, 4)))
 
 
 def bench_match_vs_hash(reps: int) -> None:
@@ -130,12 +148,12 @@ def bench_match_vs_hash(reps: int) -> None:
         table = HashPrefixCache(BLOCK_SIZE)
         table.insert(tokens, blocks)
         assert len(radix.match(tokens)) == len(table.match(tokens)) == len(blocks)
-        row = []
-        for prompt in (tokens, other):
-            r = median_ns(lambda: radix.match(prompt), reps)
-            h = median_ns(lambda: table.match(prompt), reps)
-            row += [r / 1e3, h / 1e3, h / r]
-        print(f"   {n_tokens:>6} | {row[0]:>13.1f} {row[1]:>8.1f} {row[2]:>5.2f}x | {row[3]:>15.1f} {row[4]:>8.1f} {row[5]:>5.1f}x")
+        row = interleaved([lambda p=p, m=m: _timed(lambda: m(p)) for p in (tokens, other) for m in (radix.match, table.match)], reps)
+        r_hit, h_hit, r_miss, h_miss = (t / 1e3 for t in row)
+        print(
+            f"   {n_tokens:>6} | {r_hit:>13.1f} {h_hit:>8.1f} {h_hit / r_hit:>5.2f}x"
+            f" | {r_miss:>15.1f} {h_miss:>8.1f} {h_miss / r_miss:>5.1f}x"
+        )
 
 
 def main() -> None:

@@ -133,11 +133,12 @@ class ZmqEngineClient:
                 "num_running": s.get("num_running", 0),
                 "num_waiting": s.get("num_waiting", 0),
                 "num_preemptions": s.get("num_preemptions", 0),
-                "free_blocks": mp.get("free_blocks", {}),
+                # Allocatable blocks per tier: free plus cached-but-evictable.
+                "free_blocks": {t: v["free"] + v["evictable"] for t, v in mp.items() if isinstance(v, dict)},
                 "cache_hit_rate": s.get("cache_hit_rate", 0.0),
                 "cached_tokens_total": s.get("cached_tokens_total", 0),
                 "prompt_tokens_total": s.get("prompt_tokens_total", 0),
-                "mirror_blocks": len(self.mirrors[h.instance_id]),
+                "mirror_blocks": len(self.mirrors[h.instance_id].entries()),
             })
         return {"workers": workers, "num_requests_in_flight": len(self._streams)}
 
@@ -159,7 +160,7 @@ class ZmqEngineClient:
                 if entry is not None:
                     entry[1].put_nowait(out)
         elif isinstance(msg, KVEvents):
-            self.mirrors[instance_id].apply(msg.events)
+            self.mirrors[instance_id].apply(msg)
         elif isinstance(msg, Heartbeat):
             self.cluster.heartbeat(instance_id, msg.stats)
         elif isinstance(msg, WorkerReady):
@@ -190,5 +191,5 @@ class ZmqEngineClient:
         for rid, (worker, queue) in list(self._streams.items()):
             if worker == h.instance_id:
                 queue.put_nowait(RequestOutput(rid, [], True, "error", error=f"worker {worker} died"))
-        self.mirrors[h.instance_id].clear()
+        self.mirrors[h.instance_id].reset()
         self.cluster.restart(h)

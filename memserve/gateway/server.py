@@ -33,10 +33,10 @@ def served_model_name(cfg: ServeConfig) -> str:
 
 
 async def serve(cfg: ServeConfig) -> None:
+    name = served_model_name(cfg)
     model_dir = await asyncio.to_thread(ensure_model_dir, cfg.engine.model)
     cfg.engine.model = str(model_dir)  # workers load the prepared folder directly
     tokenizer = Tokenizer.from_folder(model_dir)
-    name = served_model_name(cfg)
     channel = GatewayChannel()
     cluster = Cluster(plan_workers(cfg.engine, channel.address, cfg.cpu_workers, cfg.gpus),
                       cfg.heartbeat_timeout_s)

@@ -13,13 +13,13 @@ of other instances.
 
 Locks and eviction. ``lock`` counts the references running requests hold on the node's
 block. A node is *busy* while it or any descendant is locked (``busy_children`` counts
-busy children; the state propagates up only on transitions, so locking a chain is O(1)
-a node). Idle nodes are what a tier can give up; per tier the index keeps their count
-(exact, so the scheduler can ask "can I allocate n?") and a lazy LRU heap of its
+busy children; the state propagates up only on transitions, so locking a chain costs
+O(1) per node). Idle nodes are what a tier can give up; per tier the index keeps their
+count (exact, so the scheduler can ask "can I allocate n?") and a lazy LRU heap of its
 *frontier*: idle nodes with no child in the same tier. Evicting frontier nodes first
-keeps the tree a tree (a parent never goes before its children) and, with the MemPool's rule
-that children live in the same or a slower tier than their parent, lets a tier shed its
-LRU blocks one level at a time: device -> host -> disk -> dropped.
+keeps the tree a tree (a parent never goes before its children) and, with the MemPool's
+rule that children live in the same or a slower tier than their parent, lets a tier
+shed its LRU blocks one level at a time: device -> host -> disk -> dropped.
 
 The clock is injected (any callable returning a number); by default a logical counter.
 """
@@ -373,6 +373,8 @@ class RadixIndex:
         selected: set[RadixNode] = set()
         out: list[RadixNode] = []
         while len(out) < n:
+            if not heap:
+                raise AssertionError(f"tier {tier}: {self._idle[tier]} idle blocks counted but none listed")
             last_access, _, node = heapq.heappop(heap)
             if (
                 node in selected

@@ -47,6 +47,7 @@ class Engine:
                                mover=self.runner.pools, clock=clock)
         self.scheduler = Scheduler(
             self.mempool,
+            num_blocks=self.runner.num_blocks,
             block_size=cfg.block_size,
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,

@@ -43,6 +43,7 @@ class Scheduler:
     def __init__(
         self,
         mempool: MemPool,
+        num_blocks: int,
         block_size: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
@@ -52,6 +53,7 @@ class Scheduler:
         clock: Callable[[], float],
     ) -> None:
         self.mempool = mempool
+        self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -72,9 +74,9 @@ class Scheduler:
         if seq.num_prompt_tokens == 0 or seq.num_prompt_tokens >= self.max_model_len:
             return self._reject(seq, f"prompt of {seq.num_prompt_tokens} tokens does not fit the context window "
                                      f"of {self.max_model_len} tokens")
-        if blocks_needed > self.mempool.capacity():
+        if blocks_needed > self.num_blocks:
             return self._reject(seq, f"request needs {blocks_needed} KV blocks but the pool holds "
-                                     f"{self.mempool.capacity()}")
+                                     f"{self.num_blocks}")
         self.waiting.append(seq)
         return None
 
