@@ -67,6 +67,7 @@ class FakeOpenAIServer:
         app = web.Application()
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._chat)
         runner = web.AppRunner(app)
         self._loop.run_until_complete(runner.setup())
         self._loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
@@ -83,9 +84,10 @@ class FakeOpenAIServer:
         if body["model"] == "broken":
             return web.json_response({"error": {"message": "model exploded", "type": "server_error"}}, status=500)
         session = body.get("session_id", "?")
-        turn = sum(m["role"] == "user" for m in body["messages"])
+        chat = "messages" in body
+        turn = sum(m["role"] == "user" for m in body["messages"]) if chat else body["prompt"].count("User: ")
         n = body["max_tokens"] if body.get("ignore_eos") else min(body["max_tokens"], NATURAL_LEN)
-        prompt_tokens = sum(len(m["content"]) for m in body["messages"]) // 4
+        prompt_tokens = (sum(len(m["content"]) for m in body["messages"]) if chat else len(body["prompt"])) // 4
         cached = self._last_prompt.get(session, 0)
         self._last_prompt[session] = prompt_tokens
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -95,13 +97,15 @@ class FakeOpenAIServer:
             data = chunk if isinstance(chunk, str) else json.dumps(chunk)
             await resp.write(f"data: {data}\n\n".encode())
 
-        await send({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
+        if chat:
+            await send({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
         tokens = [f"answer {session} {turn} t{i}. " if i == 0 else f"t{i}. " for i in range(n)]
         await asyncio.sleep(FIRST_TOKEN_S)
         for i, tok in enumerate(tokens):
             if i:
                 await asyncio.sleep(TOKEN_GAP_S)
-            await send({"choices": [{"index": 0, "delta": {"content": tok}}]})
+            choice = {"index": 0, "delta": {"content": tok}} if chat else {"index": 0, "text": tok}
+            await send({"choices": [choice]})
         self.sent_answers[(session, turn)] = "".join(tokens)
         usage = {
             "prompt_tokens": prompt_tokens,
@@ -195,6 +199,22 @@ def test_fixed_output_len_sends_recorded_length_and_replays_recorded_answers(fak
         assert body["messages"][1]["content"] != fake_server.sent_answers[(body["session_id"], 1)]
     result = json.loads(out.read_text())
     assert result["tokens"]["output"] == sum(b["max_tokens"] for b in fake_server.bodies)
+
+
+def test_completions_endpoint_sends_a_transcript(fake_server, tmp_path):
+    fake_server.bodies.clear()
+    out = tmp_path / "r.json"
+    rc = cli.main(["--base-url", fake_server.base_url, "--endpoint", "completions", "--num-sessions", "2",
+                   "--max-turns", "2", "--no-progress", "-o", str(out)])
+    assert rc == 0
+    later = [b for b in fake_server.bodies if b["prompt"].count("User: ") == 2]
+    assert later
+    for body in later:
+        answer = fake_server.sent_answers[(body["session_id"], 1)]
+        assert f"Assistant: {answer}" in body["prompt"] and body["prompt"].endswith("Assistant:")
+    result = json.loads(out.read_text())
+    assert result["num_requests"]["ok"] == len(fake_server.bodies)
+    assert result["tokens"]["output"] == NATURAL_LEN * len(fake_server.bodies)
 
 
 def test_sweep_and_compare(fake_server, tmp_path, capsys):

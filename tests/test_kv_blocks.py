@@ -120,6 +120,15 @@ def test_free_misuse_raises_and_changes_nothing(bad, message):
         pool.free([0])
 
 
+def test_negative_ids_never_reach_a_held_block():
+    pool = BlockPool(4)
+    ids = pool.alloc(4)
+    for op in (pool.free, pool.park, pool.incref):
+        with pytest.raises(MemPoolError, match="out of range"):
+            op([-5])  # -5 would index block 3 of the padded table
+    assert [pool.refcount(b) for b in ids] == [1, 1, 1, 1] and pool.num_free == 0
+
+
 def test_shared_blocks_are_freed_at_the_last_reference():
     pool = BlockPool(4)
     ids = pool.alloc(2)

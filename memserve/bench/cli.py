@@ -298,8 +298,8 @@ async def _bench_with(
     dataset: str,
     interrupts: _Interrupts,
 ) -> int:
-    console = Console()
-    err_console = Console(stderr=True)
+    console = Console(soft_wrap=True)
+    err_console = Console(stderr=True, soft_wrap=True, highlight=False)
     client = OpenAIClient(
         base_url=args.base_url,
         model=args.model or "",
@@ -451,7 +451,7 @@ def run_compare_command(args: argparse.Namespace) -> int:
         return _fail(f"cannot read results: {e}", EXIT_USAGE)
     if not points:
         return _fail("the results files hold no runs", EXIT_USAGE)
-    console = Console()
+    console = Console(soft_wrap=True)
     console.print(compare_table(points))
     if args.plot:
         from memserve.bench.plots import plot_all

@@ -142,7 +142,7 @@ class OpenAIClient:
     timeout_s: float = 600.0
     extra_body: dict = field(default_factory=dict)
     t0: float = field(default_factory=time.perf_counter)  # the run's time origin
-    _http: aiohttp.ClientSession | None = None
+    _http: aiohttp.ClientSession | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if self.dialect not in DIALECTS:

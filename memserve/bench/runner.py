@@ -81,13 +81,13 @@ class Replayer:
     client: OpenAIClient
     options: ReplayOptions
     on_request_done: Callable[[RequestRecord], None] | None = None
-    _records: list[RequestRecord] = field(default_factory=list)
-    _in_flight: int = 0
-    _any_ok: bool = False
-    _abort_reason: str | None = None
-    _halt_requested: bool = False
-    _halt: asyncio.Event | None = None
-    _slots: asyncio.Semaphore | None = None
+    _records: list[RequestRecord] = field(default_factory=list, init=False)
+    _in_flight: int = field(default=0, init=False)
+    _any_ok: bool = field(default=False, init=False)
+    _abort_reason: str | None = field(default=None, init=False)
+    _halt_requested: bool = field(default=False, init=False)
+    _halt: asyncio.Event | None = field(default=None, init=False)
+    _slots: asyncio.Semaphore | None = field(default=None, init=False)
 
     def halt(self) -> None:
         """Stop now (Ctrl-C): cancel requests in flight, keep what finished."""

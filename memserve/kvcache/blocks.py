@@ -60,8 +60,8 @@ class BlockPool:
         if not 0 <= num_blocks <= MAX_BLOCKS:
             raise ValueError(f"num_blocks must be in [0, {MAX_BLOCKS}], got {num_blocks}")
         self.num_blocks = num_blocks
-        # The second half is padding that no id maps to: an id in [n, 2n) or [-n, 0) lands
-        # there and reads as invalid, so the hot loops need no explicit range check.
+        # The second half is padding no block uses: an id in [n, 2n) reads as invalid and a
+        # larger one raises IndexError, so the hot loops need only a check for negative ids.
         self._refs = [FREE] * num_blocks + [_INVALID] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
 
@@ -95,14 +95,15 @@ class BlockPool:
         refs = self._refs
         k = 0
         try:
-            # Fast path: every block held exactly once (a request releasing its blocks).
-            for k, b in enumerate(ids):  # noqa: B007 - k is read below
-                if refs[b] != 1:
-                    break
-                refs[b] = FREE
-            else:
-                self._free.extend(reversed(ids))
-                return
+            if ids and min(ids) >= 0:
+                # Fast path: every block held exactly once (a request releasing its blocks).
+                for k, b in enumerate(ids):  # noqa: B007 - k is read below
+                    if refs[b] != 1:
+                        break
+                    refs[b] = FREE
+                else:
+                    self._free.extend(reversed(ids))
+                    return
         except (IndexError, TypeError):
             pass
         for b in ids[:k]:
@@ -144,14 +145,15 @@ class BlockPool:
         append = counts.append
         k = 0
         try:
-            for k, b in enumerate(ids):  # noqa: B007 - k is read below
-                r = refs[b]
-                if r < 1:  # also a repeated id: parked a moment ago
-                    break
-                append(r)
-                refs[b] = 0
-            else:
-                return counts
+            if not ids or min(ids) >= 0:
+                for k, b in enumerate(ids):  # noqa: B007 - k is read below
+                    r = refs[b]
+                    if r < 1:  # also a repeated id: parked a moment ago
+                        break
+                    append(r)
+                    refs[b] = 0
+                else:
+                    return counts
         except (IndexError, TypeError):
             pass
         for b, c in zip(ids[:k], counts):
