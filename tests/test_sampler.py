@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from memserve.ipc.messages import SamplingParams
+from memserve.workers.model import sampler as sampler_module
 from memserve.workers.model.sampler import Sampler
 
 VOCAB = 50
@@ -78,3 +79,27 @@ def test_sampled_frequencies_follow_the_filtered_distribution(params, expected):
     for token, p in enumerate(expected):
         if p == 0.0:
             assert freq[token] == 0.0
+
+
+def test_candidate_shortcut_draws_exactly_what_a_full_sort_draws(monkeypatch):
+    """Filtered rows look at their best 256, then 4096 tokens before sorting the whole
+    vocabulary; every level must give the full sort's token for the same random draw."""
+    vocab, gen = 6000, _generator(5)
+    peaked = torch.randn(6, vocab, generator=gen) * 4  # nucleus within the best 256
+    flat = torch.randn(6, vocab, generator=gen) * 0.1  # nucleus wider than 4096: full sort
+    logits = torch.cat([peaked, flat])
+    probs = logits.softmax(-1).sort(-1, descending=True).values
+    assert (probs[:6, :256].sum(-1) > 0.95).all() and (probs[6:, :4096].sum(-1) < 0.95).all()
+    options = [
+        SamplingParams(temperature=1.0, top_p=0.95),
+        SamplingParams(temperature=0.9, top_k=300),  # more than 256: the 4096 level
+        SamplingParams(temperature=1.0, top_k=5000, top_p=0.95),  # more than 4096: full sort
+    ]
+    params = [options[i % 3] for i in range(len(logits))]
+
+    def draw() -> list[int]:
+        return Sampler().sample(logits, params, [_generator(i) for i in range(len(logits))])
+
+    with_shortcut = draw()
+    monkeypatch.setattr(sampler_module, "CANDIDATE_WIDTHS", ())
+    assert draw() == with_shortcut

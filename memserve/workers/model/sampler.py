@@ -1,9 +1,14 @@
 """Pick the next token of every sequence in a batch from its logits.
 
-Greedy rows take the argmax. Sampled rows are filtered (temperature, top-k, top-p) in one
-vectorised pass over the batch, then drawn by inverse-CDF with ONE uniform number per row
-taken from that row's own generator: a request with a seed therefore draws the same
-tokens whatever else shares its batch.
+Greedy rows take the argmax. Sampled rows are scaled by temperature; rows with top-k or
+top-p are filtered in vectorised passes over the batch. Every sampled row is drawn by
+inverse-CDF with ONE uniform number from that row's own generator, so a request with a
+seed draws the same tokens whatever else shares its batch.
+
+Sorting a 50k-entry vocabulary costs milliseconds per row, so filtered rows first look at
+their few hundred best tokens only (``topk``): when those already hold the top-k set or
+more than top-p of the probability mass, the result is exact. Only the rare row whose
+nucleus is wider falls back to a wider candidate set and finally to a full sort.
 """
 
 from __future__ import annotations
@@ -11,6 +16,9 @@ from __future__ import annotations
 import torch
 
 from memserve.ipc.messages import SamplingParams
+
+# Candidate-set widths tried for filtered rows before a full sort.
+CANDIDATE_WIDTHS = (256, 4096)
 
 
 class Sampler:
@@ -22,38 +30,94 @@ class Sampler:
     ) -> list[int]:
         """logits [B, V] (float32), one SamplingParams and one optional seeded generator
         (on the logits' device) per row -> B token ids."""
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if not sampled:
+            return logits.argmax(dim=-1).tolist()
+        picked = _sample_rows(
+            _select(logits, sampled).float(), [params[i] for i in sampled], [generators[i] for i in sampled]
+        )
+        if len(sampled) == len(params):
+            return picked.tolist()
         tokens = logits.argmax(dim=-1)
-        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if sampled_rows:
-            rows = torch.tensor(sampled_rows, device=logits.device)
-            picked = self._sample_rows(
-                logits[rows].float(), [params[i] for i in sampled_rows], [generators[i] for i in sampled_rows]
-            )
-            tokens[rows] = picked
+        tokens[torch.tensor(sampled, device=logits.device)] = picked
         return tokens.tolist()
 
-    @staticmethod
-    def _sample_rows(
-        logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-    ) -> torch.Tensor:
-        device, vocab = logits.device, logits.shape[-1]
-        temperature = torch.tensor([p.temperature for p in params], device=device)
-        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
-        top_p = torch.tensor([p.top_p for p in params], device=device)
 
-        sorted_logits, sorted_ids = (logits / temperature[:, None]).sort(dim=-1, descending=True)
-        rank = torch.arange(vocab, device=device)
-        sorted_logits = sorted_logits.masked_fill(rank[None, :] >= top_k[:, None], float("-inf"))
-        probs = sorted_logits.softmax(dim=-1)
-        # top-p: keep the smallest prefix whose mass reaches top_p (always the first token).
-        mass_before = probs.cumsum(dim=-1) - probs
-        probs = probs.masked_fill(mass_before > top_p[:, None], 0.0)
+def _select(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """x[rows] for sorted distinct rows, without a copy when they are all of x's rows."""
+    return x if len(rows) == x.shape[0] else x[torch.tensor(rows, device=x.device)]
 
-        cdf = probs.cumsum(dim=-1)
-        uniforms = torch.cat([torch.rand(1, device=device, generator=g) for g in generators])
-        targets = uniforms * cdf[:, -1]
-        picks = torch.searchsorted(cdf, targets[:, None], right=True)
-        # Kept tokens form a prefix of the sorted row; rounding must not step past it.
-        last_kept = (probs > 0).sum(dim=-1, keepdim=True) - 1
-        picks = torch.minimum(picks, last_kept)
-        return sorted_ids.gather(1, picks).squeeze(1)
+
+def _sample_rows(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    device, vocab = logits.device, logits.shape[-1]
+    temperature = torch.tensor([p.temperature for p in params], device=device)
+    scaled = logits / temperature[:, None]
+    uniforms = torch.cat([torch.rand(1, device=device, generator=g) for g in generators])
+    filtered = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
+    if not filtered:
+        return _inverse_cdf(scaled, uniforms)
+
+    tokens = torch.empty(len(params), dtype=torch.long, device=device)
+    plain = sorted(set(range(len(params))) - set(filtered))
+    if plain:
+        rows = torch.tensor(plain, device=device)
+        tokens[rows] = _inverse_cdf(scaled[rows], uniforms[rows])
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params], device=device)
+    top_p = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], device=device)
+    pending = filtered
+    for width in (*CANDIDATE_WIDTHS, vocab):
+        if not pending:
+            break
+        rows, rows_logits = torch.tensor(pending, device=device), _select(scaled, pending)
+        log_norm = rows_logits.logsumexp(dim=-1)
+        if width < vocab:
+            cand_logits, cand_ids = rows_logits.topk(width, dim=-1)
+            cand_mass = (cand_logits - log_norm[:, None]).exp().sum(-1)
+            k, p = top_k[rows], top_p[rows]
+            exact = torch.where(k > 0, k <= width, cand_mass > p)
+        else:
+            cand_logits, cand_ids = rows_logits.sort(dim=-1, descending=True)
+            exact = torch.ones(len(pending), dtype=torch.bool, device=device)
+        done = rows[exact]
+        picks = _filtered_inverse_cdf(cand_logits[exact], log_norm[exact], top_k[done], top_p[done], uniforms[done])
+        tokens[done] = cand_ids[exact].gather(1, picks[:, None]).squeeze(1)
+        pending = [row for row, ok in zip(pending, exact.tolist()) if not ok]
+    return tokens
+
+
+def _filtered_inverse_cdf(
+    sorted_logits: torch.Tensor,
+    log_norm: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    uniforms: torch.Tensor,
+) -> torch.Tensor:
+    """Column picked in rows of (candidate) logits sorted descending, after top-k (0 = off)
+    and top-p (inf = off): of the top-k set, or else of the whole vocabulary (``log_norm``
+    is its logsumexp), the smallest prefix whose mass reaches top_p is kept."""
+    width = sorted_logits.shape[-1]
+    rank = torch.arange(width, device=sorted_logits.device)
+    k = torch.where(top_k > 0, top_k, width)
+    masked = sorted_logits.masked_fill(rank[None, :] >= k[:, None], float("-inf"))
+    norm = torch.where(top_k > 0, masked.logsumexp(dim=-1), log_norm)
+    probs = (masked - norm[:, None]).exp()
+    mass_before = probs.cumsum(dim=-1) - probs
+    probs = probs.masked_fill(mass_before > top_p[:, None], 0.0)
+    return _inverse_cdf_of_probs(probs, uniforms)
+
+
+def _inverse_cdf(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Token drawn from softmax(logits) of each row, in any token order."""
+    return _inverse_cdf_of_probs(logits.softmax(dim=-1), uniforms)
+
+
+def _inverse_cdf_of_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:].contiguous()
+    picks = torch.searchsorted(cdf, uniforms[:, None] * total, right=True)
+    # If rounding puts the target at the total, stay on the last column that adds mass
+    # (the first whose cdf reaches the total) rather than a zero-probability one after it.
+    last_with_mass = torch.searchsorted(cdf, total, right=False)
+    return torch.minimum(picks, last_with_mass).squeeze(1)
