@@ -11,7 +11,7 @@ Prints, as medians over many repetitions (time.perf_counter_ns):
    up front, then looked up block by block), for a fully cached prompt and an uncached
    one (MemServe Fig. 10's case), with ratios.
 
-    python benchmarks/mempool_micro.py [--reps N]
+    python -m benchmarks.mempool_micro [--reps N]     (from the repository root)
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import random
 import statistics
 import time
 from array import array
-from functools import partial
 from collections.abc import Callable, Sequence
+from functools import partial
 
 from memserve.kvcache.address import Tier
 from memserve.kvcache.blocks import BlockPool
@@ -53,11 +53,6 @@ class HashPrefixCache:
                 break
             out.append(block)
         return out
-
-
-def median_ns(run: Callable[[], object], reps: int) -> float:
-    """Median wall time of ``run``."""
-    return interleaved([lambda: _timed(run)], reps)[0]
 
 
 def interleaved(measures: list[Callable[[], int]], reps: int) -> list[float]:
@@ -115,7 +110,8 @@ def bench_insert_match_4k(reps: int) -> None:
 
         def insert_ns(prompt: Sequence[int], names: list[int] | None) -> int:
             reset()
-            addrs = pool.alloc_mem(n_blocks)  # a request that computed the whole prompt
+            hit = pool.match(tokens, hashes=hashes)  # a request reuses the cached part,
+            addrs = hit + pool.alloc_mem(n_blocks - len(hit))  # computes the rest
             start = time.perf_counter_ns()
             pool.insert(prompt, addrs, hashes=names)
             elapsed = time.perf_counter_ns() - start

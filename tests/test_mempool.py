@@ -41,8 +41,8 @@ class NumpyBlockMover:
         return [memoryview(store[start : start + n]).cast("B") for start, n in contiguous_runs(blocks)]
 
     def write_blocks(self, tier, blocks, buffers) -> None:
-        data = np.concatenate([np.frombuffer(b, np.uint8) for b in buffers]).reshape(len(blocks), self.block_nbytes)
-        self.stores[tier][list(blocks)] = data
+        for (start, n), buf in zip(contiguous_runs(blocks), buffers, strict=True):
+            self.stores[tier][start : start + n] = np.frombuffer(buf, np.uint8).reshape(n, self.block_nbytes)
 
 
 class Clock:
@@ -307,6 +307,20 @@ def test_swap_in_of_private_host_blocks_for_a_preempted_request():
         pool.swap_in(host)
     with pytest.raises(MemPoolError, match="already on the device"):
         pool.swap_in(pool.alloc_mem(1))
+
+
+def test_write_blocks_recuts_the_senders_runs_into_ours():
+    pool = make_pool(device=8, host=4)
+    mover: NumpyBlockMover = pool.mover  # type: ignore[assignment]
+    held = pool.alloc_mem(6) + pool.alloc_mem(2, Tier.HOST)
+    pool.free_mem(held[1:4])
+    dst = [held[0], held[4], held[5], held[6], held[7]]  # runs: [0] [4 5] | host [0 1]
+    data = np.random.default_rng(0).integers(0, 256, 5 * mover.block_nbytes, dtype=np.uint8).tobytes()
+    sender_runs = [data[:40], data[40:70], data[70:]]  # cut anywhere, even inside a block
+    pool.write_blocks(dst, sender_runs)
+    assert mover.get(dst) == data
+    with pytest.raises(MemPoolError, match="bytes expected"):
+        pool.write_blocks(dst, [data[:-1]])
 
 
 def test_swaps_need_a_host_tier_and_a_mover():

@@ -1,6 +1,7 @@
 """Our Llama model over the paged KV cache must decode greedily exactly like Hugging Face
-transformers, loaded independently from the same GGUF: single sequences, chunked prefill,
-mixed prefill/decode batches, and both KV layouts."""
+transformers, loaded independently from the same GGUF: a batch of plain and chat prompts,
+chunked prefill, mixed prefill/decode batches and both KV layouts; plus tiny random
+models for the variants SmolLM2 does not use (biases, untied head, rope scalings)."""
 
 from __future__ import annotations
 

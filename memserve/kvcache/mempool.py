@@ -39,7 +39,7 @@ from memserve.kvcache.address import (
     addr_str,
     make_addrs,
 )
-from memserve.kvcache.blocks import BlockPool, MemPoolError, OutOfBlocks
+from memserve.kvcache.blocks import BlockPool, MemPoolError, OutOfBlocks, contiguous_runs
 from memserve.kvcache.events import MOVED, REMOVED, STORED, KVEvent
 from memserve.kvcache.hashing import block_hashes
 from memserve.kvcache.radix import RadixIndex, RadixNode
@@ -79,8 +79,37 @@ class BlockMover(Protocol):
         writes those blocks."""
 
     def write_blocks(self, tier: Tier, blocks: list[int], buffers: Sequence[Buffer]) -> None:
-        """Store ``len(blocks)`` blocks given back to back across ``buffers`` (each
-        buffer holds a whole number of blocks)."""
+        """Store the blocks' bytes: ``buffers[i]`` holds the i-th run of consecutive ids
+        of ``blocks`` (the same cut as ``read_blocks``; see ``contiguous_runs``)."""
+
+
+def _recut(buffers: Sequence[Buffer], sizes: list[int]) -> list[Buffer]:
+    """The bytes of ``buffers`` cut into pieces of ``sizes``: views where a piece lies in
+    one buffer, a joined copy where it spans several."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    if sum(len(v) for v in views) != sum(sizes):
+        raise MemPoolError(f"write_blocks: {sum(sizes)} bytes expected, got {sum(len(v) for v in views)}")
+    out: list[Buffer] = []
+    i, offset = 0, 0
+    for size in sizes:
+        head = views[i]
+        if len(head) - offset >= size:
+            out.append(head[offset : offset + size])
+            offset += size
+        else:
+            parts = []
+            while size:
+                head = views[i]
+                take = min(size, len(head) - offset)
+                parts.append(head[offset : offset + take])
+                size -= take
+                offset += take
+                if offset == len(head) and size:
+                    i, offset = i + 1, 0
+            out.append(b"".join(parts))
+        if i < len(views) and offset == len(views[i]):
+            i, offset = i + 1, 0
+    return out
 
 
 class _Held(NamedTuple):
@@ -353,26 +382,14 @@ class MemPool:
         return buffers
 
     def write_blocks(self, addrs: Sequence[int], buffers: Sequence[Buffer]) -> None:
-        """Store blocks given back to back across ``buffers`` into held blocks ``addrs``."""
+        """Store blocks given back to back across ``buffers`` (the sender's runs) into
+        held blocks ``addrs``, re-cut into this pool's runs for the mover."""
         mover = self._need_mover("write_blocks")
         groups = self._runs_by_tier(addrs, "write_blocks")
-        if len(groups) == 1:
-            mover.write_blocks(groups[0][0], groups[0][1], buffers)
-            return
-        views = [memoryview(b).cast("B") for b in buffers]
+        sizes = [n * mover.block_nbytes for _, blocks in groups for _, n in contiguous_runs(blocks)]
+        pieces = iter(_recut(buffers, sizes))
         for tier, blocks in groups:
-            want = len(blocks) * mover.block_nbytes
-            part: list[memoryview] = []
-            while want:
-                head = views[0]
-                take = min(want, len(head))
-                part.append(head[:take])
-                want -= take
-                if take == len(head):
-                    views.pop(0)
-                else:
-                    views[0] = head[take:]
-            mover.write_blocks(tier, blocks, part)
+            mover.write_blocks(tier, blocks, [next(pieces) for _ in contiguous_runs(blocks)])
 
     # ----------------------------------------------------------------- state
 

@@ -335,8 +335,10 @@ class RadixIndex:
 
     def _became_busy(self, node: RadixNode) -> None:
         """``node`` was idle and now has a busy child: so do its idle ancestors."""
+        idle = self._idle
+        shift, mask = TIER_SHIFT, TIER_MASK
         while True:
-            self._idle[_tier(node)] -= 1
+            idle[(node.addr >> shift) & mask] -= 1
             node = node.parent  # type: ignore[assignment]
             node.busy_children += 1
             if node.busy_children > 1 or node.lock:

@@ -24,6 +24,9 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from safetensors.numpy import save_file
 
 from memserve.workers.model.default_model import default_gguf_path
 
@@ -135,9 +138,6 @@ def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 def read_gguf_weights(gguf_path: Path) -> dict[str, np.ndarray]:
     """All weights of a GGUF file, dequantized to float32, in Hugging Face names and layout."""
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-
     reader = GGUFReader(gguf_path)
     arch = _field(reader, "general.architecture")
     if arch not in _SUPPORTED_ARCHS:
@@ -149,7 +149,7 @@ def read_gguf_weights(gguf_path: Path) -> dict[str, np.ndarray]:
         name = hf_tensor_name(tensor.name)
         if name is None:
             continue
-        values = np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        values = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         if arch in _PERMUTED_QK_ARCHS and ".q_proj." in name:
             values = unpermute_rotary_rows(values, num_heads)
         elif arch in _PERMUTED_QK_ARCHS and ".k_proj." in name:
@@ -158,7 +158,7 @@ def read_gguf_weights(gguf_path: Path) -> dict[str, np.ndarray]:
     return weights
 
 
-def _field(reader, key: str, default=None):
+def _field(reader: GGUFReader, key: str, default: object = None) -> object:
     field = reader.fields.get(key)
     if field is None:
         if default is None:
@@ -169,7 +169,6 @@ def _field(reader, key: str, default=None):
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Write config, generation config, tokenizer (with chat template) and float32 weights."""
-    from safetensors.numpy import save_file
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     out_dir.mkdir(parents=True, exist_ok=True)
