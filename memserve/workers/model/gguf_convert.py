@@ -33,7 +33,7 @@ from memserve.workers.model.default_model import default_gguf_path
 log = logging.getLogger(__name__)
 
 # Part of the cache key: bump it when the converted folder's content changes.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 WEIGHTS_FILE = "model.safetensors"
 # llama.cpp stores Q/K rows of these architectures permuted for its rotary kernel.
 _PERMUTED_QK_ARCHS = {"llama"}
@@ -173,6 +173,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    # Other servers (transformers serve, vLLM) pick the model class from this key.
+    config.architectures = [{"qwen2": "Qwen2ForCausalLM"}.get(config.model_type, "LlamaForCausalLM")]
     config.save_pretrained(out_dir)
     GenerationConfig.from_model_config(config).save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(out_dir)
