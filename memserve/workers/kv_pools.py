@@ -14,24 +14,15 @@ import torch
 
 from memserve.config import EngineConfig
 from memserve.kvcache.address import Tier
+from memserve.kvcache.blocks import contiguous_runs
 from memserve.workers.model.attention import allocate_kv_cache
-
-
-def contiguous_runs(blocks: Sequence[int]) -> list[tuple[int, int]]:
-    """[(start, length)] of consecutive block ids, in order."""
-    runs: list[tuple[int, int]] = []
-    for b in blocks:
-        if runs and runs[-1][0] + runs[-1][1] == b:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((b, 1))
-    return runs
 
 
 @dataclass
 class KVPools:
     pools: dict[Tier, torch.Tensor]
     layout: str
+    block_nbytes: int  # one block: every layer's K and V for block_size tokens
 
     @classmethod
     def create(cls, model_config, cfg: EngineConfig, dtype: torch.dtype, device: torch.device) -> "KVPools":
@@ -46,7 +37,7 @@ class KVPools:
         if cfg.num_host_blocks:
             host = pool(cfg.num_host_blocks, torch.device("cpu"))
             pools[Tier.HOST] = host.pin_memory() if device.type == "cuda" else host
-        return cls(pools, cfg.kv_layout)
+        return cls(pools, cfg.kv_layout, block_bytes)
 
     @property
     def device(self) -> torch.Tensor:

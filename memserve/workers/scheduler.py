@@ -129,7 +129,9 @@ class Scheduler:
         """Take the cached prefix and the blocks for the first chunk, or nothing at all."""
         if self.enable_prefix_caching:
             # Leave at least one token to compute: its logits give the next token.
-            hit = self.mempool.match(seq.all_token_ids[:-1], take_ref=True)
+            tokens = seq.all_token_ids[:-1]
+            hashes = seq.full_block_hashes(self.block_size, len(tokens) // self.block_size)
+            hit = self.mempool.match(tokens, take_ref=True, hashes=hashes)
             seq.block_addrs = hit
             seq.block_ids = [addr_block(a) for a in hit]
             seq.num_indexed_blocks = len(hit)
@@ -201,7 +203,8 @@ class Scheduler:
             return
         full = seq.num_computed_tokens // self.block_size
         if full > seq.num_indexed_blocks:
-            self.mempool.insert(seq.all_token_ids[: full * self.block_size], seq.block_addrs[:full])
+            self.mempool.insert(seq.all_token_ids[: full * self.block_size], seq.block_addrs[:full],
+                                hashes=seq.full_block_hashes(self.block_size, full))
             seq.num_indexed_blocks = full
 
     def _finish(self, seq: Sequence, reason: str, release: bool = True) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memserve.ipc.messages import SamplingParams
+from memserve.kvcache.hashing import block_hashes
 
 
 class SequenceStatus(enum.Enum):
@@ -33,6 +34,8 @@ class Sequence:
     num_cached_tokens: int = 0
     # Full blocks already offered to the MemPool index.
     num_indexed_blocks: int = 0
+    # Chained names of the leading full blocks of all_token_ids, computed once each.
+    block_hashes: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
@@ -49,6 +52,14 @@ class Sequence:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    def full_block_hashes(self, block_size: int, num_blocks: int) -> list[int]:
+        """Names of the first ``num_blocks`` full blocks, hashing only blocks not named yet."""
+        have = len(self.block_hashes)
+        if num_blocks > have:
+            tokens = self.all_token_ids[have * block_size : num_blocks * block_size]
+            self.block_hashes += block_hashes(tokens, block_size, self.block_hashes[-1] if have else None)
+        return self.block_hashes[:num_blocks]
 
     @property
     def is_finished(self) -> bool:
