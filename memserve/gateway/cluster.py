@@ -29,6 +29,7 @@ class WorkerHandle:
     stats: dict = field(default_factory=dict)
     num_blocks: int = 0
     max_model_len: int = 0
+    transfer_addr: str = ""
     restarts: int = 0
 
     @property
@@ -79,10 +80,15 @@ class Cluster:
         for i in self.workers:
             self.spawn(i)
 
-    def mark_ready(self, instance_id: int, num_blocks: int, max_model_len: int, stats: dict) -> None:
+    def mark_ready(self, instance_id: int, num_blocks: int, max_model_len: int, stats: dict,
+                   transfer_addr: str) -> None:
         h = self.workers[instance_id]
         h.ready, h.num_blocks, h.max_model_len, h.stats = True, num_blocks, max_model_len, stats
+        h.transfer_addr = transfer_addr
         h.last_heartbeat = time.monotonic()
+
+    def transfer_addrs(self) -> dict[int, str]:
+        return {i: h.transfer_addr for i, h in self.workers.items() if h.ready}
 
     def heartbeat(self, instance_id: int, stats: dict) -> None:
         h = self.workers[instance_id]

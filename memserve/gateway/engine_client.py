@@ -5,6 +5,7 @@ fails the requests of a worker that died (then restarts it)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from typing import AsyncIterator
@@ -16,10 +17,13 @@ from memserve.ipc.messages import (
     AbortRequest,
     AddRequest,
     Heartbeat,
+    PeerAddresses,
     RequestOutput,
     SamplingParams,
     Shutdown,
     StepOutputs,
+    TransferDone,
+    TransferPrefix,
     WorkerError,
     WorkerReady,
 )
@@ -44,8 +48,9 @@ class ZmqEngineClient:
         self.mirrors = {i: PromptTreeMirror(i, block_size) for i in cluster.workers}
         self._streams: dict[str, tuple[int, asyncio.Queue[RequestOutput]]] = {}
         self._tasks: list[asyncio.Task] = []
-        self._ready = asyncio.Event()
         self._start_error: str | None = None
+        self._transfers: dict[int, asyncio.Future[TransferDone]] = {}
+        self._transfer_ids = itertools.count(1)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, timeout_s: float = 600.0) -> None:
@@ -64,6 +69,14 @@ class ZmqEngineClient:
                 raise WorkerStartError(f"workers not ready after {timeout_s:.0f} s")
             await asyncio.sleep(0.05)
         self.max_model_len = min(h.max_model_len for h in self.cluster.workers.values())
+        await self._announce_peers()
+
+    async def _announce_peers(self) -> None:
+        """Tell every worker where the others' KV transfer endpoints are."""
+        peers = PeerAddresses(self.cluster.transfer_addrs())
+        for h in self.cluster.workers.values():
+            if h.alive:
+                await self.channel.send(h.instance_id, peers)
 
     async def close(self) -> None:
         for h in self.cluster.workers.values():
@@ -79,10 +92,12 @@ class ZmqEngineClient:
 
     # ------------------------------------------------------------------ requests
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       session_id: str | None = None, slo: dict | None = None) -> AsyncIterator[RequestOutput]:
+                       session_id: str | None = None, slo: dict | None = None,
+                       instance: int | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's token deltas; ``instance`` pins it to one worker."""
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id}")
-        worker = self._pick_worker()
+        worker = self._pick_worker() if instance is None else instance
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request_id] = (worker, queue)
         finished = False
@@ -103,6 +118,20 @@ class ZmqEngineClient:
         if entry is not None:
             await self._send_abort(entry[0], request_id)
             entry[1].put_nowait(RequestOutput(request_id, [], True, "abort"))
+
+    async def transfer_prefix(self, src: int, dst: int, token_ids: list[int], timeout_s: float = 60.0) -> int:
+        """Have worker ``src`` push its cached prefix of ``token_ids`` to worker ``dst``;
+        returns the number of blocks that arrived there."""
+        tid = next(self._transfer_ids)
+        done = self._transfers[tid] = asyncio.get_running_loop().create_future()
+        try:
+            await self.channel.send(src, TransferPrefix(tid, list(token_ids), dst))
+            reply = await asyncio.wait_for(done, timeout_s)
+        finally:
+            self._transfers.pop(tid, None)
+        if reply.error:
+            raise RuntimeError(f"prefix transfer {src} -> {dst} failed: {reply.error}")
+        return reply.num_blocks
 
     async def _send_abort(self, worker: int, request_id: str) -> None:
         try:
@@ -163,8 +192,14 @@ class ZmqEngineClient:
             self.mirrors[instance_id].apply(msg)
         elif isinstance(msg, Heartbeat):
             self.cluster.heartbeat(instance_id, msg.stats)
+        elif isinstance(msg, TransferDone):
+            future = self._transfers.get(msg.transfer_id)
+            if future is not None and not future.done():
+                future.set_result(msg)
         elif isinstance(msg, WorkerReady):
-            self.cluster.mark_ready(instance_id, msg.num_blocks, msg.max_model_len, msg.stats)
+            self.cluster.mark_ready(instance_id, msg.num_blocks, msg.max_model_len, msg.stats, msg.transfer_addr)
+            if self.max_model_len:  # a restarted worker: everyone learns its new endpoint
+                asyncio.get_running_loop().create_task(self._announce_peers())
             log.info("worker %d ready: %d KV blocks of %d tokens, context %d", instance_id, msg.num_blocks,
                      msg.block_size, msg.max_model_len)
         elif isinstance(msg, WorkerError):

@@ -55,20 +55,27 @@ class WorkerChannel:
         self._sock.setsockopt(zmq.IDENTITY, _identity(instance_id))
         self._sock.setsockopt(zmq.LINGER, 1000)
         self._sock.connect(address)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+
+    def watch(self, socket: zmq.Socket) -> None:
+        """Also wake ``poll`` when ``socket`` is readable (the KV transfer endpoint)."""
+        self._poller.register(socket, zmq.POLLIN)
 
     def send(self, msg: Any, bulk: Sequence[Buffer] = ()) -> None:
         self._sock.send_multipart([encode(msg), *bulk], copy=not bulk)
 
     def poll(self, timeout_ms: int) -> list[tuple[Any, list[zmq.Frame]]]:
-        """Every message that is waiting, after blocking at most ``timeout_ms`` for the first."""
+        """Every gateway message that is waiting, after blocking at most ``timeout_ms``
+        for the first message on any watched socket."""
         out = []
-        if self._sock.poll(timeout_ms, zmq.POLLIN):
-            while True:
-                try:
-                    header, *bulk = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                out.append((decode(header.bytes), bulk))
+        self._poller.poll(timeout_ms)
+        while True:
+            try:
+                header, *bulk = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            out.append((decode(header.bytes), bulk))
         return out
 
     def close(self) -> None:

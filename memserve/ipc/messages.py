@@ -74,6 +74,34 @@ class WorkerReady:
     block_size: int
     max_model_len: int
     stats: dict[str, Any] = field(default_factory=dict)
+    transfer_addr: str = ""  # where peers reach this worker's KV transfer endpoint
+
+
+@dataclass
+class PeerAddresses:
+    """Gateway -> worker: the KV transfer endpoints of the other instances."""
+
+    kind: ClassVar[str] = "peers"
+    addrs: dict[int, str]
+
+
+@dataclass
+class TransferPrefix:
+    """Gateway -> worker: push the cached prefix of ``token_ids`` to ``dst_instance``
+    (MemPool ``transfer_with_insert``), so requests routed there reuse it."""
+
+    kind: ClassVar[str] = "transfer_prefix"
+    transfer_id: int
+    token_ids: list[int]
+    dst_instance: int
+
+
+@dataclass
+class TransferDone:
+    kind: ClassVar[str] = "transfer_done"
+    transfer_id: int
+    num_blocks: int
+    error: str | None = None
 
 
 @dataclass
@@ -107,7 +135,8 @@ class WorkerError:
 
 MESSAGE_TYPES: dict[str, type] = {
     cls.kind: cls
-    for cls in (AddRequest, AbortRequest, Heartbeat, Shutdown, WorkerReady, StepOutputs, WorkerError)
+    for cls in (AddRequest, AbortRequest, Heartbeat, Shutdown, WorkerReady, StepOutputs, WorkerError, PeerAddresses,
+                TransferPrefix, TransferDone)
 }
 
 # Nested dataclass fields that need rebuilding on decode.

@@ -14,7 +14,7 @@ from memserve.config import EngineConfig
 from memserve.ipc.messages import AddRequest, RequestOutput
 from memserve.kvcache.address import Tier
 from memserve.kvcache.events import KVEvent
-from memserve.kvcache.mempool import MemPool
+from memserve.kvcache.mempool import KVFlags, MemPool
 from memserve.workers.model_runner import ModelRunner
 from memserve.workers.scheduler import Scheduler
 from memserve.workers.sequence import Sequence
@@ -80,6 +80,20 @@ class Engine:
         sampled = self.runner.execute(out)
         self.num_steps += 1
         return self.scheduler.update(out, sampled)
+
+    def push_prefix(self, token_ids: list[int], dst_instance: int) -> int:
+        """Send the cached prefix of ``token_ids`` to another instance, which indexes it as
+        its own historical KV. Returns the number of blocks sent."""
+        bs = self.cfg.block_size
+        addrs = self.mempool.match(token_ids, take_ref=True)
+        if not addrs:
+            return 0
+        try:
+            self.mempool.transfer_with_insert(dst_instance, token_ids[: len(addrs) * bs], addrs,
+                                              flags=KVFlags.RELEASE)
+        finally:
+            self.mempool.free_mem(addrs)
+        return len(addrs)
 
     def drain_kv_events(self) -> list[KVEvent]:
         return self.mempool.drain_events()

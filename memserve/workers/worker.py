@@ -25,13 +25,17 @@ from memserve.ipc.messages import (
     AbortRequest,
     AddRequest,
     Heartbeat,
+    PeerAddresses,
     RequestOutput,
     Shutdown,
     StepOutputs,
+    TransferDone,
+    TransferPrefix,
     WorkerError,
     WorkerReady,
 )
 from memserve.kvcache.events import KVEvents
+from memserve.kvcache.transfer import KVTransferEndpoint
 from memserve.workers.model.gguf_convert import ensure_model_dir
 
 log = logging.getLogger("memserve.worker")
@@ -57,6 +61,7 @@ class Worker:
         self.stopping = False
         self.parent = os.getppid()
         self.engine = None
+        self.endpoint: KVTransferEndpoint | None = None
 
     def start(self) -> None:
         from memserve.workers.engine import Engine  # heavy: torch and the model
@@ -67,8 +72,10 @@ class Worker:
             self.channel.send(WorkerError(self.id, f"worker {self.id} failed to start: {exc!r}"))
             raise
         e = self.engine
+        self.endpoint = KVTransferEndpoint(e.mempool)
+        self.channel.watch(self.endpoint.socket)
         self.channel.send(WorkerReady(self.id, self.cfg.role, e.runner.num_blocks, self.cfg.engine.block_size,
-                                      e.max_model_len, e.stats()))
+                                      e.max_model_len, e.stats(), self.endpoint.address))
 
     def run(self) -> None:
         hb = self.cfg.heartbeat_s
@@ -81,6 +88,8 @@ class Worker:
                     last_heard = time.monotonic()
                 else:
                     outputs += self._handle(msg)
+            self.endpoint.serve(0)
+            self.endpoint.drain_received()  # peers send with RELEASE: the blocks are cached KV
             if self.engine.has_work:
                 outputs += self._step()
             if outputs:
@@ -106,8 +115,23 @@ class Worker:
         if isinstance(msg, Shutdown):
             self.stopping = True
             return []
+        if isinstance(msg, PeerAddresses):
+            for instance, addr in msg.addrs.items():
+                if int(instance) != self.id:
+                    self.endpoint.connect(int(instance), addr)
+            return []
+        if isinstance(msg, TransferPrefix):
+            self.channel.send(self._push_prefix(msg))
+            return []
         log.warning("worker %d: unexpected message %r", self.id, msg)
         return []
+
+    def _push_prefix(self, msg: TransferPrefix) -> TransferDone:
+        try:
+            return TransferDone(msg.transfer_id, self.engine.push_prefix(msg.token_ids, msg.dst_instance))
+        except Exception as exc:
+            log.warning("worker %d: prefix transfer to %d failed: %s", self.id, msg.dst_instance, exc)
+            return TransferDone(msg.transfer_id, 0, str(exc))
 
     def _step(self) -> list[RequestOutput]:
         """One engine step; a failure fails the requests in flight, not the worker."""
@@ -123,6 +147,8 @@ class Worker:
             return failed
 
     def close(self) -> None:
+        if self.endpoint is not None:
+            self.endpoint.close()
         self.channel.close()
 
 

@@ -1,0 +1,61 @@
+"""MemPool transfer_with_insert between two real worker processes (real model, real
+ZeroMQ): after worker 0 pushes a conversation's cached prefix to worker 1, worker 1's
+index holds it (the gateway's mirror, fed by its KV events, says so) and the same request
+sent to worker 1 reports it as cached and produces the same tokens."""
+
+from __future__ import annotations
+
+import asyncio
+
+from memserve.config import EngineConfig
+from memserve.gateway.cluster import Cluster, plan_workers
+from memserve.gateway.engine_client import ZmqEngineClient
+from memserve.gateway.tokenizer import Tokenizer
+from memserve.ipc.channel import GatewayChannel
+from memserve.ipc.messages import SamplingParams
+from memserve.workers.model.gguf_convert import ensure_model_dir
+
+BLOCK = 16
+
+
+async def collect(stream) -> tuple[list[int], int]:
+    tokens, cached = [], 0
+    async for out in stream:
+        assert out.error is None, out.error
+        tokens += out.new_token_ids
+        cached = max(cached, out.num_cached_tokens)
+    return tokens, cached
+
+
+async def scenario(model_dir) -> None:
+    tok = Tokenizer.from_folder(model_dir)
+    prompt = tok.encode_chat([{"role": "system", "content": "You answer in one short sentence. " * 6},
+                              {"role": "user", "content": "Why is the sky blue?"}])
+    channel = GatewayChannel()
+    engine_cfg = EngineConfig(model=str(model_dir), dtype="float32", num_blocks=96)
+    cluster = Cluster(plan_workers(engine_cfg, channel.address, cpu_workers=2, gpus=None))
+    client = ZmqEngineClient(channel, cluster, BLOCK)
+    await client.start()
+    try:
+        params = SamplingParams(max_tokens=8, temperature=0.0)
+        first, cached0 = await collect(client.generate("on-0", prompt, params, instance=0))
+        assert cached0 == 0
+        assert client.mirrors[1].cached_tokens(prompt) == 0
+
+        sent = await client.transfer_prefix(0, 1, prompt)
+        assert sent == len(prompt) // BLOCK
+        for _ in range(50):  # KV events travel with the worker's next loop turn
+            if client.mirrors[1].cached_tokens(prompt) == sent * BLOCK:
+                break
+            await asyncio.sleep(0.1)
+        assert client.mirrors[1].cached_tokens(prompt) == sent * BLOCK
+
+        again, cached1 = await collect(client.generate("on-1", prompt, params, instance=1))
+        assert again == first
+        assert cached1 == min(sent, (len(prompt) - 1) // BLOCK) * BLOCK
+    finally:
+        await client.close()
+
+
+def test_transfer_with_insert_between_worker_processes():
+    asyncio.run(scenario(ensure_model_dir(None)))
