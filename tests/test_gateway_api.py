@@ -465,7 +465,8 @@ async def test_health(tokenizer: Tokenizer) -> None:
         async with client.get("/health") as resp:
             body = await resp.json()
             assert resp.status == 503 and "[1]" in body["detail"]
-            assert body["workers"] == [{"instance_id": 0, "alive": True}, {"instance_id": 1, "alive": False}]
+            assert [(w["instance_id"], w["alive"]) for w in body["workers"]] == [(0, True), (1, False)]
+            assert body["workers"][0]["free_blocks"] == {"device": 100, "host": 400}
         engine.workers = []
         async with client.get("/health") as resp:
             assert resp.status == 503
