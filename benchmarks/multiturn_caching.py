@@ -1,7 +1,8 @@
 """Multi-turn reuse: context caching on vs `--no-prefix-cache`, same build, one run.
 
 Replays ShareGPT sessions with causal dependencies (turn k+1 is sent after turn k's
-answer and carries it; fixed output lengths so both runs see identical histories) with
+answer and carries the answer the server produced; greedy decoding, so both runs
+produce the same answers and see identical histories) with
 `memserve bench` against a real `memserve up`, once with caching and once without, and
 prints mean/P99 TTFT by turn and the prompt tokens actually computed (prompt tokens minus
 the cached tokens the server reports).
@@ -31,10 +32,12 @@ def run_bench(server, args, out: Path) -> dict:
     cmd = [
         sys.executable, "-m", "memserve.bench.cli", "--base-url", server.base_url, "--workload", "sharegpt",
         "--num-sessions", str(args.num_sessions), "--max-turns", str(args.max_turns), "--rate", str(args.rate),
-        "--fixed-output-len", "--max-tokens", str(args.max_tokens), "--temperature", "0",
+        "--max-tokens", str(args.max_tokens), "--temperature", "0",
         "--max-session-tokens", str(args.max_session_tokens), "--tokenizer", str(ensure_model_dir(None)),
         "--seed", str(args.seed), "--no-progress", "--output", str(out),
     ]
+    if args.concurrency:
+        cmd += ["--concurrency", str(args.concurrency)]
     subprocess.run(cmd, check=True, cwd=REPO)
     return json.loads(out.read_text())
 
@@ -63,8 +66,11 @@ def main() -> int:
     ap.add_argument("--num-sessions", type=int, default=16)
     ap.add_argument("--max-turns", type=int, default=6)
     ap.add_argument("--rate", type=float, default=0.5, help="sessions per second")
-    ap.add_argument("--max-tokens", type=int, default=32, help="cap on each fixed answer length")
+    ap.add_argument("--max-tokens", type=int, default=32, help="cap on each answer's length")
     ap.add_argument("--max-session-tokens", type=int, default=6000)
+    ap.add_argument("--concurrency", type=int, default=0,
+                    help="cap on requests in flight (1 isolates TTFT from other sessions' prefills)")
+    ap.add_argument("--server-args", default="", help="extra `memserve up` flags for both runs")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out-dir", default=None)
@@ -74,7 +80,7 @@ def main() -> int:
 
     results = {}
     for label, flags in (("caching", []), ("no-cache", ["--no-prefix-cache"])):
-        server = start_server(out_dir, "--dtype", args.dtype, *flags)
+        server = start_server(out_dir, "--dtype", args.dtype, *args.server_args.split(), *flags)
         try:
             results[label] = run_bench(server, args, out_dir / f"{label}.json")
         finally:
