@@ -14,7 +14,7 @@ from conftest import SHARED_DATA
 from memserve.config import EngineConfig
 from memserve.gateway.tokenizer import Tokenizer
 from memserve.ipc.messages import AddRequest, SamplingParams, decode, encode
-from memserve.kvcache.events import KVEvents
+from memserve.kvcache.events import REMOVED, KVEvents
 from memserve.kvcache.mirror import PromptTreeMirror
 from memserve.workers.engine import Engine
 from memserve.workers.model.gguf_convert import ensure_model_dir
@@ -32,9 +32,9 @@ def tokenizer(model_dir):
     return Tokenizer.from_folder(model_dir)
 
 
-def make_engine(model_dir, caching: bool, num_blocks: int) -> Engine:
+def make_engine(model_dir, caching: bool, num_blocks: int, num_host_blocks: int = 0) -> Engine:
     cfg = EngineConfig(model=str(model_dir), dtype="float32", num_blocks=num_blocks, enable_prefix_caching=caching,
-                       max_num_batched_tokens=512)
+                       max_num_batched_tokens=512, num_host_blocks=num_host_blocks)
     return Engine(cfg, model_dir)
 
 
@@ -44,7 +44,7 @@ def engines(model_dir):
     Each is emptied of running work between tests; cached KV legitimately carries over."""
     return {
         "cached": make_engine(model_dir, True, 400),
-        "tiny": make_engine(model_dir, True, 40),
+        "tiny": make_engine(model_dir, True, 12),
         "baseline": make_engine(model_dir, False, 400),
     }
 
@@ -107,12 +107,29 @@ def test_multiturn_sessions_identical_with_and_without_cache(engines, tokenizer)
 def test_identical_under_eviction_pressure(engines, tokenizer):
     tiny = engines["tiny"]
     convs = conversations(4, seed=1)
-    pressured = replay(tiny, tokenizer, convs, 2, "c")
-    base = replay(engines["baseline"], tokenizer, convs, 2, "d")
+    pressured = replay(tiny, tokenizer, convs, 3, "c")
+    base = replay(engines["baseline"], tokenizer, convs, 3, "d")
     assert [{s: t for s, (t, _) in turn.items()} for turn in pressured] == \
            [{s: t for s, (t, _) in turn.items()} for turn in base]
+    assert any(e.type == REMOVED for e in tiny.drain_kv_events())  # cached KV was evicted
+    assert any(cached for turn in pressured[1:] for _, cached in turn.values())  # and some was reused
     stats = tiny.mempool.stats()["device"]
     assert stats["free"] + stats["evictable"] == stats["total"]  # nothing leaked
+
+
+def test_host_tier_keeps_evicted_kv_and_swaps_it_back(model_dir, engines, tokenizer):
+    """A device pool too small for the sessions demotes cached blocks to the host pool
+    (real tensor copies) and swaps them back in for the next turn: same tokens, more
+    reuse than dropping them."""
+    tiered = make_engine(model_dir, True, 12, num_host_blocks=200)
+    convs = conversations(4, seed=1)
+    got = replay(tiered, tokenizer, convs, 3, "h")
+    base = replay(engines["baseline"], tokenizer, convs, 3, "i")
+    assert [{s: t for s, (t, _) in turn.items()} for turn in got] == \
+           [{s: t for s, (t, _) in turn.items()} for turn in base]
+    assert tiered.scheduler.num_swapped_in > 0
+    host = tiered.mempool.stats()["host"]
+    assert host["cached"] > 0
 
 
 def test_concurrent_sessions_share_a_system_prompt(engines, tokenizer):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from memserve.ipc.messages import RequestOutput
-from memserve.kvcache.address import addr_block
+from memserve.kvcache.address import Tier, addr_block, addr_tier
 from memserve.kvcache.mempool import MemPool
 from memserve.workers.sequence import Sequence, SequenceStatus
 
@@ -64,6 +64,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_swapped_in = 0  # cached blocks brought back from slower tiers
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
 
@@ -131,7 +132,7 @@ class Scheduler:
             # Leave at least one token to compute: its logits give the next token.
             tokens = seq.all_token_ids[:-1]
             hashes = seq.full_block_hashes(self.block_size, len(tokens) // self.block_size)
-            hit = self.mempool.match(tokens, take_ref=True, hashes=hashes)
+            hit = self._to_device(self.mempool.match(tokens, take_ref=True, hashes=hashes))
             seq.block_addrs = hit
             seq.block_ids = [addr_block(a) for a in hit]
             seq.num_indexed_blocks = len(hit)
@@ -145,6 +146,19 @@ class Scheduler:
             self.prompt_tokens_total += seq.num_prompt_tokens
             self.cached_tokens_total += seq.num_cached_tokens
         return True
+
+    def _to_device(self, hit: list[int]) -> list[int]:
+        """Bring the slower-tier tail of a cache hit back to the device (a block is never
+        indexed under a slower-tier parent, so those blocks are a suffix); keep only the
+        device part when there is no room for it."""
+        slow = [a for a in hit if addr_tier(a) != Tier.DEVICE]
+        if not slow:
+            return hit
+        fast = hit[: len(hit) - len(slow)]
+        swapped = self.mempool.swap_in(slow) if self.mempool.can_alloc(len(slow)) else []
+        self.mempool.free_mem(slow)
+        self.num_swapped_in += len(swapped)
+        return fast + swapped
 
     def _reserve(self, seq: Sequence, num_new: int) -> bool:
         """Make sure the sequence has blocks for ``num_new`` more tokens."""
@@ -241,6 +255,7 @@ class Scheduler:
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
             "num_preemptions": self.num_preemptions,
+            "num_swapped_in": self.num_swapped_in,
             "prompt_tokens_total": self.prompt_tokens_total,
             "cached_tokens_total": self.cached_tokens_total,
             "cache_hit_rate": self.cached_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else 0.0,
