@@ -83,11 +83,17 @@ class Worker:
         while not self.stopping:
             timeout_ms = 0 if self.engine.has_work else int(hb * 1000)
             outputs: list[RequestOutput] = []
-            for msg, _bulk in self.channel.poll(timeout_ms):
+            messages = self.channel.poll(timeout_ms)
+            polled = time.monotonic()
+            for msg, _bulk in messages:
                 if isinstance(msg, Heartbeat):
-                    last_heard = time.monotonic()
+                    last_heard = polled
                 else:
                     outputs += self._handle(msg)
+            # Judge silence at poll time: a long engine step must not look like silence.
+            if polled - last_heard > GATEWAY_SILENCE_HEARTBEATS * hb or os.getppid() != self.parent:
+                log.warning("worker %d: gateway is gone, exiting", self.id)
+                break
             self.endpoint.serve(0)
             self.endpoint.drain_received()  # peers send with RELEASE: the blocks are cached KV
             if self.engine.has_work:
@@ -101,9 +107,6 @@ class Worker:
             if now - last_sent >= hb:
                 self.channel.send(Heartbeat(self.id, now, self.engine.stats()))
                 last_sent = now
-            if now - last_heard > GATEWAY_SILENCE_HEARTBEATS * hb or os.getppid() != self.parent:
-                log.warning("worker %d: gateway is gone, exiting", self.id)
-                break
 
     def _handle(self, msg) -> list[RequestOutput]:
         if isinstance(msg, AddRequest):
