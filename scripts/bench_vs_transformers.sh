@@ -27,6 +27,9 @@ TRANSFORMERS_PORT=${TRANSFORMERS_PORT:-8012}
 STARTUP_TIMEOUT_S=${STARTUP_TIMEOUT_S:-600}
 
 mkdir -p "$OUT"
+# transformers serve lists models from the hub cache and fails when the folder is missing.
+export HF_HUB_CACHE=${HF_HUB_CACHE:-$OUT/hf-hub}
+mkdir -p "$HF_HUB_CACHE"
 SERVER_PID=""
 
 log() { printf '[bench_vs_transformers] %s\n' "$*" >&2; }
