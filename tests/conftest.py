@@ -16,6 +16,7 @@ import urllib.request
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data"
+SERVER_NUM_BLOCKS = 512  # KV blocks of the shared test server's worker
 
 
 def pytest_collection_modifyitems(config, items):
@@ -85,6 +86,6 @@ def stop_server(handle: ServerHandle, timeout_s: float = 20.0) -> int:
 def memserve_server(tmp_path_factory):
     """One live server for the end-to-end tests: float32 (so greedy output can be compared
     with transformers), a modest KV pool."""
-    handle = start_server(tmp_path_factory.mktemp("server"), "--num-blocks", "512")
+    handle = start_server(tmp_path_factory.mktemp("server"), "--num-blocks", str(SERVER_NUM_BLOCKS))
     yield handle
     stop_server(handle)

@@ -14,6 +14,8 @@ import torch
 import urllib.request
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from conftest import SERVER_NUM_BLOCKS
+
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -167,16 +169,25 @@ def test_bad_input_gets_openai_errors_and_server_stays_up(client, memserve_serve
 
 
 def _free_device_blocks(server) -> int:
+    """Allocatable (free or cached-evictable) device blocks, from the workers' heartbeats."""
     health = server.get_json("/health")
     return sum(w["free_blocks"]["device"] for w in health["workers"])
 
 
-def test_disconnect_mid_stream_frees_blocks(memserve_server):
+def _wait_free_blocks(server, until, timeout_s: float = 20.0) -> int:
     import time
 
+    deadline = time.monotonic() + timeout_s
+    while not until(free := _free_device_blocks(server)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return free
+
+
+def test_disconnect_mid_stream_frees_blocks(memserve_server):
     import http.client
 
-    idle = _free_device_blocks(memserve_server)
+    # Idle: every block is free or evictable (stats lag by up to a heartbeat).
+    assert _wait_free_blocks(memserve_server, lambda f: f == SERVER_NUM_BLOCKS) == SERVER_NUM_BLOCKS
     host, port = memserve_server.base_url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
     body = json.dumps({"model": memserve_server.model, "prompt": "Tell me a very long story. " * 40,
@@ -186,14 +197,8 @@ def test_disconnect_mid_stream_frees_blocks(memserve_server):
     assert resp.status == 200
     for _ in range(3):
         assert resp.fp.readline()
-    # The request holds blocks now (stats arrive with the workers' heartbeats).
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and _free_device_blocks(memserve_server) >= idle:
-        resp.fp.readline()
-    assert _free_device_blocks(memserve_server) < idle
+    # The request holds blocks while it streams.
+    assert _wait_free_blocks(memserve_server, lambda f: f < SERVER_NUM_BLOCKS, 10) < SERVER_NUM_BLOCKS
     conn.sock.close()
     conn.close()
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and _free_device_blocks(memserve_server) != idle:
-        time.sleep(0.2)
-    assert _free_device_blocks(memserve_server) == idle
+    assert _wait_free_blocks(memserve_server, lambda f: f == SERVER_NUM_BLOCKS) == SERVER_NUM_BLOCKS
