@@ -16,7 +16,7 @@ A block is in one of three states, kept in one int per block:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from memserve.kvcache.address import MAX_BLOCKS
 
@@ -120,16 +120,7 @@ class BlockPool:
                     raise MemPoolError(f"free: block {b} is held {r} times but freed {n} times in one call")
                 raise MemPoolError(self._misuse("free", b, r))
         refs = self._refs
-        released = []
-        for b, n in drops.items():
-            r = refs[b] - n
-            if r:
-                refs[b] = r
-            else:
-                refs[b] = FREE
-                released.append(b)
-        released.reverse()
-        self._free.extend(released)
+        self._set_counts(drops.keys(), [refs[b] - n for b, n in drops.items()])
 
     def incref(self, ids: Sequence[int]) -> None:
         """Add one reference to each held block."""
@@ -164,6 +155,11 @@ class BlockPool:
     def unpark(self, ids: Sequence[int], counts: Sequence[int]) -> None:
         """Give parked blocks back their references; a count of 0 frees the block."""
         self._require(ids, "unpark", lambda r: r == 0)
+        self._set_counts(ids, counts)
+
+    def _set_counts(self, ids: Iterable[int], counts: Sequence[int]) -> None:
+        """Give each block its new reference count; blocks at 0 return to the free list
+        (reversed, so the lowest ids come off the stack first again)."""
         refs = self._refs
         released = []
         for b, c in zip(ids, counts):
