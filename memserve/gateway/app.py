@@ -28,16 +28,13 @@ from memserve.gateway.engine_protocol import EngineClient, EngineUnavailable, Re
 from memserve.gateway.errors import APIError, bad_request
 from memserve.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, GatewayMetrics
 from memserve.gateway.protocol import (
-    ChatFormat,
-    CompletionFormat,
     GenerationRequest,
-    ResponseFormat,
-    Usage,
     check_prompt_ids,
     parse_chat_request,
     parse_completion_request,
     resolve_max_tokens,
 )
+from memserve.gateway.responses import ChatFormat, CompletionFormat, ResponseFormat, Usage
 from memserve.gateway.tokenizer import ChatTemplateError, Tokenizer
 
 log = logging.getLogger("memserve.gateway")
