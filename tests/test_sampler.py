@@ -35,6 +35,26 @@ def test_filters_that_keep_one_token_give_the_argmax(logits, params):
         assert tokens == logits.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("temperature", [1e-40, 1e-7])
+def test_temperature_that_vanishes_in_float32_is_greedy(logits, temperature):
+    """1e-40 rounds to 0 in float32: dividing by it once produced NaN and an id past the
+    vocabulary, which failed every request in the next step."""
+    params = [SamplingParams(temperature=temperature)] * 4
+    assert Sampler().sample(logits, params, [_generator(i) for i in range(4)]) == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_non_finite_logits_still_give_ids_in_the_vocabulary(logits, bad, top_p):
+    logits = logits.clone()
+    logits[1] = bad
+    logits[2, 7] = bad
+    params = [SamplingParams(temperature=0.8, top_p=top_p)] * 4
+    for seed in range(20):
+        tokens = Sampler().sample(logits, params, [_generator(seed * 4 + i) for i in range(4)])
+        assert all(0 <= t < VOCAB for t in tokens), tokens
+
+
 def test_greedy_and_sampled_rows_mix(logits):
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_p=1e-6)] * 2
     assert Sampler().sample(logits, params, [None, _generator(1), None, _generator(2)]) == logits.argmax(-1).tolist()

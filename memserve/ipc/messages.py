@@ -15,6 +15,10 @@ import msgpack
 
 PROTOCOL_VERSION = 1
 
+# Temperatures below this sample greedily (as vLLM): dividing logits by a temperature
+# that rounds to zero in float32 would turn them into inf and NaN.
+GREEDY_TEMPERATURE = 1e-5
+
 
 @dataclass
 class SamplingParams:
@@ -31,7 +35,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 @dataclass

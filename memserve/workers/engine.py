@@ -6,6 +6,7 @@ together and knows nothing about sockets; ``worker.py`` drives it."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Callable
@@ -16,8 +17,10 @@ from memserve.kvcache.address import Tier
 from memserve.kvcache.events import KVEvent
 from memserve.kvcache.mempool import KVFlags, MemPool
 from memserve.workers.model_runner import ModelRunner
-from memserve.workers.scheduler import Scheduler
+from memserve.workers.scheduler import Scheduler, SchedulerOutput
 from memserve.workers.sequence import Sequence
+
+log = logging.getLogger("memserve.worker")
 
 
 def eos_token_ids(model_dir: Path) -> set[int]:
@@ -39,25 +42,35 @@ class Engine:
         self.cfg = cfg
         self.runner = ModelRunner(cfg, model_dir)
         model_len = self.runner.model_config.max_position_embeddings
-        self.max_model_len = min(cfg.max_model_len or model_len, model_len)
+        pool_len = self.runner.num_blocks * cfg.block_size
+        self.max_model_len = min(cfg.max_model_len or model_len, model_len, pool_len)
+        if self.max_model_len == pool_len < min(cfg.max_model_len or model_len, model_len):
+            log.warning("the KV pool holds %d tokens: serving a context of %d tokens, not %d", pool_len, pool_len,
+                        min(cfg.max_model_len or model_len, model_len))
         tiers = {Tier.DEVICE: self.runner.num_blocks}
         if cfg.num_host_blocks:
             tiers[Tier.HOST] = cfg.num_host_blocks
         self.mempool = MemPool(instance_id, tiers, cfg.block_size, enable_caching=cfg.enable_prefix_caching,
                                mover=self.runner.pools, clock=clock)
-        self.scheduler = Scheduler(
-            self.mempool,
+        self.eos_token_ids = eos_token_ids(model_dir)
+        self.clock = clock
+        self.scheduler = self.make_scheduler(self.mempool, cfg.enable_prefix_caching)
+        self.num_steps = 0
+
+    def make_scheduler(self, mempool: MemPool, enable_prefix_caching: bool) -> Scheduler:
+        """A scheduler over ``mempool`` with this engine's limits (warm-up makes its own)."""
+        cfg = self.cfg
+        return Scheduler(
+            mempool,
             num_blocks=self.runner.num_blocks,
             block_size=cfg.block_size,
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=self.max_model_len,
-            eos_token_ids=eos_token_ids(model_dir),
-            enable_prefix_caching=cfg.enable_prefix_caching,
-            clock=clock,
+            eos_token_ids=self.eos_token_ids,
+            enable_prefix_caching=enable_prefix_caching,
+            clock=self.clock,
         )
-        self.clock = clock
-        self.num_steps = 0
 
     def add_request(self, req: AddRequest) -> RequestOutput | None:
         seq = Sequence(req.request_id, list(req.prompt_token_ids), req.params, self.clock(), req.session_id)
@@ -77,9 +90,33 @@ class Engine:
         out = self.scheduler.schedule()
         if not out:
             return []
-        sampled = self.runner.execute(out)
+        failed: list[RequestOutput] = []
+        try:
+            sampled = self.runner.execute(out)
+        except Exception:
+            log.exception("engine step of %d sequences failed; running them one by one", len(out.scheduled))
+            out, sampled, failed = self._isolate_failures(out)
         self.num_steps += 1
-        return self.scheduler.update(out, sampled)
+        return self.scheduler.update(out, sampled) + failed
+
+    def _isolate_failures(self, out: SchedulerOutput) -> tuple[SchedulerOutput, dict[Sequence, int],
+                                                               list[RequestOutput]]:
+        """Re-run a failed step one sequence at a time, so that one request's bad input
+        fails only that request. The KV a failed run wrote is overwritten by the rerun
+        (same tokens, same slots); no scheduler state has moved yet."""
+        kept = SchedulerOutput(preempted=out.preempted)
+        sampled: dict[Sequence, int] = {}
+        failed: list[RequestOutput] = []
+        for seq, num_new in out.scheduled:
+            try:
+                sampled.update(self.runner.execute(SchedulerOutput([(seq, num_new)])))
+                kept.scheduled.append((seq, num_new))
+            except Exception as exc:
+                log.error("request %s fails the engine step on its own: %r", seq.request_id, exc)
+                failure = self.abort(seq.request_id)
+                failure.finish_reason, failure.error = "error", f"the engine step failed on this request: {exc!r}"
+                failed.append(failure)
+        return kept, sampled, failed
 
     def push_prefix(self, token_ids: list[int], dst_instance: int) -> int:
         """Send the cached prefix of ``token_ids`` to another instance, which indexes it as

@@ -37,6 +37,7 @@ from memserve.ipc.messages import (
 from memserve.kvcache.events import KVEvents
 from memserve.kvcache.transfer import KVTransferEndpoint
 from memserve.workers.model.gguf_convert import ensure_model_dir
+from memserve.workers.warmup import warm_up
 
 log = logging.getLogger("memserve.worker")
 
@@ -68,6 +69,9 @@ class Worker:
 
         try:
             self.engine = Engine(self.cfg.engine, ensure_model_dir(self.cfg.engine.model), self.id)
+            started = time.monotonic()
+            steps = warm_up(self.engine)
+            log.info("worker %d: warmed up in %.1f s (%d steps)", self.id, time.monotonic() - started, steps)
         except Exception as exc:
             self.channel.send(WorkerError(self.id, f"worker {self.id} failed to start: {exc!r}"))
             raise

@@ -114,10 +114,13 @@ def _inverse_cdf(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 
 def _inverse_cdf_of_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    cdf = probs.cumsum(dim=-1)
+    """Column of each row where the CDF passes its uniform; always a valid column, even
+    for a row with no mass or NaNs (it then takes column 0 rather than an id past the
+    vocabulary that would fail the next step)."""
+    cdf = torch.nan_to_num(probs, nan=0.0).cumsum(dim=-1)
     total = cdf[:, -1:].contiguous()
     picks = torch.searchsorted(cdf, uniforms[:, None] * total, right=True)
     # If rounding puts the target at the total, stay on the last column that adds mass
     # (the first whose cdf reaches the total) rather than a zero-probability one after it.
     last_with_mass = torch.searchsorted(cdf, total, right=False)
-    return torch.minimum(picks, last_with_mass).squeeze(1)
+    return torch.minimum(picks, last_with_mass).clamp_(0, probs.shape[-1] - 1).squeeze(1)
