@@ -31,6 +31,8 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-prefix-cache", action="store_true", help="disable context caching (the baseline)")
     p.add_argument("--kv-layout", default="aggregated", choices=["aggregated", "layer-major"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--heartbeat-timeout", type=float, default=5.0,
+                   help="seconds of silence after which a worker is declared dead, failed and restarted")
     p.add_argument("--log-level", default=os.environ.get("MEMSERVE_LOG_LEVEL", "INFO"))
     p.set_defaults(func=_run_up)
 
@@ -62,6 +64,7 @@ def _run_up(args: argparse.Namespace) -> int:
         cpu_workers=args.cpu_workers,
         gpus=[int(g) for g in args.gpus.split(",")] if args.gpus else None,
         served_model_name=args.served_model_name,
+        heartbeat_timeout_s=args.heartbeat_timeout,
     )
     try:
         from uvloop import run

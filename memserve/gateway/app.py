@@ -69,7 +69,8 @@ def _engine_error(exc: Exception) -> APIError:
         headers = {"Retry-After": str(math.ceil(exc.retry_after_s))} if exc.retry_after_s is not None else None
         return APIError(429, str(exc), code="slo_unattainable", headers=headers)
     if isinstance(exc, EngineUnavailable):
-        return APIError(503, str(exc))
+        headers = {"Retry-After": str(math.ceil(exc.retry_after_s))} if exc.retry_after_s is not None else None
+        return APIError(503, str(exc), headers=headers)
     return APIError(500, f"engine error: {exc}")
 
 
@@ -237,13 +238,17 @@ class _OpenAIServer:
         }]})
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 when every worker is alive, else 503 naming the dead ones; each worker's
-        load and KV pool figures come along for operators and tests."""
+        """200 when every worker is alive, else 503 naming the dead ones; status
+        ``degraded`` (still 200) names workers whose heartbeats are late or whose step is
+        stuck. Each worker's load and KV pool figures come along for operators and tests."""
         workers = [{**w, "alive": bool(w.get("alive"))} for w in self._engine.stats().get("workers", [])]
         dead = [w["instance_id"] for w in workers if not w["alive"]]
         if not workers or dead:
             detail = f"workers not alive: {dead}" if dead else "no workers"
             return _json({"status": "unhealthy", "detail": detail, "workers": workers}, status=503)
+        degraded = [w["instance_id"] for w in workers if w.get("state") == "degraded"]
+        if degraded:
+            return _json({"status": "degraded", "detail": f"workers degraded: {degraded}", "workers": workers})
         return _json({"status": "ok", "workers": workers})
 
     async def metrics(self, request: web.Request) -> web.Response:

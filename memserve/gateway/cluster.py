@@ -19,6 +19,10 @@ from memserve.config import EngineConfig, WorkerConfig
 
 log = logging.getLogger("memserve.cluster")
 
+# Missed heartbeats after which a worker is reported degraded (and avoided by routing);
+# it is declared dead, failed and restarted after the heartbeat timeout.
+DEGRADED_AFTER_HEARTBEATS = 2.5
+
 
 @dataclass
 class WorkerHandle:
@@ -40,6 +44,15 @@ class WorkerHandle:
     def alive(self) -> bool:
         return self.ready and self.process is not None and self.process.poll() is None
 
+    def state(self, now: float, heartbeat_timeout_s: float) -> str:
+        """``starting``, ``dead``, ``degraded`` (heartbeats late, or one engine step
+        running longer than the heartbeat timeout) or ``ok``."""
+        if not self.alive:
+            return "starting" if self.process is not None and self.process.poll() is None else "dead"
+        late = now - self.last_heartbeat > DEGRADED_AFTER_HEARTBEATS * self.config.heartbeat_s
+        stuck = self.stats.get("loop_age_s", 0.0) > heartbeat_timeout_s
+        return "degraded" if late or stuck else "ok"
+
 
 def plan_workers(engine: EngineConfig, gateway_addr: str, cpu_workers: int, gpus: list[int] | None,
                  roles: list[str] | None = None) -> list[WorkerConfig]:
@@ -55,7 +68,7 @@ def plan_workers(engine: EngineConfig, gateway_addr: str, cpu_workers: int, gpus
 
 
 class Cluster:
-    def __init__(self, configs: list[WorkerConfig], heartbeat_timeout_s: float = 30.0) -> None:
+    def __init__(self, configs: list[WorkerConfig], heartbeat_timeout_s: float = 5.0) -> None:
         self.workers = {c.instance_id: WorkerHandle(c) for c in configs}
         self.heartbeat_timeout_s = heartbeat_timeout_s
 
@@ -104,6 +117,10 @@ class Cluster:
             if h.process.poll() is not None or now - h.last_heartbeat > self.heartbeat_timeout_s:
                 dead.append(h)
         return dead
+
+    def states(self) -> dict[int, str]:
+        now = time.monotonic()
+        return {i: h.state(now, self.heartbeat_timeout_s) for i, h in self.workers.items()}
 
     def exited_before_ready(self) -> list[WorkerHandle]:
         return [h for h in self.workers.values() if not h.ready and h.process and h.process.poll() is not None]

@@ -8,6 +8,7 @@ import asyncio
 import itertools
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from memserve.gateway.cluster import Cluster, WorkerHandle
@@ -33,8 +34,26 @@ from memserve.kvcache.mirror import PromptTreeMirror
 log = logging.getLogger("memserve.gateway")
 
 
+# Seconds a client is asked to wait when every worker is restarting.
+RESTART_RETRY_AFTER_S = 5.0
+
+
 class WorkerStartError(RuntimeError):
     pass
+
+
+@dataclass
+class _Stream:
+    """A request in flight: where it runs and whether a token reached the caller yet."""
+
+    worker: int
+    pinned: bool = False
+    started: bool = False
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+
+# Put on a stream's queue when its worker died before the first token: send it again.
+_RETRY = RequestOutput("", [], False, "retry")
 
 
 class ZmqEngineClient:
@@ -46,7 +65,7 @@ class ZmqEngineClient:
         self.heartbeat_s = heartbeat_s
         self.max_model_len = 0
         self.mirrors = {i: PromptTreeMirror(i, block_size) for i in cluster.workers}
-        self._streams: dict[str, tuple[int, asyncio.Queue[RequestOutput]]] = {}
+        self._streams: dict[str, _Stream] = {}
         self._tasks: list[asyncio.Task] = []
         self._start_error: str | None = None
         self._transfers: dict[int, asyncio.Future[TransferDone]] = {}
@@ -94,30 +113,38 @@ class ZmqEngineClient:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        session_id: str | None = None, slo: dict | None = None,
                        instance: int | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream a request's token deltas; ``instance`` pins it to one worker."""
+        """Stream a request's token deltas; ``instance`` pins it to one worker. A request
+        whose worker dies before it produced a token is sent again to a live worker
+        (nothing reached the client yet, so that is safe); with none left it raises
+        ``EngineUnavailable``."""
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id}")
-        worker = self._pick_worker() if instance is None else instance
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._streams[request_id] = (worker, queue)
+        stream = _Stream(self._pick_worker() if instance is None else instance, pinned=instance is not None)
+        self._streams[request_id] = stream
         finished = False
         try:
-            await self.channel.send(worker, AddRequest(request_id, list(prompt_token_ids), params, session_id,
-                                                       time.time()))
+            add = AddRequest(request_id, list(prompt_token_ids), params, session_id, time.time())
+            await self.channel.send(stream.worker, add)
             while not finished:
-                out = await queue.get()
+                out = await stream.queue.get()
+                if out is _RETRY:
+                    stream.worker = self._pick_worker()
+                    log.warning("request %s: its worker died before the first token; retrying on worker %d",
+                                request_id, stream.worker)
+                    await self.channel.send(stream.worker, add)
+                    continue
                 finished = out.finished
                 yield out
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                await self._send_abort(worker, request_id)
+                await self._send_abort(stream.worker, request_id)
 
     async def abort(self, request_id: str) -> None:
-        entry = self._streams.pop(request_id, None)
-        if entry is not None:
-            await self._send_abort(entry[0], request_id)
-            entry[1].put_nowait(RequestOutput(request_id, [], True, "abort"))
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            await self._send_abort(stream.worker, request_id)
+            stream.queue.put_nowait(RequestOutput(request_id, [], True, "abort"))
 
     async def transfer_prefix(self, src: int, dst: int, token_ids: list[int], timeout_s: float = 60.0) -> int:
         """Have worker ``src`` push its cached prefix of ``token_ids`` to worker ``dst``;
@@ -140,17 +167,21 @@ class ZmqEngineClient:
             pass
 
     def _pick_worker(self) -> int:
-        """Least-loaded live worker (by requests in flight from this gateway)."""
-        load = {i: 0 for i, h in self.cluster.workers.items() if h.alive}
+        """Least-loaded healthy worker (by requests in flight from this gateway); a
+        degraded one only when no worker is healthy."""
+        states = self.cluster.states()
+        load = {i: 0 for i, state in states.items() if state == "ok"}
+        load = load or {i: 0 for i, state in states.items() if state == "degraded"}
         if not load:
-            raise EngineUnavailable("no live worker: the workers are restarting")
-        for worker, _ in self._streams.values():
-            if worker in load:
-                load[worker] += 1
+            raise EngineUnavailable("no live worker: the workers are restarting", RESTART_RETRY_AFTER_S)
+        for stream in self._streams.values():
+            if stream.worker in load:
+                load[stream.worker] += 1
         return min(load, key=lambda i: (load[i], i))
 
     def stats(self) -> dict:
         workers = []
+        states = self.cluster.states()
         for h in self.cluster.workers.values():
             s = h.stats
             mp = s.get("mempool", {})
@@ -158,6 +189,9 @@ class ZmqEngineClient:
                 "instance_id": h.instance_id,
                 "role": h.config.role,
                 "alive": h.alive,
+                "state": states[h.instance_id],
+                "pid": h.process.pid if h.process is not None else None,
+                "heartbeat_age_s": round(time.monotonic() - h.last_heartbeat, 3) if h.ready else None,
                 "restarts": h.restarts,
                 "num_running": s.get("num_running", 0),
                 "num_waiting": s.get("num_waiting", 0),
@@ -185,9 +219,10 @@ class ZmqEngineClient:
     def _dispatch(self, instance_id: int, msg) -> None:
         if isinstance(msg, StepOutputs):
             for out in msg.outputs:
-                entry = self._streams.get(out.request_id)
-                if entry is not None:
-                    entry[1].put_nowait(out)
+                stream = self._streams.get(out.request_id)
+                if stream is not None and stream.worker == instance_id:
+                    stream.started = stream.started or bool(out.new_token_ids)
+                    stream.queue.put_nowait(out)
         elif isinstance(msg, KVEvents):
             self.mirrors[instance_id].apply(msg)
         elif isinstance(msg, Heartbeat):
@@ -223,8 +258,10 @@ class ZmqEngineClient:
     def _fail_worker(self, h: WorkerHandle) -> None:
         log.error("worker %d died (exit code %s); failing its requests and restarting it", h.instance_id,
                   h.process.poll() if h.process else None)
-        for rid, (worker, queue) in list(self._streams.items()):
-            if worker == h.instance_id:
-                queue.put_nowait(RequestOutput(rid, [], True, "error", error=f"worker {worker} died"))
+        for rid, stream in list(self._streams.items()):
+            if stream.worker == h.instance_id:
+                retry = not stream.started and not stream.pinned
+                stream.queue.put_nowait(_RETRY if retry else
+                                        RequestOutput(rid, [], True, "error", error=f"worker {stream.worker} died"))
         self.mirrors[h.instance_id].reset()
         self.cluster.restart(h)

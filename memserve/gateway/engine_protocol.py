@@ -44,4 +44,9 @@ class RequestRejected(Exception):
 
 
 class EngineUnavailable(Exception):
-    """Raised by ``generate`` when no live worker can take the request; answered 503."""
+    """Raised by ``generate`` when no live worker can take the request; answered 503,
+    with Retry-After when the engine knows when to expect one back."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

@@ -22,6 +22,12 @@ def _identity(instance_id: int) -> bytes:
     return b"w%d" % instance_id
 
 
+def heartbeat_identity(instance_id: int) -> bytes:
+    """The worker's heartbeat thread has a socket of its own; the gateway reads the same
+    instance id from either identity."""
+    return b"h%d" % instance_id
+
+
 class GatewayChannel:
     """Asyncio side, owned by the gateway."""
 

@@ -57,7 +57,8 @@ class Engine:
         self.scheduler = self.make_scheduler(self.mempool, cfg.enable_prefix_caching)
         self.num_steps = 0
 
-    def make_scheduler(self, mempool: MemPool, enable_prefix_caching: bool) -> Scheduler:
+    def make_scheduler(self, mempool: MemPool, enable_prefix_caching: bool,
+                       max_num_batched_tokens: int | None = None) -> Scheduler:
         """A scheduler over ``mempool`` with this engine's limits (warm-up makes its own)."""
         cfg = self.cfg
         return Scheduler(
@@ -65,7 +66,7 @@ class Engine:
             num_blocks=self.runner.num_blocks,
             block_size=cfg.block_size,
             max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_num_batched_tokens=max_num_batched_tokens or cfg.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
             enable_prefix_caching=enable_prefix_caching,

@@ -20,22 +20,26 @@ if TYPE_CHECKING:
     from memserve.workers.engine import Engine
 
 # Decode batch sizes and prompt lengths run once each (capped by the pool and context).
+# The code paths matter, not the sizes: small shapes keep a restart after a crash fast.
 BATCH_SIZES = (1, 4, 16)
-PROMPT_LENS = (7, 100, 300)
+PROMPT_LENS = (7, 20, 45)
 DECODE_STEPS = 3
+# The warm-up step budget, and a prompt that needs three chunks of it.
+CHUNK_TOKENS = 64
+CHUNKED_PROMPT_LEN = 150
 
 
 def warm_up(engine: Engine, seed: int = 0) -> int:
     """Run warm-up requests to completion; returns the number of steps taken. Covers a
-    chunked prefill longer than a step's token budget, mixed prefill+decode steps and
-    decode batches of several sizes, with greedy and sampled rows."""
+    prefill in several chunks, mixed prefill+decode steps and decode batches of several
+    sizes, with greedy and sampled rows."""
     cfg = engine.cfg
     rng = random.Random(seed)
     vocab = engine.runner.model_config.vocab_size
     num_blocks = engine.runner.num_blocks
     mempool = MemPool(-1, {Tier.DEVICE: num_blocks}, cfg.block_size, enable_caching=False,
                       mover=engine.runner.pools, clock=engine.clock)
-    scheduler = engine.make_scheduler(mempool, enable_prefix_caching=False)
+    scheduler = engine.make_scheduler(mempool, enable_prefix_caching=False, max_num_batched_tokens=CHUNK_TOKENS)
     limit = min(engine.max_model_len, num_blocks * cfg.block_size) - DECODE_STEPS
     steps = 0
 
@@ -51,7 +55,7 @@ def warm_up(engine: Engine, seed: int = 0) -> int:
             scheduler.update(out, engine.runner.execute(out))
             steps += 1
 
-    rounds = [[cfg.max_num_batched_tokens + 64]]  # a prefill in several chunks
+    rounds = [[CHUNKED_PROMPT_LEN]]
     rounds += [[PROMPT_LENS[i % len(PROMPT_LENS)] for i in range(batch)] for batch in BATCH_SIZES]
     for lengths in rounds:
         if sum(lengths) + DECODE_STEPS * len(lengths) > limit:

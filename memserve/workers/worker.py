@@ -2,8 +2,9 @@
 
 The loop alternates between draining the socket (new requests, aborts, heartbeats) and
 one engine step; every step's token deltas go back at once, so streaming clients see
-each token as soon as it is sampled. The worker exits when told to, on SIGTERM, when its
-parent dies, or when the gateway's heartbeats stop.
+each token as soon as it is sampled. Heartbeats to the gateway go out from a thread of
+their own (``heartbeat.py``), on time even during a long step. The worker exits when told
+to, on SIGTERM, when its parent dies, or when the gateway's heartbeats stop.
 
 Run as ``python -m memserve.workers.worker '<WorkerConfig as JSON>'``.
 """
@@ -36,6 +37,7 @@ from memserve.ipc.messages import (
 )
 from memserve.kvcache.events import KVEvents
 from memserve.kvcache.transfer import KVTransferEndpoint
+from memserve.workers.heartbeat import HeartbeatThread
 from memserve.workers.model.gguf_convert import ensure_model_dir
 from memserve.workers.warmup import warm_up
 
@@ -63,6 +65,7 @@ class Worker:
         self.parent = os.getppid()
         self.engine = None
         self.endpoint: KVTransferEndpoint | None = None
+        self.heartbeat: HeartbeatThread | None = None
 
     def start(self) -> None:
         from memserve.workers.engine import Engine  # heavy: torch and the model
@@ -83,8 +86,12 @@ class Worker:
 
     def run(self) -> None:
         hb = self.cfg.heartbeat_s
-        last_sent = last_heard = time.monotonic()
+        last_published = last_heard = time.monotonic()
+        self.heartbeat = HeartbeatThread(self.cfg.gateway_addr, self.id, hb)
+        self.heartbeat.publish(self.engine.stats())
+        self.heartbeat.start()
         while not self.stopping:
+            self.heartbeat.tick()
             timeout_ms = 0 if self.engine.has_work else int(hb * 1000)
             outputs: list[RequestOutput] = []
             messages = self.channel.poll(timeout_ms)
@@ -108,9 +115,9 @@ class Worker:
             if events:
                 self.channel.send(KVEvents(self.id, events))
             now = time.monotonic()
-            if now - last_sent >= hb:
-                self.channel.send(Heartbeat(self.id, now, self.engine.stats()))
-                last_sent = now
+            if now - last_published >= hb / 2:
+                self.heartbeat.publish(self.engine.stats())
+                last_published = now
 
     def _handle(self, msg) -> list[RequestOutput]:
         if isinstance(msg, AddRequest):
@@ -154,6 +161,8 @@ class Worker:
             return failed
 
     def close(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         if self.endpoint is not None:
             self.endpoint.close()
         self.channel.close()

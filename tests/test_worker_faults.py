@@ -1,0 +1,158 @@
+"""Worker faults against a real two-worker `memserve up`: a worker killed with SIGKILL
+under load (queued requests are answered by the other worker, streaming ones get an
+error event, no block leaks on the survivor, the dead one comes back), a frozen worker
+(SIGSTOP) reported degraded and then replaced within the heartbeat timeout, and a 503
+with Retry-After while no worker is alive."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+import urllib.error
+import urllib.request
+
+import aiohttp
+import pytest
+
+from conftest import start_server, stop_server
+
+NUM_BLOCKS = 256
+HEARTBEAT_TIMEOUT_S = 3.0
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    handle = start_server(tmp_path_factory.mktemp("faults"), "--cpu-workers", "2", "--num-blocks", str(NUM_BLOCKS),
+                          "--max-num-seqs", "2", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S))
+    yield handle
+    stop_server(handle)
+
+
+def health(server) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(server.base_url + "/health", timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def wait_until(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def workers(server) -> dict[int, dict]:
+    return {w["instance_id"]: w for w in health(server)[1]["workers"]}
+
+
+def all_ok(server) -> bool:
+    status, body = health(server)
+    return status == 200 and body["status"] == "ok"
+
+
+async def stream_completion(session: aiohttp.ClientSession, server, prompt: str, started: asyncio.Event) -> dict:
+    """Streams one completion; returns its tokens, finish reason and any error event."""
+    body = {"model": server.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True, "ignore_eos": True,
+            "temperature": 0}
+    result: dict = {"status": None, "text": "", "finish_reason": None, "error": None}
+    async with session.post(server.base_url + "/v1/completions", json=body) as resp:
+        result["status"] = resp.status
+        if resp.status != 200:
+            result["error"] = (await resp.json())["error"]
+            return result
+        async for line in resp.content:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                result["error"] = event["error"]
+                continue
+            choice = event["choices"][0]
+            result["text"] += choice["text"]
+            result["finish_reason"] = choice["finish_reason"] or result["finish_reason"]
+            if choice["text"]:
+                started.set()
+    return result
+
+
+def test_sigkill_under_load_retries_queued_requests_and_leaks_nothing(server):
+    wait_until(lambda: all_ok(server), 120, "both workers healthy")
+    victim = workers(server)[0]
+
+    async def scenario() -> list[dict]:
+        async with aiohttp.ClientSession() as session:
+            events = [asyncio.Event() for _ in range(8)]
+            tasks = [asyncio.create_task(stream_completion(session, server, f"Story number {i}: once upon a time",
+                                                           events[i])) for i in range(8)]
+            # Two requests run on each worker (--max-num-seqs 2), two more wait there.
+            await asyncio.wait_for(_at_least(events, 4), 60)
+            os.kill(victim["pid"], signal.SIGKILL)
+            return await asyncio.gather(*tasks)
+
+    killed_at = time.monotonic()
+    results = asyncio.run(scenario())
+    errors = [r for r in results if r["error"] is not None]
+    done = [r for r in results if r["error"] is None]
+    assert all(r["status"] == 200 for r in results), results
+    # Exactly the victim's two streaming requests fail; its queued ones are retried.
+    assert len(errors) == 2, results
+    assert all("died" in r["error"]["message"] for r in errors)
+    assert all(r["finish_reason"] == "length" for r in done)
+    survivor = 1
+    wait_until(lambda: workers(server)[survivor]["free_blocks"]["device"] == NUM_BLOCKS, 30,
+               "the survivor's blocks to be free")
+    wait_until(lambda: all_ok(server), 120, "the killed worker to come back")
+    recovered = workers(server)[0]
+    assert recovered["restarts"] == 1 and recovered["pid"] != victim["pid"]
+    print(f"killed worker back after {time.monotonic() - killed_at:.1f} s")
+
+
+async def _at_least(events: list[asyncio.Event], n: int) -> None:
+    while sum(e.is_set() for e in events) < n:
+        await asyncio.sleep(0.05)
+
+
+def test_frozen_worker_is_degraded_then_replaced(server):
+    wait_until(lambda: all_ok(server), 120, "both workers healthy")
+    victim = workers(server)[1]
+    os.kill(victim["pid"], signal.SIGSTOP)
+    try:
+        stopped_at = time.monotonic()
+        status, body = wait_until(lambda: (h := health(server))[1]["status"] == "degraded" and h, 10,
+                                  "/health to say degraded")
+        assert status == 200 and "1" in body["detail"]
+        assert time.monotonic() - stopped_at < HEARTBEAT_TIMEOUT_S + 1
+        # After the heartbeat timeout it is declared dead and replaced.
+        wait_until(lambda: workers(server)[1]["pid"] != victim["pid"], HEARTBEAT_TIMEOUT_S + 10,
+                   "the frozen worker to be replaced")
+    finally:
+        try:
+            os.kill(victim["pid"], signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    wait_until(lambda: all_ok(server), 120, "the replacement to be ready")
+
+
+def test_no_live_worker_is_503_with_retry_after(server):
+    wait_until(lambda: all_ok(server), 120, "both workers healthy")
+    for w in workers(server).values():
+        os.kill(w["pid"], signal.SIGKILL)
+    wait_until(lambda: health(server)[0] == 503, 10, "/health to see the dead workers")
+    req = urllib.request.Request(server.base_url + "/v1/completions", headers={"Content-Type": "application/json"},
+                                 data=json.dumps({"prompt": "hi", "max_tokens": 2}).encode())
+    with pytest.raises(urllib.error.HTTPError) as exc:
+        urllib.request.urlopen(req, timeout=10)
+    assert exc.value.code == 503 and int(exc.value.headers["Retry-After"]) > 0
+    assert json.loads(exc.value.read())["error"]["type"] == "ServiceUnavailableError"
+    wait_until(lambda: all_ok(server), 120, "the workers to come back")
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.status == 200
