@@ -32,6 +32,7 @@ class WorkerConfig:
     engine: EngineConfig
     gateway_addr: str  # ZeroMQ address of the gateway's ROUTER socket
     heartbeat_s: float = 1.0
+    runtime_dir: str = ""  # private directory for ipc:// sockets ("" = TCP on loopback)
 
     def to_dict(self) -> dict:
         return asdict(self)

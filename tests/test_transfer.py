@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import secrets
+import time
 from typing import Any
 
 import pytest
@@ -38,6 +40,9 @@ def receiver_main(conn: Any) -> None:
         if cmd == "connect":
             endpoint.connect(*args)
             conn.send(None)
+        elif cmd == "expect":
+            endpoint.expect(*args)
+            conn.send(None)
         elif cmd == "match":
             addrs = pool.match(args[0], take_ref=False)
             conn.send((addrs, mover.get(addrs)))
@@ -51,11 +56,12 @@ def receiver_main(conn: Any) -> None:
         elif cmd == "stats":
             conn.send(pool.stats())
         elif cmd == "send_back":  # decode-phase KV back to the prefill instance
-            tokens, first_block, seed = args
+            tokens, first_block, seed, ticket = args
             addrs = pool.alloc_mem(len(tokens) // BS - first_block)
             mover.fill(Tier.DEVICE, [addr_block(a) for a in addrs], seed)
             data = mover.get(addrs)
-            dst = pool.transfer_with_insert(SENDER, tokens, addrs, flags=KVFlags.RELEASE, first_block=first_block)
+            dst = pool.transfer_with_insert(SENDER, tokens, addrs, flags=KVFlags.RELEASE, first_block=first_block,
+                                            ticket=ticket)
             pool.free_mem(addrs)
             conn.send((dst, data))
     endpoint.close()
@@ -93,6 +99,12 @@ class Peer:
             self.endpoint.serve(timeout_ms=5)
         return self.conn.recv()
 
+    def ticket(self, max_blocks: int) -> str:
+        """Announce a transfer of up to ``max_blocks`` to the receiver, as the gateway does."""
+        ticket = secrets.token_hex(8)
+        self.ask("expect", ticket, SENDER, max_blocks)
+        return ticket
+
     def computed(self, n: int, seed: int, tier: Tier = Tier.DEVICE) -> list[int]:
         """``n`` held blocks whose KV is some model's output."""
         addrs = self.pool.alloc_mem(n, tier)
@@ -104,7 +116,7 @@ def test_transfer_with_insert_lets_the_receiver_match_the_prompt(peer: Peer):
     tokens = prompt(1, 6) + [9, 9]  # six full blocks and a partial one
     src = peer.computed(7, seed=1)
     before = peer.ask("stats")
-    dst = peer.pool.transfer_with_insert(RECEIVER, tokens, src, private={"request_id": "r1"})
+    dst = peer.pool.transfer_with_insert(RECEIVER, tokens, src, private={"request_id": "r1"}, ticket=peer.ticket(7))
     assert all(addr_instance(a) == RECEIVER and addr_tier(a) == Tier.DEVICE for a in dst)
     addrs, data = peer.ask("match", tokens)
     assert addrs == dst[:6]
@@ -118,10 +130,11 @@ def test_transfer_with_insert_lets_the_receiver_match_the_prompt(peer: Peer):
 
 
 def test_transfer_into_blocks_allocated_on_the_receiver_beforehand(peer: Peer):
-    dst = peer.pool.alloc_mem(3, Tier.HOST, instance=RECEIVER)
+    ticket = peer.ticket(3)
+    dst = peer.pool.alloc_mem(3, Tier.HOST, instance=RECEIVER, ticket=ticket)
     assert all(addr_instance(a) == RECEIVER and addr_tier(a) == Tier.HOST for a in dst)
     src = peer.computed(2, seed=2) + peer.computed(1, seed=3, tier=Tier.HOST)  # partly swapped out
-    assert peer.pool.transfer(RECEIVER, src, dst, private=["layer", 0]) == dst
+    assert peer.pool.transfer(RECEIVER, src, dst, private=["layer", 0], ticket=ticket) == dst
     assert peer.ask("read", dst) == peer.mover.get(src)
     [(_, got, tokens, private, inserted)] = peer.ask("received")
     assert (got, tokens, private, inserted) == (dst, None, ["layer", 0], 0)
@@ -131,8 +144,10 @@ def test_transfer_into_blocks_allocated_on_the_receiver_beforehand(peer: Peer):
 def test_incremental_transfer_extends_what_the_receiver_caches(peer: Peer):
     tokens = prompt(4, 5)
     src = peer.computed(5, seed=4)
-    peer.pool.transfer_with_insert(RECEIVER, tokens[: 2 * BS], src[:2], flags=KVFlags.RELEASE | KVFlags.HOST)
-    peer.pool.transfer_with_insert(RECEIVER, tokens, src[2:], flags=KVFlags.RELEASE | KVFlags.HOST, first_block=2)
+    peer.pool.transfer_with_insert(RECEIVER, tokens[: 2 * BS], src[:2], flags=KVFlags.RELEASE | KVFlags.HOST,
+                                   ticket=peer.ticket(2))
+    peer.pool.transfer_with_insert(RECEIVER, tokens, src[2:], flags=KVFlags.RELEASE | KVFlags.HOST, first_block=2,
+                                   ticket=peer.ticket(3))
     addrs, data = peer.ask("match", tokens)
     assert len(addrs) == 5 and data == peer.mover.get(src)
     assert peer.ask("received") == []  # RELEASE: nothing for the receiving engine to free
@@ -144,7 +159,9 @@ def test_decode_instance_sends_its_kv_back_while_we_serve(peer: Peer):
     src = peer.computed(2, seed=5)
     peer.pool.insert(tokens, src, KVFlags.RELEASE)
     longer = tokens + prompt(6, 3)
-    dst, data = peer.ask("send_back", longer, 2, 6)
+    ticket = secrets.token_hex(8)
+    peer.endpoint.expect(ticket, RECEIVER, 3)
+    dst, data = peer.ask("send_back", longer, 2, 6, ticket)
     hit = peer.pool.match(longer)
     assert hit == src + dst and peer.mover.get(dst) == data
     peer.pool.free_mem(hit)
@@ -155,17 +172,31 @@ def test_failed_transfers_raise_and_leak_nothing(peer: Peer):
     before = peer.ask("stats")
     too_many = peer.computed(20, seed=7) + peer.computed(13, seed=8, tier=Tier.HOST)  # receiver has 32
     with pytest.raises(TransferError, match="could not allocate 33 blocks"):
-        peer.pool.transfer(RECEIVER, too_many)
+        peer.pool.transfer(RECEIVER, too_many, ticket=peer.ticket(33))
+    with pytest.raises(TransferError, match="at most 32 blocks, not 33"):
+        peer.pool.transfer(RECEIVER, too_many, ticket=peer.ticket(32))
+    with pytest.raises(TransferError, match="no transfer from this instance is expected"):
+        peer.pool.transfer(RECEIVER, too_many[:1], ticket="never-announced")
     not_allocated_there = [make_addr(RECEIVER, Tier.DEVICE, 0)]
     with pytest.raises(TransferError, match="not held"):
-        peer.pool.transfer(RECEIVER, too_many[:1], not_allocated_there)
+        peer.pool.transfer(RECEIVER, too_many[:1], not_allocated_there, ticket=peer.ticket(1))
     peer.pool.free_mem(too_many)
     with pytest.raises(MemPoolError, match="not held"):
-        peer.pool.transfer(RECEIVER, too_many[:1])
+        peer.pool.transfer(RECEIVER, too_many[:1], ticket=peer.ticket(1))
     with pytest.raises(MemPoolError, match="no transfer peer"):
         peer.pool.transfer(7, peer.computed(1, seed=9))
     assert peer.ask("stats") == before
     assert peer.ask("received") == []
+
+
+def _ask(endpoint: KVTransferEndpoint, sock: zmq.Socket, msg: Any) -> Any:
+    """Send ``msg`` from a stray socket and serve the endpoint until it answers."""
+    sock.send(encode(msg))
+    for _ in range(100):
+        endpoint.serve(timeout_ms=20)
+        if sock.poll(0):
+            return decode(sock.recv())
+    raise AssertionError("no answer")
 
 
 def test_garbage_on_the_socket_does_not_stop_serving():
@@ -175,15 +206,45 @@ def test_garbage_on_the_socket_does_not_stop_serving():
     try:
         stray.send(b"\x93not msgpack")
         stray.send(b"")
-        stray.send(encode(KVAllocRequest(1, 9, 2, int(Tier.DEVICE))))
-        handled = 0
-        for _ in range(100):
-            handled += endpoint.serve(timeout_ms=20)
-            if stray.poll(0):
-                break
-        assert handled == 1  # the garbage was skipped, the request answered
-        reply = decode(stray.recv())
-        assert reply.error is None and len(reply.addrs) == 2
+        endpoint.expect("t1", 9, 2)
+        reply = _ask(endpoint, stray, KVAllocRequest(1, 9, 2, int(Tier.DEVICE), "t1"))
+        assert reply.error is None and len(reply.addrs) == 2  # the garbage was skipped, the request answered
+    finally:
+        stray.close(linger=0)
+        endpoint.close()
+
+
+def test_unannounced_or_oversized_allocations_are_refused():
+    """One stray message once allocated nearly the whole pool for a fictitious peer."""
+    pool, _, endpoint = make_instance(RECEIVER)
+    stray = zmq.Context.instance().socket(zmq.DEALER)
+    stray.connect(endpoint.address)
+    free = pool.stats()["device"]["free"]
+    try:
+        assert "no transfer" in _ask(endpoint, stray, KVAllocRequest(1, 9, 30, int(Tier.DEVICE))).error
+        endpoint.expect("t1", SENDER, 4)
+        assert "no transfer" in _ask(endpoint, stray, KVAllocRequest(2, 9, 4, int(Tier.DEVICE), "t1")).error
+        assert "at most 4" in _ask(endpoint, stray, KVAllocRequest(3, SENDER, 30, int(Tier.DEVICE), "t1")).error
+        assert pool.stats()["device"]["free"] == free
+        assert len(_ask(endpoint, stray, KVAllocRequest(4, SENDER, 4, int(Tier.DEVICE), "t1")).addrs) == 4
+        assert "no transfer" in _ask(endpoint, stray, KVAllocRequest(5, SENDER, 4, int(Tier.DEVICE), "t1")).error
+    finally:
+        stray.close(linger=0)
+        endpoint.close()
+
+
+def test_blocks_of_a_transfer_that_never_completes_are_reclaimed():
+    pool, _, endpoint = make_instance(RECEIVER)
+    stray = zmq.Context.instance().socket(zmq.DEALER)
+    stray.connect(endpoint.address)
+    free = pool.stats()["device"]["free"]
+    try:
+        endpoint.expect("t1", SENDER, 5, ttl_s=0.3)
+        assert len(_ask(endpoint, stray, KVAllocRequest(1, SENDER, 5, int(Tier.DEVICE), "t1")).addrs) == 5
+        assert pool.stats()["device"]["free"] == free - 5
+        time.sleep(0.35)
+        endpoint.serve(timeout_ms=0)
+        assert pool.stats()["device"]["free"] == free
     finally:
         stray.close(linger=0)
         endpoint.close()

@@ -156,3 +156,40 @@ def test_no_live_worker_is_503_with_retry_after(server):
     wait_until(lambda: all_ok(server), 120, "the workers to come back")
     with urllib.request.urlopen(req, timeout=60) as r:
         assert r.status == 200
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    return inodes
+
+
+def _listening_tcp_ports(inodes: set[str]) -> set[int]:
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                    ports.add(int(cols[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def test_only_the_http_port_listens_on_tcp_and_internal_sockets_are_private(server):
+    wait_until(lambda: all_ok(server), 120, "both workers healthy")
+    pids = [server.process.pid] + [w["pid"] for w in workers(server).values()]
+    inodes = set().union(*(_socket_inodes(pid) for pid in pids))
+    http_port = int(server.base_url.rsplit(":", 1)[1])
+    assert _listening_tcp_ports(inodes) == {http_port}
+    with open("/proc/net/unix") as f:
+        paths = [cols[7] for cols in (line.split() for line in f.readlines()[1:])
+                 if len(cols) >= 8 and cols[6] in inodes]
+    socket_dirs = {os.path.dirname(p) for p in paths if os.path.basename(p).startswith(("gateway", "kv-"))}
+    assert len(socket_dirs) == 1, paths
+    assert os.stat(socket_dirs.pop()).st_mode & 0o777 == 0o700

@@ -55,14 +55,16 @@ class WorkerHandle:
 
 
 def plan_workers(engine: EngineConfig, gateway_addr: str, cpu_workers: int, gpus: list[int] | None,
-                 roles: list[str] | None = None) -> list[WorkerConfig]:
-    """One WorkerConfig per GPU in ``gpus``, else ``cpu_workers`` CPU workers."""
+                 roles: list[str] | None = None, runtime_dir: str = "") -> list[WorkerConfig]:
+    """One WorkerConfig per GPU in ``gpus``, else ``cpu_workers`` CPU workers; their
+    sockets go in ``runtime_dir`` when given."""
     devices = [f"cuda:{g}" for g in gpus] if gpus else ["cpu"] * cpu_workers
     roles = roles or ["colocated"] * len(devices)
     if len(roles) != len(devices):
         raise ValueError(f"{len(roles)} roles for {len(devices)} workers")
     return [
-        WorkerConfig(instance_id=i, role=role, engine=replace(engine, device=dev), gateway_addr=gateway_addr)
+        WorkerConfig(instance_id=i, role=role, engine=replace(engine, device=dev), gateway_addr=gateway_addr,
+                     runtime_dir=runtime_dir)
         for i, (dev, role) in enumerate(zip(devices, roles))
     ]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -17,6 +18,7 @@ from memserve.ipc.channel import GatewayChannel
 from memserve.ipc.messages import (
     AbortRequest,
     AddRequest,
+    ExpectTransfer,
     Heartbeat,
     PeerAddresses,
     RequestOutput,
@@ -24,6 +26,7 @@ from memserve.ipc.messages import (
     Shutdown,
     StepOutputs,
     TransferDone,
+    TransferExpected,
     TransferPrefix,
     WorkerError,
     WorkerReady,
@@ -63,12 +66,13 @@ class ZmqEngineClient:
         self.channel = channel
         self.cluster = cluster
         self.heartbeat_s = heartbeat_s
+        self.block_size = block_size
         self.max_model_len = 0
         self.mirrors = {i: PromptTreeMirror(i, block_size) for i in cluster.workers}
         self._streams: dict[str, _Stream] = {}
         self._tasks: list[asyncio.Task] = []
         self._start_error: str | None = None
-        self._transfers: dict[int, asyncio.Future[TransferDone]] = {}
+        self._transfers: dict[int, asyncio.Future[TransferDone | TransferExpected]] = {}
         self._transfer_ids = itertools.count(1)
 
     # ------------------------------------------------------------------ lifecycle
@@ -148,17 +152,24 @@ class ZmqEngineClient:
 
     async def transfer_prefix(self, src: int, dst: int, token_ids: list[int], timeout_s: float = 60.0) -> int:
         """Have worker ``src`` push its cached prefix of ``token_ids`` to worker ``dst``;
-        returns the number of blocks that arrived there."""
+        returns the number of blocks that arrived there. ``dst`` is told to expect the
+        transfer under a fresh ticket before ``src`` starts it."""
         tid = next(self._transfer_ids)
-        done = self._transfers[tid] = asyncio.get_running_loop().create_future()
-        try:
-            await self.channel.send(src, TransferPrefix(tid, list(token_ids), dst))
-            reply = await asyncio.wait_for(done, timeout_s)
-        finally:
-            self._transfers.pop(tid, None)
+        ticket = secrets.token_hex(16)
+        await self._ask(dst, ExpectTransfer(tid, ticket, src, len(token_ids) // self.block_size), timeout_s)
+        reply = await self._ask(src, TransferPrefix(tid, list(token_ids), dst, ticket), timeout_s)
         if reply.error:
             raise RuntimeError(f"prefix transfer {src} -> {dst} failed: {reply.error}")
         return reply.num_blocks
+
+    async def _ask(self, worker: int, msg: ExpectTransfer | TransferPrefix, timeout_s: float):
+        """Send a transfer message and wait for the worker's answer to it."""
+        answer = self._transfers[msg.transfer_id] = asyncio.get_running_loop().create_future()
+        try:
+            await self.channel.send(worker, msg)
+            return await asyncio.wait_for(answer, timeout_s)
+        finally:
+            self._transfers.pop(msg.transfer_id, None)
 
     async def _send_abort(self, worker: int, request_id: str) -> None:
         try:
@@ -227,7 +238,7 @@ class ZmqEngineClient:
             self.mirrors[instance_id].apply(msg)
         elif isinstance(msg, Heartbeat):
             self.cluster.heartbeat(instance_id, msg.stats)
-        elif isinstance(msg, TransferDone):
+        elif isinstance(msg, (TransferDone, TransferExpected)):
             future = self._transfers.get(msg.transfer_id)
             if future is not None and not future.done():
                 future.set_result(msg)

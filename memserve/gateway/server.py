@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import signal
+import tempfile
 from pathlib import Path
 
 from aiohttp import web
@@ -37,8 +39,10 @@ async def serve(cfg: ServeConfig) -> None:
     model_dir = await asyncio.to_thread(ensure_model_dir, cfg.engine.model)
     cfg.engine.model = str(model_dir)  # workers load the prepared folder directly
     tokenizer = Tokenizer.from_folder(model_dir)
-    channel = GatewayChannel()
-    cluster = Cluster(plan_workers(cfg.engine, channel.address, cfg.cpu_workers, cfg.gpus),
+    # Private (0700) directory for the internal ipc:// sockets: only the HTTP port is TCP.
+    runtime_dir = tempfile.mkdtemp(prefix="memserve-")
+    channel = GatewayChannel(f"ipc://{runtime_dir}/gateway")
+    cluster = Cluster(plan_workers(cfg.engine, channel.address, cfg.cpu_workers, cfg.gpus, runtime_dir=runtime_dir),
                       cfg.heartbeat_timeout_s)
     client = ZmqEngineClient(channel, cluster, cfg.engine.block_size)
     stop = asyncio.Event()
@@ -65,3 +69,4 @@ async def serve(cfg: ServeConfig) -> None:
         if runner is not None:
             await runner.cleanup()
         await client.close()
+        shutil.rmtree(runtime_dir, ignore_errors=True)

@@ -2,8 +2,9 @@
 
 The gateway binds one ROUTER socket; every worker connects a DEALER whose identity is its
 instance id. A message is ``[header, *bulk]`` frames: the msgpack header from
-``messages.encode`` and optional raw buffers sent without copying. TCP (loopback by
-default) so that a worker may live on another host later.
+``messages.encode`` and optional raw buffers sent without copying. On one machine the
+gateway binds an ``ipc://`` socket in its private runtime directory, so only the HTTP
+port listens on TCP; TCP on loopback remains for callers that give no address.
 """
 
 from __future__ import annotations
@@ -31,13 +32,13 @@ def heartbeat_identity(instance_id: int) -> bytes:
 class GatewayChannel:
     """Asyncio side, owned by the gateway."""
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(self, address: str = "tcp://127.0.0.1:*") -> None:
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        port = self._sock.bind_to_random_port(f"tcp://{host}")
-        self.address = f"tcp://{host}:{port}"
+        self._sock.bind(address)
+        self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     async def send(self, instance_id: int, msg: Any, bulk: Sequence[Buffer] = ()) -> None:
         await self._sock.send_multipart([_identity(instance_id), encode(msg), *bulk], copy=not bulk)

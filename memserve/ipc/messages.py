@@ -90,14 +90,34 @@ class PeerAddresses:
 
 
 @dataclass
+class ExpectTransfer:
+    """Gateway -> receiving worker, before any transfer starts: accept one transfer of at
+    most ``max_blocks`` from ``src_instance`` under ``ticket``. Answered by
+    ``TransferExpected``; the receiver allocates for nothing it was not told to expect."""
+
+    kind: ClassVar[str] = "expect_transfer"
+    transfer_id: int
+    ticket: str
+    src_instance: int
+    max_blocks: int
+
+
+@dataclass
+class TransferExpected:
+    kind: ClassVar[str] = "transfer_expected"
+    transfer_id: int
+
+
+@dataclass
 class TransferPrefix:
     """Gateway -> worker: push the cached prefix of ``token_ids`` to ``dst_instance``
-    (MemPool ``transfer_with_insert``), so requests routed there reuse it."""
+    (MemPool ``transfer_with_insert``) under ``ticket``, so requests routed there reuse it."""
 
     kind: ClassVar[str] = "transfer_prefix"
     transfer_id: int
     token_ids: list[int]
     dst_instance: int
+    ticket: str = ""
 
 
 @dataclass
@@ -140,7 +160,7 @@ class WorkerError:
 MESSAGE_TYPES: dict[str, type] = {
     cls.kind: cls
     for cls in (AddRequest, AbortRequest, Heartbeat, Shutdown, WorkerReady, StepOutputs, WorkerError, PeerAddresses,
-                TransferPrefix, TransferDone)
+                ExpectTransfer, TransferExpected, TransferPrefix, TransferDone)
 }
 
 # Nested dataclass fields that need rebuilding on decode.

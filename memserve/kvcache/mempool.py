@@ -152,13 +152,15 @@ class MemPool:
 
     # ---------------------------------------------------------------- memory
 
-    def alloc_mem(self, size: int, type: Tier = Tier.DEVICE, instance: int | None = None) -> list[int]:  # noqa: A002
+    def alloc_mem(self, size: int, type: Tier = Tier.DEVICE, instance: int | None = None,  # noqa: A002
+                  ticket: str = "") -> list[int]:
         """``size`` blocks of tier ``type`` on ``instance`` (default: this one), each held
         once by the caller. Evicts cached blocks when the free list is short; raises
         ``OutOfBlocks`` and allocates nothing when even that is not enough. A remote
-        allocation asks that instance over the transfer endpoint."""
+        allocation asks that instance over the transfer endpoint, for the transfer it
+        expects under ``ticket``."""
         if instance is not None and instance != self.instance_id:
-            return self._endpoint().allocate(instance, size, Tier(type))
+            return self._endpoint().allocate(instance, size, Tier(type), ticket)
         pool = self._pool(type, "alloc_mem")
         short = size - pool.num_free
         if short > 0:
@@ -347,12 +349,14 @@ class MemPool:
         self._transfer = endpoint
 
     def transfer(
-        self, instance: int, src: Sequence[int], dst: Sequence[int] | None = None, flags: int = 0, private: Any = None
+        self, instance: int, src: Sequence[int], dst: Sequence[int] | None = None, flags: int = 0,
+        private: Any = None, ticket: str = "",
     ) -> list[int]:
         """Copy the held blocks ``src`` to ``instance`` and return their addresses there.
         Without ``dst`` the receiver allocates them (device, or host with ``KVFlags.HOST``);
-        ``private`` (msgpack-able) reaches the receiving engine with the addresses."""
-        return self._endpoint().send(instance, list(src), dst, flags, private)
+        ``private`` (msgpack-able) reaches the receiving engine with the addresses. The
+        receiver accepts only a transfer it expects under ``ticket``."""
+        return self._endpoint().send(instance, list(src), dst, flags, private, ticket)
 
     def transfer_with_insert(
         self,
@@ -363,11 +367,12 @@ class MemPool:
         flags: int = 0,
         private: Any = None,
         first_block: int = 0,
+        ticket: str = "",
     ) -> list[int]:
         """``transfer`` plus an ``insert(tokens, ...)`` at the receiver, saving a round
         trip. ``src`` holds blocks ``first_block..`` of ``tokens``; the receiver must have
         the blocks before ``first_block`` cached (incremental transfer)."""
-        return self._endpoint().send(instance, list(src), dst, flags, private, list(tokens), first_block)
+        return self._endpoint().send(instance, list(src), dst, flags, private, ticket, list(tokens), first_block)
 
     def check_held(self, addrs: Sequence[int], op: str) -> None:
         """Raise unless every address is a local block someone holds."""

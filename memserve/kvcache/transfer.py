@@ -14,6 +14,14 @@ A transfer is three steps:
 3. insertion (``transfer_with_insert``): the receiver indexes the blocks under the given
    tokens, then answers; the sender's call returns when that answer arrives.
 
+Every transfer carries a *ticket* that the receiver was told to expect (``expect``: by
+the gateway, which announces each transfer to its receiver before it asks the sender to
+start). A receiver allocates only for a ticket it expects, from the instance named with
+it, up to the number of blocks named with it, and writes a data message only into the
+blocks allocated for its ticket; blocks allocated for a transfer that does not complete
+within the ticket's lifetime are freed. A local process that reaches the socket can thus
+neither drain the pool nor overwrite another request's KV.
+
 Calls block, but while one waits the endpoint keeps serving its own ROUTER, so two
 instances sending to each other at once do not deadlock. The receiver's engine collects
 what arrived (addresses, tokens, the sender's ``private`` payload) with
@@ -25,7 +33,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import zmq
@@ -47,6 +55,7 @@ class KVAllocRequest:
     src_instance: int
     num_blocks: int
     tier: int
+    ticket: str = ""
 
 
 @dataclass
@@ -70,6 +79,7 @@ class KVData:
     private: Any = None
     tokens: list[int] | None = None  # set by transfer_with_insert
     first_block: int = 0  # the blocks sent are blocks first_block.. of tokens
+    ticket: str = ""
 
 
 @dataclass
@@ -82,6 +92,16 @@ class KVDone:
 
 for _cls in (KVAllocRequest, KVAllocReply, KVData, KVDone):
     register(_cls)
+
+
+@dataclass
+class _Grant:
+    """A transfer this receiver was told to expect, and the blocks allocated for it."""
+
+    src_instance: int
+    max_blocks: int
+    deadline: float
+    addrs: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -114,6 +134,7 @@ class KVTransferEndpoint:
         self.address: str = self._server.getsockopt_string(zmq.LAST_ENDPOINT)
         self._peers: dict[int, zmq.Socket] = {}
         self._received: list[ReceivedKV] = []
+        self._grants: dict[str, _Grant] = {}
         self._ids = itertools.count(1)
         pool.attach_transfer(self)
 
@@ -136,18 +157,36 @@ class KVTransferEndpoint:
         self._peers.clear()
         self._server.close(linger=0)
 
+    def expect(self, ticket: str, src_instance: int, max_blocks: int, ttl_s: float | None = None) -> None:
+        """Accept one transfer of at most ``max_blocks`` from ``src_instance`` under
+        ``ticket`` within ``ttl_s`` (default: the endpoint's timeout)."""
+        ttl = self.timeout_s if ttl_s is None else ttl_s
+        self._grants[ticket] = _Grant(src_instance, max_blocks, time.monotonic() + ttl)
+
+    def reclaim_expired(self) -> int:
+        """Forget expired tickets and free the blocks allocated for them; returns the
+        number of blocks freed."""
+        now = time.monotonic()
+        freed = 0
+        for ticket in [t for t, g in self._grants.items() if g.deadline <= now]:
+            grant = self._grants.pop(ticket)
+            if grant.addrs:
+                self.pool.free_mem(grant.addrs)
+                freed += len(grant.addrs)
+        return freed
+
     def drain_received(self) -> list[ReceivedKV]:
         received, self._received = self._received, []
         return received
 
     # ------------------------------------------------------------ sender side
 
-    def allocate(self, instance: int, size: int, tier: Tier) -> list[int]:
-        """``alloc_mem`` on another instance; the blocks are handed to its engine once
-        data is transferred into them."""
+    def allocate(self, instance: int, size: int, tier: Tier, ticket: str) -> list[int]:
+        """``alloc_mem`` on another instance for the transfer ``ticket``; the blocks are
+        handed to its engine once data is transferred into them."""
         peer = self._peer(instance)
         tid = next(self._ids)
-        peer.send(encode(KVAllocRequest(tid, self.pool.instance_id, size, int(tier))))
+        peer.send(encode(KVAllocRequest(tid, self.pool.instance_id, size, int(tier), ticket)))
         reply = self._wait(peer, tid)
         if reply.error:
             raise TransferError(f"instance {instance} could not allocate {size} blocks: {reply.error}")
@@ -160,20 +199,23 @@ class KVTransferEndpoint:
         dst: list[int] | None,
         flags: int,
         private: Any,
+        ticket: str,
         tokens: list[int] | None = None,
         first_block: int = 0,
     ) -> list[int]:
-        """Copy held blocks ``src`` to ``instance``; returns their addresses there."""
+        """Copy held blocks ``src`` to ``instance`` under ``ticket``; returns their
+        addresses there."""
         self.pool.check_held(src, "transfer")
         peer = self._peer(instance)
         if dst is None:
-            dst = self.allocate(instance, len(src), Tier.HOST if flags & KVFlags.HOST else Tier.DEVICE)
+            dst = self.allocate(instance, len(src), Tier.HOST if flags & KVFlags.HOST else Tier.DEVICE, ticket)
         elif len(dst) != len(src):
             raise MemPoolError(f"transfer: {len(src)} source blocks but {len(dst)} destinations")
         buffers = self.pool.read_blocks(src)
         mover = self.pool.mover
         tid = next(self._ids)
-        header = KVData(tid, self.pool.instance_id, list(dst), int(flags), mover.block_nbytes, private, tokens, first_block)  # type: ignore[union-attr]
+        header = KVData(tid, self.pool.instance_id, list(dst), int(flags), mover.block_nbytes,  # type: ignore[union-attr]
+                        private, tokens, first_block, ticket)
         # copy=False: the frames point into the mover's memory. They are safe to reuse
         # once the receiver answers, which means it has received every frame.
         peer.send_multipart([encode(header), *buffers], copy=False)
@@ -212,6 +254,7 @@ class KVTransferEndpoint:
     def serve(self, timeout_ms: int = 0) -> int:
         """Handle the requests waiting (waiting up to ``timeout_ms`` for the first);
         returns how many were handled."""
+        self.reclaim_expired()
         handled = 0
         if not self._server.poll(timeout_ms, zmq.POLLIN):
             return 0
@@ -234,17 +277,24 @@ class KVTransferEndpoint:
             handled += 1
 
     def _on_alloc(self, req: KVAllocRequest) -> KVAllocReply:
+        grant = self._grants.get(req.ticket)
+        if grant is None or grant.src_instance != req.src_instance or grant.addrs:
+            return KVAllocReply(req.transfer_id, [], "no transfer from this instance is expected under this ticket")
+        if req.num_blocks > grant.max_blocks:
+            return KVAllocReply(req.transfer_id, [], f"the transfer was announced for at most {grant.max_blocks} "
+                                                     f"blocks, not {req.num_blocks}")
         try:
-            return KVAllocReply(req.transfer_id, self.pool.alloc_mem(req.num_blocks, Tier(req.tier)))
+            grant.addrs = self.pool.alloc_mem(req.num_blocks, Tier(req.tier))
         except (MemPoolError, ValueError) as e:
             return KVAllocReply(req.transfer_id, [], str(e))
+        return KVAllocReply(req.transfer_id, grant.addrs)
 
     def _on_data(self, msg: KVData, frames: list[zmq.Frame]) -> KVDone:
         pool = self.pool
-        try:
-            pool.check_held(msg.dst, "transfer")
-        except MemPoolError as e:
-            return KVDone(msg.transfer_id, error=str(e))
+        grant = self._grants.get(msg.ticket)
+        if grant is None or grant.src_instance != msg.src_instance or not grant.addrs or list(msg.dst) != grant.addrs:
+            return KVDone(msg.transfer_id, error="not held: the blocks were not allocated for this transfer's ticket")
+        del self._grants[msg.ticket]
         try:
             buffers = [f.buffer for f in frames]
             nbytes = sum(len(b) for b in buffers)

@@ -119,16 +119,17 @@ class Engine:
                 failed.append(failure)
         return kept, sampled, failed
 
-    def push_prefix(self, token_ids: list[int], dst_instance: int) -> int:
+    def push_prefix(self, token_ids: list[int], dst_instance: int, ticket: str) -> int:
         """Send the cached prefix of ``token_ids`` to another instance, which indexes it as
-        its own historical KV. Returns the number of blocks sent."""
+        its own historical KV, under the ``ticket`` it expects. Returns the number of
+        blocks sent."""
         bs = self.cfg.block_size
         addrs = self.mempool.match(token_ids, take_ref=True)
         if not addrs:
             return 0
         try:
             self.mempool.transfer_with_insert(dst_instance, token_ids[: len(addrs) * bs], addrs,
-                                              flags=KVFlags.RELEASE)
+                                              flags=KVFlags.RELEASE, ticket=ticket)
         finally:
             self.mempool.free_mem(addrs)
         return len(addrs)

@@ -25,12 +25,14 @@ from memserve.ipc.channel import WorkerChannel
 from memserve.ipc.messages import (
     AbortRequest,
     AddRequest,
+    ExpectTransfer,
     Heartbeat,
     PeerAddresses,
     RequestOutput,
     Shutdown,
     StepOutputs,
     TransferDone,
+    TransferExpected,
     TransferPrefix,
     WorkerError,
     WorkerReady,
@@ -79,7 +81,10 @@ class Worker:
             self.channel.send(WorkerError(self.id, f"worker {self.id} failed to start: {exc!r}"))
             raise
         e = self.engine
-        self.endpoint = KVTransferEndpoint(e.mempool)
+        # On one machine, the KV socket is a file in the gateway's private (0700) runtime
+        # directory: no other user can reach it, and it listens on no port.
+        bind = f"ipc://{self.cfg.runtime_dir}/kv-{self.id}" if self.cfg.runtime_dir else "tcp://127.0.0.1:*"
+        self.endpoint = KVTransferEndpoint(e.mempool, bind)
         self.channel.watch(self.endpoint.socket)
         self.channel.send(WorkerReady(self.id, self.cfg.role, e.runner.num_blocks, self.cfg.engine.block_size,
                                       e.max_model_len, e.stats(), self.endpoint.address))
@@ -134,6 +139,10 @@ class Worker:
                 if int(instance) != self.id:
                     self.endpoint.connect(int(instance), addr)
             return []
+        if isinstance(msg, ExpectTransfer):
+            self.endpoint.expect(msg.ticket, msg.src_instance, msg.max_blocks)
+            self.channel.send(TransferExpected(msg.transfer_id))
+            return []
         if isinstance(msg, TransferPrefix):
             self.channel.send(self._push_prefix(msg))
             return []
@@ -142,7 +151,7 @@ class Worker:
 
     def _push_prefix(self, msg: TransferPrefix) -> TransferDone:
         try:
-            return TransferDone(msg.transfer_id, self.engine.push_prefix(msg.token_ids, msg.dst_instance))
+            return TransferDone(msg.transfer_id, self.engine.push_prefix(msg.token_ids, msg.dst_instance, msg.ticket))
         except Exception as exc:
             log.warning("worker %d: prefix transfer to %d failed: %s", self.id, msg.dst_instance, exc)
             return TransferDone(msg.transfer_id, 0, str(exc))
