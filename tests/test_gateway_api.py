@@ -216,8 +216,8 @@ async def test_chat_non_stream(tokenizer: Tokenizer) -> None:
             "model": MODEL, "messages": MESSAGES, "max_completion_tokens": 30, "max_tokens": 99})
     assert status == 200
     assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion" and body["model"] == MODEL
-    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": REPLY}, "logprobs": None,
-                                "finish_reason": "stop"}]
+    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": REPLY, "refusal": None},
+                                "logprobs": None, "finish_reason": "stop"}]
     prompt_ids = tokenizer.encode_chat(MESSAGES)
     assert engine.requests[0]["prompt_token_ids"] == prompt_ids
     assert engine.requests[0]["params"].max_tokens == 30  # max_completion_tokens wins

@@ -77,7 +77,7 @@ class ChatFormat(ResponseFormat):
     chunk_object_name = "chat.completion.chunk"
 
     def _full_choice(self, text: str, finish_reason: str | None) -> dict:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        return {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None}, "logprobs": None,
                 "finish_reason": finish_reason}
 
     def _chunk_choice(self, text: str, finish_reason: str | None) -> dict:
