@@ -1,4 +1,4 @@
-"""Command line: `memserve up | bench`."""
+"""Command line: `memserve up | bench | profile`."""
 
 from __future__ import annotations
 
@@ -33,6 +33,11 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--heartbeat-timeout", type=float, default=5.0,
                    help="seconds of silence after which a worker is declared dead, failed and restarted")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection has to send a complete request head (from connect or the last response)")
+    p.add_argument("--body-timeout", type=float, default=10.0, help="seconds a request body has to arrive (408)")
+    p.add_argument("--max-connections", type=int, default=1024,
+                   help="open HTTP connections; a new one past this is answered 503")
     p.add_argument("--log-level", default=os.environ.get("MEMSERVE_LOG_LEVEL", "INFO"))
     p.set_defaults(func=_run_up)
 
@@ -65,6 +70,9 @@ def _run_up(args: argparse.Namespace) -> int:
         gpus=[int(g) for g in args.gpus.split(",")] if args.gpus else None,
         served_model_name=args.served_model_name,
         heartbeat_timeout_s=args.heartbeat_timeout,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        max_connections=args.max_connections,
     )
     try:
         from uvloop import run
@@ -81,10 +89,31 @@ def _run_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_profile(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="measure this model on this hardware and fit its cost model (MemServe §5.3)")
+    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="cpu, cuda:N, or auto (cuda:0 when there is a GPU)")
+    p.add_argument("--quick", action="store_true", help="a small grid (about a minute on 2 cores), for tests")
+    p.add_argument("--repeats", type=int, default=3, help="runs per grid point (the median is kept)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads of the engine, part of the hardware key (default: torch's, as a lone worker)")
+    p.add_argument("--output", default=None,
+                   help="JSON file (default: $MEMSERVE_CACHE/cost-models/<model>-<dtype>-<hardware>.json)")
+    p.set_defaults(func=_run_profile)
+
+
+def _run_profile(args: argparse.Namespace) -> int:
+    from memserve.workers.profiler import main as profile  # imports torch: only for this command
+
+    return profile(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="memserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_up(sub)
+    _add_profile(sub)
     from memserve.bench.cli import add_parser as add_bench
 
     add_bench(sub)

@@ -54,3 +54,6 @@ class ServeConfig:
     served_model_name: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
     heartbeat_timeout_s: float = 5.0  # a worker silent this long is declared dead and restarted
+    header_timeout_s: float = 10.0  # a request head must arrive this soon after connect / the last response
+    body_timeout_s: float = 10.0  # a request body must arrive within this
+    max_connections: int = 1024  # open HTTP connections; past it a new one is answered 503

@@ -3,7 +3,16 @@
 ``create_app`` wires the endpoints to an ``EngineClient``. Every request is handled
 inside an error middleware, so nothing a client sends can take the process down: bad
 input becomes an OpenAI error object with the right status, an engine failure a 500
-(or an SSE error event once a stream has started).
+(or an SSE error event once a stream has started). What aiohttp cannot even parse is
+answered the same way by the connection layer (``connection.py``).
+
+Request bodies are read as JSON when the Content-Type is JSON (``application/json``,
+``application/*+json``) or what HTTP tools send when the user set none: nothing at all,
+``application/x-www-form-urlencoded`` (``curl -d``, Python's urllib) or
+``application/octet-stream`` (raw-bytes defaults). Any other declared type (``text/plain``,
+``multipart/form-data``, ...) says the body is something else and gets 415: it is never
+what an API client means, and ``text/plain`` is how an HTML form forges a JSON body from
+another web site. A body must arrive within ``body_timeout_s`` (408 otherwise).
 
 An engine request is aborted whenever its HTTP request ends before the engine finished
 it: a stop string was hit, the client disconnected (the handler is cancelled when the
@@ -27,6 +36,7 @@ from memserve.gateway.detokenizer import IncrementalDetokenizer
 from memserve.gateway.engine_protocol import EngineClient, EngineUnavailable, RequestRejected
 from memserve.gateway.errors import APIError, bad_request
 from memserve.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, GatewayMetrics
+from memserve.gateway.prompt_encoder import DEFAULT_PROCESSES, PromptEncoder
 from memserve.gateway.protocol import (
     GenerationRequest,
     check_prompt_ids,
@@ -44,12 +54,28 @@ MiB = 1024 * 1024
 CLIENT_CLOSED_REQUEST = 499
 
 
+# Read as JSON besides JSON types: what curl -d, urllib and raw-bytes clients send by default.
+_JSON_CONTENT_TYPES = {"application/json", "application/x-www-form-urlencoded", "application/octet-stream"}
+
+
 def _json(obj: object, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(obj), content_type="application/json")
 
 
-async def _read_json(request: web.Request) -> dict:
-    raw = await request.read()  # raises 413 past client_max_size
+async def _read_json(request: web.Request, timeout_s: float) -> dict:
+    content_type = request.content_type  # application/octet-stream when absent
+    if content_type not in _JSON_CONTENT_TYPES and not content_type.endswith("+json"):
+        raise APIError(415, f"Content-Type {content_type} is not supported: send the body as JSON with "
+                       "Content-Type: application/json")
+    try:
+        raw = await asyncio.wait_for(request.read(), timeout_s)  # raises 413 past client_max_size
+    except asyncio.TimeoutError:
+        # Fail the body stream too, so aiohttp closes the connection after the 408
+        # instead of waiting on the stalled body any longer.
+        request.content.set_exception(asyncio.TimeoutError())
+        raise APIError(408, f"the request body did not arrive within {timeout_s:g} s") from None
+    except web.RequestPayloadError as e:  # a body that is not what its headers say (bad gzip, ...)
+        raise bad_request(f"unreadable request body: {getattr(e.__cause__, 'message', None) or e}") from None
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
@@ -145,11 +171,14 @@ async def _send_event(response: web.StreamResponse, obj: object) -> None:
 
 
 class _OpenAIServer:
-    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model_name: str, metrics: GatewayMetrics) -> None:
+    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, encoder: PromptEncoder, model_name: str,
+                 metrics: GatewayMetrics, body_timeout_s: float) -> None:
         self._engine = engine
         self._tokenizer = tokenizer
+        self._encoder = encoder
         self._model_name = model_name
         self._metrics = metrics
+        self._body_timeout_s = body_timeout_s
         self._created = int(time.time())
 
     def _check_model(self, model: str | None) -> None:
@@ -157,24 +186,22 @@ class _OpenAIServer:
         if model is not None and model != self._model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
-    # Tokenising runs in a thread: a megabyte prompt takes seconds and must not stall
-    # the streams of other requests.
     async def completions(self, request: web.Request) -> web.StreamResponse:
         arrival = time.monotonic()
-        req = parse_completion_request(await _read_json(request))
+        req = parse_completion_request(await _read_json(request, self._body_timeout_s))
         self._check_model(req.model)
         if isinstance(req.prompt, str):
-            prompt_ids = await asyncio.to_thread(self._tokenizer.encode, req.prompt)
+            prompt_ids = await self._encoder.encode(req.prompt, self._engine.max_model_len)
         else:
             prompt_ids = req.prompt
         return await self._generate(request, CompletionFormat, req, prompt_ids, "prompt", arrival)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         arrival = time.monotonic()
-        req = parse_chat_request(await _read_json(request))
+        req = parse_chat_request(await _read_json(request, self._body_timeout_s))
         self._check_model(req.model)
         try:
-            prompt_ids = await asyncio.to_thread(self._tokenizer.encode_chat, req.messages)
+            prompt_ids = await self._encoder.encode_chat(req.messages, self._engine.max_model_len)
         except ChatTemplateError as e:
             raise bad_request(str(e), "messages") from None
         return await self._generate(request, ChatFormat, req, prompt_ids, "messages", arrival)
@@ -289,13 +316,20 @@ def _error_middleware(metrics: GatewayMetrics) -> Callable:
     return middleware
 
 
-def create_app(engine: EngineClient, tokenizer: Tokenizer, model_name: str,
-               max_body_bytes: int = 4 * MiB) -> web.Application:
-    """The OpenAI API over ``engine``. Serve it with ``web.AppRunner(app,
-    handler_cancellation=True)`` so a client disconnect cancels its handler at once."""
+def create_app(engine: EngineClient, tokenizer: Tokenizer, model_name: str, max_body_bytes: int = 4 * MiB,
+               body_timeout_s: float = 10.0, tokenizer_processes: int = DEFAULT_PROCESSES) -> web.Application:
+    """The OpenAI API over ``engine``. Serve it with ``connection.GatewayRunner(app,
+    handler_cancellation=True)`` so that a client disconnect cancels its handler at once
+    and malformed HTTP gets error objects too."""
     metrics = GatewayMetrics(engine.stats)
     app = web.Application(client_max_size=max_body_bytes, middlewares=[_error_middleware(metrics)])
-    server = _OpenAIServer(engine, tokenizer, model_name, metrics)
+    encoder = PromptEncoder(tokenizer, tokenizer_processes)
+
+    async def close_encoder(_: web.Application) -> None:
+        encoder.close()
+
+    app.on_cleanup.append(close_encoder)
+    server = _OpenAIServer(engine, tokenizer, encoder, model_name, metrics, body_timeout_s)
     app.add_routes([
         web.post("/v1/completions", server.completions),
         web.post("/v1/chat/completions", server.chat_completions),

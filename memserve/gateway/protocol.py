@@ -7,7 +7,13 @@ memserve does not implement (logprobs, penalties, tools, n > 1, ...) are rejecte
 
 Defaults follow vLLM: /v1/completions generates 16 tokens when ``max_tokens`` is absent
 (OpenAI's legacy default), chat requests and an explicit ``null`` use the rest of the
-context window."""
+context window; an explicit ``null`` never wins over a value given in the alternative
+field (``max_completion_tokens: null, max_tokens: 2`` generates 2 tokens).
+
+User data is never walked recursively: every field is checked at a fixed depth, and chat
+messages reach the template only as validated, fixed-shape copies, so a deeply nested
+value cannot exhaust the stack anywhere downstream. List fields that cost work per
+generated token (``stop``, ``stop_token_ids``) have a length cap."""
 
 from __future__ import annotations
 
@@ -18,6 +24,10 @@ from memserve.gateway.errors import APIError, bad_request
 from memserve.ipc.messages import SamplingParams
 
 COMPLETION_MAX_TOKENS_DEFAULT = 16
+# Every output token is checked against each of these, so their number is capped
+# (OpenAI allows 4 stop strings; vLLM does not cap either).
+MAX_STOP_STRINGS = 64
+MAX_STOP_TOKEN_IDS = 1024
 
 _TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
                dict: "an object"}
@@ -60,7 +70,9 @@ def _number(body: dict, name: str, default: float, low: float, high: float | Non
 
 
 def _token_ids(value: Any, name: str) -> list[int]:
-    if not isinstance(value, list) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in value):
+    """Builtins only (``type(t) is int`` also excludes bools): a 4 MiB body holds two
+    million ids, and this runs on the event loop."""
+    if not isinstance(value, list) or not all(type(t) is int for t in value) or (value and min(value) < 0):
         raise bad_request(f"'{name}' must be an array of non-negative integers", name)
     return value
 
@@ -72,7 +84,17 @@ def _stop_strings(body: dict) -> list[str]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise bad_request("'stop' must be a non-empty string or an array of non-empty strings", "stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(f"'stop' can hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
     return stops
+
+
+def _stop_token_ids(body: dict) -> list[int]:
+    ids = _token_ids(_get(body, "stop_token_ids", list, []), "stop_token_ids")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise bad_request(f"'stop_token_ids' can hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}",
+                          "stop_token_ids")
+    return ids
 
 
 @dataclass
@@ -117,12 +139,12 @@ def _parse_common(body: dict, max_tokens_names: tuple[str, ...], max_tokens_defa
     include_usage = _get(stream_options or {}, "include_usage", bool, False)
 
     max_tokens: int | None = max_tokens_default
-    for name in max_tokens_names:  # the first one present wins
-        if name in body:
-            max_tokens = _get(body, name, int)
-            if max_tokens is not None and max_tokens <= 0:
-                raise bad_request(f"'{name}' must be at least 1, got {max_tokens}", name)
-            break
+    given = [name for name in max_tokens_names if name in body]
+    if given:  # the first one with a value wins; null only when none has one
+        name = next((n for n in given if body[n] is not None), given[0])
+        max_tokens = _get(body, name, int)
+        if max_tokens is not None and max_tokens <= 0:
+            raise bad_request(f"'{name}' must be at least 1, got {max_tokens}", name)
 
     top_k = _get(body, "top_k", int, 0)
     if top_k < -1:
@@ -146,7 +168,7 @@ def _parse_common(body: dict, max_tokens_names: tuple[str, ...], max_tokens_defa
         top_k=max(top_k, 0),
         seed=_get(body, "seed", int),
         stop=_stop_strings(body),
-        stop_token_ids=_token_ids(_get(body, "stop_token_ids", list, []), "stop_token_ids"),
+        stop_token_ids=_stop_token_ids(body),
         ignore_eos=_get(body, "ignore_eos", bool, False),
         session_id=_get(body, "session_id", str),
         slo=slo or None,
@@ -179,10 +201,13 @@ def parse_completion_request(body: dict) -> CompletionRequest:
     return CompletionRequest(**_parse_common(body, ("max_tokens",), max_tokens_default), prompt=prompt)
 
 
-def _message_content(content: Any, index: int) -> str | None:
-    """String content, or text parts joined by newlines (as vLLM); no other part types."""
+def _message_content(content: Any, index: int) -> str:
+    """String content, or text parts joined by newlines (as vLLM); no other part types.
+    Null or absent content (an assistant turn that only called tools) is empty."""
     param = f"messages[{index}].content"
-    if content is None or isinstance(content, str):
+    if content is None:
+        return ""
+    if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad_request(f"'{param}' must be a string or an array of content parts", param)
@@ -195,16 +220,47 @@ def _message_content(content: Any, index: int) -> str | None:
     return "\n".join(texts)
 
 
+def _tool_calls(value: Any, index: int) -> list[dict]:
+    """A tool-call history entry, copied at its fixed depth: templates may ``tojson``
+    it, and that must never meet an arbitrarily deep value."""
+    param = f"messages[{index}].tool_calls"
+    calls = []
+    for call in value if isinstance(value, list) else [None]:
+        function = call.get("function") if isinstance(call, dict) else None
+        if (not isinstance(function, dict) or not isinstance(call.get("id", ""), str)
+                or call.get("type", "function") != "function"
+                or not all(isinstance(function.get(k), str) for k in ("name", "arguments"))):
+            raise bad_request(f"'{param}' must be an array of {{\"id\": string, \"type\": \"function\", "
+                              "\"function\": {\"name\": string, \"arguments\": string}}", param)
+        calls.append({"id": call.get("id", ""), "type": "function",
+                      "function": {"name": function["name"], "arguments": function["arguments"]}})
+    return calls
+
+
+def _message(message: Any, index: int) -> dict:
+    """What the chat template sees of one message: role, content and the optional
+    ``name``, ``tool_call_id`` and ``tool_calls``; other keys are ignored."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise bad_request(f"'messages[{index}]' must be an object with a string 'role'", f"messages[{index}].role")
+    cleaned = {"role": message["role"], "content": _message_content(message.get("content"), index)}
+    for key in ("name", "tool_call_id"):
+        value = message.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise bad_request(f"'messages[{index}].{key}' must be a string", f"messages[{index}].{key}")
+        cleaned[key] = value
+    if message.get("tool_calls"):
+        cleaned["tool_calls"] = _tool_calls(message["tool_calls"], index)
+    return cleaned
+
+
 def parse_chat_request(body: dict) -> ChatCompletionRequest:
     """``max_completion_tokens`` takes precedence over the deprecated ``max_tokens``."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty array", "messages")
-    cleaned = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise bad_request(f"'messages[{i}]' must be an object with a string 'role'", f"messages[{i}].role")
-        cleaned.append({**message, "content": _message_content(message.get("content"), i)})
+    cleaned = [_message(message, i) for i, message in enumerate(messages)]
     common = _parse_common(body, ("max_completion_tokens", "max_tokens"), None)
     return ChatCompletionRequest(**common, messages=cleaned)
 
@@ -212,8 +268,8 @@ def parse_chat_request(body: dict) -> ChatCompletionRequest:
 def check_prompt_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
     if not token_ids:
         raise bad_request("the prompt is empty", param)
-    bad = next((t for t in token_ids if t >= vocab_size), None)
-    if bad is not None:
+    if max(token_ids) >= vocab_size:
+        bad = next(t for t in token_ids if t >= vocab_size)
         raise bad_request(f"token id {bad} is out of the vocabulary (size {vocab_size})", param)
 
 

@@ -15,6 +15,7 @@ from aiohttp import web
 from memserve.config import ServeConfig
 from memserve.gateway.app import create_app
 from memserve.gateway.cluster import Cluster, plan_workers
+from memserve.gateway.connection import GatewayRunner
 from memserve.gateway.engine_client import ZmqEngineClient
 from memserve.gateway.tokenizer import Tokenizer
 from memserve.ipc.channel import GatewayChannel
@@ -49,7 +50,7 @@ async def serve(cfg: ServeConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    runner: web.AppRunner | None = None
+    runner: GatewayRunner | None = None
     try:
         start = asyncio.create_task(client.start())
         await asyncio.wait([start, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
@@ -57,8 +58,9 @@ async def serve(cfg: ServeConfig) -> None:
             start.cancel()
             return
         start.result()
-        runner = web.AppRunner(create_app(client, tokenizer, name, cfg.max_body_bytes), access_log=None,
-                                    handler_cancellation=True)
+        app = create_app(client, tokenizer, name, cfg.max_body_bytes, cfg.body_timeout_s)
+        runner = GatewayRunner(app, header_timeout_s=cfg.header_timeout_s, body_timeout_s=cfg.body_timeout_s,
+                               max_connections=cfg.max_connections, access_log=None, handler_cancellation=True)
         await runner.setup()
         await web.TCPSite(runner, cfg.host, cfg.port).start()
         n = len(cluster.workers)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +143,19 @@ class Tokenizer:
         self.special_tokens = special_tokens
         self.eos_token_ids = eos_token_ids
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+
+    def __reduce__(self) -> tuple:
+        """Picklable (the compiled template is rebuilt), so tokenizer processes get a copy."""
+        return type(self), (self._backend, self.chat_template, self.special_tokens, self.eos_token_ids)
+
+    @cached_property
+    def max_chars_per_token(self) -> int:
+        """The most characters one token can stand for (its decoded text, plus the
+        leading space a SentencePiece decoder strips): a text that encodes to N tokens
+        has at most N times this many characters, so a prompt can be refused by its size
+        before it is tokenized. Decoding the vocabulary takes a moment: done once."""
+        texts = self._backend.decode_batch([[i] for i in range(self.vocab_size)], skip_special_tokens=False)
+        return max(map(len, texts), default=0) + 1
 
     @classmethod
     def from_folder(cls, path: str | Path) -> "Tokenizer":
