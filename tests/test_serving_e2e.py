@@ -202,3 +202,22 @@ def test_disconnect_mid_stream_frees_blocks(memserve_server):
     conn.sock.close()
     conn.close()
     assert _wait_free_blocks(memserve_server, lambda f: f == SERVER_NUM_BLOCKS) == SERVER_NUM_BLOCKS
+
+
+def test_vanishing_temperature_is_greedy_and_fails_no_one(aclient, client, memserve_server):
+    """temperature 1e-40 rounds to 0 in float32; it once produced NaN and an id outside the
+    vocabulary, and the next step failed every request on the worker."""
+    greedy = client.completions.create(model=memserve_server.model, prompt=PROMPTS[0], max_tokens=12, temperature=0)
+
+    async def both():
+        tiny = aclient.completions.create(model=memserve_server.model, prompt=PROMPTS[0], max_tokens=12,
+                                          temperature=1e-40)
+        other = aclient.completions.create(model=memserve_server.model, prompt=PROMPTS[1], max_tokens=12,
+                                           temperature=0.8, seed=1)
+        return await asyncio.gather(tiny, other)
+
+    tiny, other = asyncio.run(both())
+    assert tiny.choices[0].text == greedy.choices[0].text
+    assert other.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=memserve_server.model, prompt="hi", max_tokens=2, temperature=2.5)

@@ -163,7 +163,7 @@ def _parse_common(body: dict, max_tokens_names: tuple[str, ...], max_tokens_defa
         stream=stream,
         include_usage=include_usage,
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, 0.0, None),
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),  # OpenAI's range
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
         top_k=max(top_k, 0),
         seed=_get(body, "seed", int),
