@@ -9,6 +9,8 @@ import os
 import sys
 
 from memserve.config import EngineConfig, ServeConfig
+from memserve.kvcache.eviction import EVICTION_POLICIES
+from memserve.workers.policies import SCHEDULE_POLICIES
 
 
 def _add_up(sub: argparse._SubParsersAction) -> None:
@@ -30,6 +32,10 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-cache", action="store_true", help="disable context caching (the baseline)")
     p.add_argument("--kv-layout", default="aggregated", choices=["aggregated", "layer-major"])
+    p.add_argument("--schedule-policy", default="fcfs", choices=sorted(SCHEDULE_POLICIES),
+                   help="order of admission and choice of preemption victims in each worker")
+    p.add_argument("--eviction-policy", default="lru", choices=sorted(EVICTION_POLICIES),
+                   help="which cached KV blocks a tier gives up first")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--heartbeat-timeout", type=float, default=5.0,
                    help="seconds of silence after which a worker is declared dead, failed and restarted")
@@ -55,6 +61,8 @@ def _run_up(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_cache,
         kv_layout=args.kv_layout,
+        schedule_policy=args.schedule_policy,
+        eviction_policy=args.eviction_policy,
         seed=args.seed,
     )
     cfg = ServeConfig(

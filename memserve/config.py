@@ -22,6 +22,8 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's context window
     enable_prefix_caching: bool = True
     kv_layout: str = "aggregated"  # aggregated | layer-major
+    schedule_policy: str = "fcfs"  # workers/policies.py
+    eviction_policy: str = "lru"  # kvcache/eviction.py
     seed: int = 0
 
 

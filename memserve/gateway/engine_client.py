@@ -127,7 +127,9 @@ class ZmqEngineClient:
         self._streams[request_id] = stream
         finished = False
         try:
-            add = AddRequest(request_id, list(prompt_token_ids), params, session_id, time.time())
+            slo = slo or {}
+            add = AddRequest(request_id, list(prompt_token_ids), params, session_id, time.time(),
+                             slo.get("priority", 0), slo.get("ttft_ms"), slo.get("tbt_ms"))
             await self.channel.send(stream.worker, add)
             while not finished:
                 out = await stream.queue.get()

@@ -45,7 +45,10 @@ class AddRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     session_id: str | None = None
-    arrival_time: float = 0.0
+    arrival_time: float = 0.0  # the gateway's wall clock (time.time()) when the request arrived
+    priority: int = 0
+    slo_ttft_ms: float | None = None
+    slo_tbt_ms: float | None = None
 
 
 @dataclass

@@ -12,11 +12,11 @@ references along; an indexed block nobody holds is cached: it stays in the tier 
 eviction needs the room.
 
 Tiers. Pools exist for the tiers given in ``num_blocks``. When a tier runs short,
-``alloc_mem`` evicts its least recently used cached blocks: with a slower tier and a
-mover they are demoted there (device -> host -> disk), otherwise dropped. A cached
-block's children never sit in a faster tier than the block itself, so a tier always
-gives up the deep end of a prompt first and a prompt's cached prefix reads device blocks
-first, then host, then disk.
+``alloc_mem`` evicts cached blocks in the order of the injected eviction policy (LRU by
+default): with a slower tier and a mover they are demoted there (device -> host ->
+disk), otherwise dropped. A cached block's children never sit in a faster tier than the
+block itself, so a tier always gives up the deep end of a prompt first and a prompt's
+cached prefix reads device blocks first, then host, then disk.
 
 Pure Python: the data moves through a ``BlockMover`` that the model runner implements.
 """
@@ -40,6 +40,7 @@ from memserve.kvcache.address import (
     make_addrs,
 )
 from memserve.kvcache.blocks import BlockPool, MemPoolError, OutOfBlocks, contiguous_runs
+from memserve.kvcache.eviction import EvictionPolicy
 from memserve.kvcache.events import MOVED, REMOVED, STORED, KVEvent
 from memserve.kvcache.hashing import block_hashes
 from memserve.kvcache.radix import RadixIndex, RadixNode
@@ -130,6 +131,7 @@ class MemPool:
         enable_caching: bool = True,
         mover: BlockMover | None = None,
         clock: Callable[[], float] | None = None,
+        eviction: EvictionPolicy | None = None,
     ) -> None:
         self.instance_id = instance_id
         self.block_size = block_size
@@ -144,7 +146,7 @@ class MemPool:
         if not self.tiers:
             raise ValueError("a MemPool needs blocks in at least one tier")
         self._node_of: list[list[RadixNode | None]] = [[None] * (p.num_blocks if p else 0) for p in self._pools]
-        self.index = RadixIndex(block_size, self._clock)
+        self.index = RadixIndex(block_size, self._clock, eviction)
         self._events: list[KVEvent] = []
         self._hit_tokens = 0
         self._query_tokens = 0
@@ -310,7 +312,20 @@ class MemPool:
         addresses, each held once by the caller. The caller keeps its references to the
         old addresses (free them as usual). An indexed block is re-pointed to its device
         copy; pass a prompt's blocks parent first."""
+        device_addrs = self.prepare_swap_in(addrs)
         mover = self._need_mover("swap_in")
+        for tier, src, dst in self.swap_in_copies(addrs, device_addrs):
+            mover.copy_blocks(tier, src, Tier.DEVICE, dst)
+        self.commit_swap_in(addrs, device_addrs)
+        return device_addrs
+
+    def prepare_swap_in(self, addrs: Sequence[int]) -> list[int]:
+        """First half of an asynchronous ``swap_in``: checks ``addrs`` and allocates their
+        device blocks (held once by the caller), copying nothing. Copy them (the runs of
+        ``swap_in_copies``) off the scheduling path, then ``commit_swap_in``. Both the
+        sources (held by the caller) and the new device blocks (private) are safe from
+        eviction meanwhile."""
+        self._need_mover("swap_in")
         entries = self._held(addrs, "swap_in")
         promoted: set[RadixNode] = set()
         for e in entries:
@@ -321,24 +336,35 @@ class MemPool:
                 if parent is not self.index.root and parent.tier != Tier.DEVICE and parent not in promoted:  # type: ignore[union-attr]
                     raise MemPoolError(f"swap_in: {addr_str(e.addr)}'s parent block is not on the device; pass it first")
                 promoted.add(e.node)
-        device_addrs = self.alloc_mem(len(entries), Tier.DEVICE)
-        new_blocks = [a & BLOCK_MASK for a in device_addrs]
-        for tier, pairs in itertools.groupby(zip(entries, new_blocks), key=lambda p: p[0].tier):
-            src, dst = zip(*((e.block, b) for e, b in pairs))
-            mover.copy_blocks(Tier(tier), list(src), Tier.DEVICE, list(dst))
-        moved = [(e, b) for e, b in zip(entries, new_blocks) if e.node is not None]
-        if moved:
-            self._pools[Tier.DEVICE].park([b for _, b in moved])  # type: ignore[union-attr]
-            device_owner = self._node_of[Tier.DEVICE]
-            for e, b in moved:
-                holders = e.node.lock  # type: ignore[union-attr]
-                self.index.move(e.node, self._addr(Tier.DEVICE, b), lock=1)  # type: ignore[arg-type]
-                self._node_of[e.tier][e.block] = None
-                device_owner[b] = e.node
-                self._pools[e.tier].unpark([e.block], [holders])  # type: ignore[union-attr]
-            nodes = [e.node for e, _ in moved]
-            self._events.append(KVEvent(MOVED, [n.hash for n in nodes], None, [n.addr for n in nodes]))  # type: ignore[misc,union-attr]
-        return device_addrs
+        return self.alloc_mem(len(entries), Tier.DEVICE)
+
+    @staticmethod
+    def swap_in_copies(addrs: Sequence[int], device_addrs: Sequence[int]) -> list[tuple[Tier, list[int], list[int]]]:
+        """(source tier, source blocks, device blocks) runs that a swap-in copies."""
+        pairs = [((a >> TIER_SHIFT) & TIER_MASK, a & BLOCK_MASK, d & BLOCK_MASK) for a, d in zip(addrs, device_addrs)]
+        return [(Tier(tier), [p[1] for p in run], [p[2] for p in run])
+                for tier, run in ((t, list(g)) for t, g in itertools.groupby(pairs, key=lambda p: p[0]))]
+
+    def commit_swap_in(self, addrs: Sequence[int], device_addrs: Sequence[int]) -> None:
+        """Second half of an asynchronous ``swap_in``, once the copies are done: indexed
+        sources are re-pointed to their device copies. A source another swap-in already
+        promoted keeps that copy; this one's stays private to the caller."""
+        moved = []
+        for e, d in zip(self._held(addrs, "swap_in"), device_addrs):
+            if e.node is not None and e.node.addr == e.addr:
+                moved.append((e, d & BLOCK_MASK))
+        if not moved:
+            return
+        self._pools[Tier.DEVICE].park([b for _, b in moved])  # type: ignore[union-attr]
+        device_owner = self._node_of[Tier.DEVICE]
+        for e, b in moved:
+            holders = e.node.lock  # type: ignore[union-attr]
+            self.index.move(e.node, self._addr(Tier.DEVICE, b), lock=1)  # type: ignore[arg-type]
+            self._node_of[e.tier][e.block] = None
+            device_owner[b] = e.node
+            self._pools[e.tier].unpark([e.block], [holders])  # type: ignore[union-attr]
+        nodes = [e.node for e, _ in moved]
+        self._events.append(KVEvent(MOVED, [n.hash for n in nodes], None, [n.addr for n in nodes]))  # type: ignore[misc,union-attr]
 
     # -------------------------------------------------------------- transfer
 

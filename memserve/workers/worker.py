@@ -70,10 +70,10 @@ class Worker:
         self.heartbeat: HeartbeatThread | None = None
 
     def start(self) -> None:
-        from memserve.workers.engine import Engine  # heavy: torch and the model
+        from memserve.workers.engine import build_engine  # heavy: torch and the model
 
         try:
-            self.engine = Engine(self.cfg.engine, ensure_model_dir(self.cfg.engine.model), self.id)
+            self.engine = build_engine(self.cfg.engine, ensure_model_dir(self.cfg.engine.model), self.id)
             started = time.monotonic()
             steps = warm_up(self.engine)
             log.info("worker %d: warmed up in %.1f s (%d steps)", self.id, time.monotonic() - started, steps)
@@ -126,7 +126,9 @@ class Worker:
 
     def _handle(self, msg) -> list[RequestOutput]:
         if isinstance(msg, AddRequest):
-            out = self.engine.add_request(msg)
+            # The gateway stamps arrival on its wall clock; the engine keeps its own clock.
+            waited = max(0.0, time.time() - msg.arrival_time) if msg.arrival_time else 0.0
+            out = self.engine.add_request(msg, self.engine.clock() - waited)
             return [out] if out else []
         if isinstance(msg, AbortRequest):
             out = self.engine.abort(msg.request_id)
