@@ -44,7 +44,6 @@ class KVCacheManager:
         self.mempool = mempool
         self.block_size = mempool.block_size
         self.enable_caching = enable_caching
-        self.num_device_blocks = mempool.stats()["device"]["total"]
         self._blocks: dict[str, _RequestBlocks] = {}
         self._pending_loads: list[KVLoad] = []  # not yet handed to the runner
         # Blocks of requests that left while the runner was copying into them: freed
@@ -127,8 +126,10 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return self._blocks[request_id].ids
 
-    def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+    @property
+    def has_abandoned_loads(self) -> bool:
+        """Loads of requests that left are still being copied: their blocks await them."""
+        return bool(self._abandoned)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Offer newly computed full blocks to the index: prompt blocks after prefill, and

@@ -56,15 +56,12 @@ class Scheduler:
 
     # ----------------------------------------------------------------- requests
     def add(self, seq: Sequence) -> RequestOutput | None:
-        """Queue a request; returns an error output at once if it can never fit."""
+        """Queue a request; returns an error output at once if it can never fit (the
+        engine caps the context by the pool, so a request that fits it fits the pool)."""
         max_len = self.config.max_model_len
         if seq.num_prompt_tokens == 0 or seq.num_prompt_tokens >= max_len:
             return self._reject(seq, f"prompt of {seq.num_prompt_tokens} tokens does not fit the context window "
                                      f"of {max_len} tokens")
-        blocks_needed = self.kv.blocks_needed(min(seq.num_prompt_tokens + seq.params.max_tokens, max_len))
-        if blocks_needed > self.kv.num_device_blocks:
-            return self._reject(seq, f"request needs {blocks_needed} KV blocks but the pool holds "
-                                     f"{self.kv.num_device_blocks}")
         self._requests[seq.request_id] = seq
         self.policy.push(seq)
         return None
@@ -84,7 +81,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(len(self.policy) or self.running or self.loading)
+        return bool(len(self.policy) or self.running or self.loading or self.kv.has_abandoned_loads)
 
     @property
     def num_waiting(self) -> int:
