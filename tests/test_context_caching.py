@@ -17,7 +17,7 @@ from memserve.ipc.messages import AddRequest, SamplingParams, decode, encode
 from memserve.kvcache.events import REMOVED, KVEvents
 from memserve.kvcache.mirror import PromptTreeMirror
 from memserve.workers.engine import Engine, build_engine
-from memserve.workers.model.gguf_convert import ensure_model_dir
+from memserve.models.gguf_convert import ensure_model_dir
 
 MAX_TOKENS = 12
 

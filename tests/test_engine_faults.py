@@ -8,7 +8,7 @@ import pytest
 from memserve.config import EngineConfig
 from memserve.ipc.messages import AddRequest, SamplingParams
 from memserve.workers.engine import Engine, build_engine
-from memserve.workers.model.gguf_convert import ensure_model_dir
+from memserve.models.gguf_convert import ensure_model_dir
 from memserve.workers.warmup import warm_up
 
 PROMPT = [1, 504, 3458, 282, 4649, 314]  # a few in-vocabulary token ids

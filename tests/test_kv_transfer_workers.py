@@ -13,7 +13,7 @@ from memserve.gateway.engine_client import ZmqEngineClient
 from memserve.gateway.tokenizer import Tokenizer
 from memserve.ipc.channel import GatewayChannel
 from memserve.ipc.messages import SamplingParams
-from memserve.workers.model.gguf_convert import ensure_model_dir
+from memserve.models.gguf_convert import ensure_model_dir
 
 BLOCK = 16
 

@@ -18,7 +18,7 @@ from memserve.gateway.cluster import Cluster, plan_workers
 from memserve.gateway.engine_client import ZmqEngineClient
 from memserve.gateway.tokenizer import Tokenizer
 from memserve.ipc.channel import GatewayChannel
-from memserve.workers.model.gguf_convert import ensure_model_dir
+from memserve.models.gguf_convert import ensure_model_dir
 
 log = logging.getLogger("memserve.gateway")
 

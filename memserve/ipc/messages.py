@@ -13,6 +13,8 @@ from typing import Any, ClassVar
 
 import msgpack
 
+from memserve.kvcache.events import KVEvent, KVEvents
+
 PROTOCOL_VERSION = 1
 
 # Temperatures below this sample greedily (as vLLM): dividing logits by a temperature
@@ -216,3 +218,7 @@ def decode(data: bytes) -> Any:
             value = [_NESTED_LISTS[(kind, f.name)](*v) for v in value]
         kwargs[f.name] = value
     return cls(**kwargs)
+
+
+# kvcache's types that travel between processes; kvcache itself knows no wire format.
+register(KVEvents, nested_lists={"events": KVEvent})

@@ -27,7 +27,7 @@ import itertools
 from collections import Counter
 from collections.abc import Callable, Sequence
 from enum import IntFlag
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, Union
+from typing import Any, NamedTuple
 
 from memserve.kvcache.address import (
     BLOCK_MASK,
@@ -43,15 +43,11 @@ from memserve.kvcache.blocks import BlockPool, MemPoolError, OutOfBlocks, contig
 from memserve.kvcache.eviction import EvictionPolicy
 from memserve.kvcache.events import MOVED, REMOVED, STORED, KVEvent
 from memserve.kvcache.hashing import block_hashes
+from memserve.kvcache.mover import BlockMover, Buffer, TransferEndpoint, recut
 from memserve.kvcache.radix import RadixIndex, RadixNode
 
-if TYPE_CHECKING:
-    from memserve.kvcache.transfer import KVTransferEndpoint
 
 __all__ = ["BlockMover", "KVFlags", "MemPool", "MemPoolError", "OutOfBlocks", "Tier"]
-
-Buffer = Union[bytes, bytearray, memoryview]
-
 
 class KVFlags(IntFlag):
     """Flags of ``insert`` and the transfer calls."""
@@ -62,55 +58,6 @@ class KVFlags(IntFlag):
     RELEASE = 1
     #: transfer: the receiver allocates in its host tier instead of its device tier.
     HOST = 2
-
-
-class BlockMover(Protocol):
-    """What the model runner provides: the bytes behind block ids. Copies must take
-    effect in call order relative to the runner's later reads and writes of the same
-    blocks (a CUDA stream gives that)."""
-
-    block_nbytes: int  # bytes of one block (all layers, K and V) in every tier
-
-    def copy_blocks(self, src_tier: Tier, src_blocks: list[int], dst_tier: Tier, dst_blocks: list[int]) -> None:
-        """Copy block ``src_blocks[i]`` of ``src_tier`` to ``dst_blocks[i]`` of ``dst_tier``."""
-
-    def read_blocks(self, tier: Tier, blocks: list[int]) -> list[Buffer]:
-        """The blocks' bytes, one buffer per run of consecutive ids (zero-copy views
-        where the tier is host memory). They must stay valid until the next call that
-        writes those blocks."""
-
-    def write_blocks(self, tier: Tier, blocks: list[int], buffers: Sequence[Buffer]) -> None:
-        """Store the blocks' bytes: ``buffers[i]`` holds the i-th run of consecutive ids
-        of ``blocks`` (the same cut as ``read_blocks``; see ``contiguous_runs``)."""
-
-
-def _recut(buffers: Sequence[Buffer], sizes: list[int]) -> list[Buffer]:
-    """The bytes of ``buffers`` cut into pieces of ``sizes``: views where a piece lies in
-    one buffer, a joined copy where it spans several."""
-    views = [memoryview(b).cast("B") for b in buffers]
-    if sum(len(v) for v in views) != sum(sizes):
-        raise MemPoolError(f"write_blocks: {sum(sizes)} bytes expected, got {sum(len(v) for v in views)}")
-    out: list[Buffer] = []
-    i, offset = 0, 0
-    for size in sizes:
-        head = views[i]
-        if len(head) - offset >= size:
-            out.append(head[offset : offset + size])
-            offset += size
-        else:
-            parts = []
-            while size:
-                head = views[i]
-                take = min(size, len(head) - offset)
-                parts.append(head[offset : offset + take])
-                size -= take
-                offset += take
-                if offset == len(head) and size:
-                    i, offset = i + 1, 0
-            out.append(b"".join(parts))
-        if i < len(views) and offset == len(views[i]):
-            i, offset = i + 1, 0
-    return out
 
 
 class _Held(NamedTuple):
@@ -150,7 +97,7 @@ class MemPool:
         self._events: list[KVEvent] = []
         self._hit_tokens = 0
         self._query_tokens = 0
-        self._transfer: KVTransferEndpoint | None = None
+        self._transfer: TransferEndpoint | None = None
 
     # ---------------------------------------------------------------- memory
 
@@ -368,7 +315,7 @@ class MemPool:
 
     # -------------------------------------------------------------- transfer
 
-    def attach_transfer(self, endpoint: KVTransferEndpoint) -> None:
+    def attach_transfer(self, endpoint: TransferEndpoint) -> None:
         """Called by the endpoint that carries this instance's transfers."""
         if self._transfer is not None and self._transfer is not endpoint:
             raise MemPoolError("a transfer endpoint is already attached")
@@ -418,7 +365,7 @@ class MemPool:
         mover = self._need_mover("write_blocks")
         groups = self._runs_by_tier(addrs, "write_blocks")
         sizes = [n * mover.block_nbytes for _, blocks in groups for _, n in contiguous_runs(blocks)]
-        pieces = iter(_recut(buffers, sizes))
+        pieces = iter(recut(buffers, sizes))
         for tier, blocks in groups:
             mover.write_blocks(tier, blocks, [next(pieces) for _ in contiguous_runs(blocks)])
 
@@ -563,7 +510,7 @@ class MemPool:
             raise MemPoolError(f"{op} needs a BlockMover")
         return self.mover
 
-    def _endpoint(self) -> KVTransferEndpoint:
+    def _endpoint(self) -> TransferEndpoint:
         if self._transfer is None:
             raise MemPoolError("no transfer endpoint attached to this MemPool")
         return self._transfer

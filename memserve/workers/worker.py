@@ -38,9 +38,9 @@ from memserve.ipc.messages import (
     WorkerReady,
 )
 from memserve.kvcache.events import KVEvents
-from memserve.kvcache.transfer import KVTransferEndpoint
+from memserve.ipc.kv_transfer import KVTransferEndpoint
 from memserve.workers.heartbeat import HeartbeatThread
-from memserve.workers.model.gguf_convert import ensure_model_dir
+from memserve.models.gguf_convert import ensure_model_dir
 from memserve.workers.warmup import warm_up
 
 log = logging.getLogger("memserve.worker")
