@@ -9,6 +9,7 @@ import os
 import sys
 
 from memserve.config import EngineConfig, ServeConfig
+from memserve.gateway.router import ROUTING_POLICIES
 from memserve.kvcache.eviction import EVICTION_POLICIES
 from memserve.workers.policies import SCHEDULE_POLICIES
 
@@ -37,6 +38,8 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eviction-policy", default="lru", choices=sorted(EVICTION_POLICIES),
                    help="which cached KV blocks a tier gives up first")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--router", default="least-load", choices=sorted(ROUTING_POLICIES),
+                   help="how the gateway picks a worker for each request")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0,
                    help="seconds of silence after which a worker is declared dead, failed and restarted")
     p.add_argument("--log-level", default=os.environ.get("MEMSERVE_LOG_LEVEL", "INFO"))
@@ -73,6 +76,7 @@ def _run_up(args: argparse.Namespace) -> int:
         gpus=[int(g) for g in args.gpus.split(",")] if args.gpus else None,
         served_model_name=args.served_model_name,
         heartbeat_timeout_s=args.heartbeat_timeout,
+        router=args.router,
     )
     try:
         from uvloop import run

@@ -55,4 +55,5 @@ class ServeConfig:
     gpus: list[int] | None = None
     served_model_name: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
+    router: str = "least-load"  # gateway/router.py
     heartbeat_timeout_s: float = 5.0  # a worker silent this long is declared dead and restarted

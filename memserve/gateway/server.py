@@ -16,6 +16,7 @@ from memserve.config import ServeConfig
 from memserve.gateway.app import create_app
 from memserve.gateway.cluster import Cluster, plan_workers
 from memserve.gateway.engine_client import ZmqEngineClient
+from memserve.gateway.router import Router
 from memserve.gateway.tokenizer import Tokenizer
 from memserve.ipc.channel import GatewayChannel
 from memserve.models.gguf_convert import ensure_model_dir
@@ -44,7 +45,7 @@ async def serve(cfg: ServeConfig) -> None:
     channel = GatewayChannel(f"ipc://{runtime_dir}/gateway")
     cluster = Cluster(plan_workers(cfg.engine, channel.address, cfg.cpu_workers, cfg.gpus, runtime_dir=runtime_dir),
                       cfg.heartbeat_timeout_s)
-    client = ZmqEngineClient(channel, cluster, cfg.engine.block_size)
+    client = ZmqEngineClient(channel, cluster, cfg.engine.block_size, router=Router.named(cfg.router))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
