@@ -98,8 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_up(sub)
     from memserve.bench.cli import add_parser as add_bench
+    from memserve.sim.cli import add_parser as add_simulate
 
     add_bench(sub)
+    add_simulate(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -139,7 +139,7 @@ class KVCacheManager:
         blocks = self._blocks[seq.request_id]
         full = seq.num_computed_tokens // self.block_size
         if full > blocks.num_indexed:
-            self.mempool.insert(seq.all_token_ids[: full * self.block_size], blocks.addrs[:full],
+            self.mempool.insert(seq.token_slice(0, full * self.block_size), blocks.addrs[:full],
                                 hashes=seq.full_block_hashes(self.block_size, full))
             blocks.num_indexed = full
 

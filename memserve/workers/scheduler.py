@@ -160,7 +160,7 @@ class Scheduler:
     def _chunk(self, seq: Sequence, num_new: int) -> ScheduledChunk:
         start = seq.num_computed_tokens
         end = start + num_new
-        return ScheduledChunk(seq.request_id, seq.all_token_ids[start:end], start,
+        return ScheduledChunk(seq.request_id, seq.token_slice(start, end), start,
                               self.kv.block_ids(seq.request_id), end == seq.num_tokens)
 
     def _preempt(self, seq: Sequence) -> None:

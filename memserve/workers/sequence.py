@@ -43,6 +43,14 @@ class Sequence:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without building the whole list (decode steps
+        need the last token only)."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:end] + self.output_token_ids[: max(0, end - p)]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -55,7 +63,7 @@ class Sequence:
         """Names of the first ``num_blocks`` full blocks, hashing only blocks not named yet."""
         have = len(self.block_hashes)
         if num_blocks > have:
-            tokens = self.all_token_ids[have * block_size : num_blocks * block_size]
+            tokens = self.token_slice(have * block_size, num_blocks * block_size)
             self.block_hashes += block_hashes(tokens, block_size, self.block_hashes[-1] if have else None)
         return self.block_hashes[:num_blocks]
 
