@@ -19,6 +19,8 @@ block itself, so a tier always gives up the deep end of a prompt first and a pro
 cached prefix reads device blocks first, then host, then disk.
 
 Pure Python: the data moves through a ``BlockMover`` that the model runner implements.
+The class is split by concern: memory, index and state here, tier moves in
+``tiering.py``, the transfer API in ``transfer_api.py``.
 """
 
 from __future__ import annotations
@@ -39,12 +41,14 @@ from memserve.kvcache.address import (
     addr_str,
     make_addrs,
 )
-from memserve.kvcache.blocks import BlockPool, MemPoolError, OutOfBlocks, contiguous_runs
+from memserve.kvcache.blocks import BlockPool, MemPoolError, OutOfBlocks
 from memserve.kvcache.eviction import EvictionPolicy
-from memserve.kvcache.events import MOVED, REMOVED, STORED, KVEvent
+from memserve.kvcache.events import REMOVED, STORED, KVEvent
 from memserve.kvcache.hashing import block_hashes
-from memserve.kvcache.mover import BlockMover, Buffer, TransferEndpoint, recut
+from memserve.kvcache.mover import BlockMover, TransferEndpoint
 from memserve.kvcache.radix import RadixIndex, RadixNode
+from memserve.kvcache.tiering import TierMoves
+from memserve.kvcache.transfer_api import TransferAPI
 
 
 __all__ = ["BlockMover", "KVFlags", "MemPool", "MemPoolError", "OutOfBlocks", "Tier"]
@@ -67,7 +71,7 @@ class _Held(NamedTuple):
     node: RadixNode | None  # None: a private block
 
 
-class MemPool:
+class MemPool(TierMoves, TransferAPI):
     """MemServe's elastic memory pool for one inference instance."""
 
     def __init__(
@@ -240,135 +244,6 @@ class MemPool:
         self._forget(removed)
         return len(removed)
 
-    # ----------------------------------------------------------------- tiers
-
-    def swap_out(self, n: int) -> list[tuple[int, int]]:
-        """Move up to ``n`` least recently used cached device blocks to the host tier;
-        returns ``(old, new)`` addresses. Fewer move when fewer are idle or the host is
-        full of blocks in use."""
-        host = self._pool(Tier.HOST, "swap_out")
-        self._need_mover("swap_out")
-        room = host.num_free + self.index.idle_count(Tier.HOST)
-        n = min(n, self.index.idle_count(Tier.DEVICE), room)
-        if n <= 0:
-            return []
-        return self._move(self.index.select_evictable(Tier.DEVICE, n), Tier.HOST)
-
-    def swap_in(self, addrs: Sequence[int]) -> list[int]:
-        """Copy held blocks of slower tiers to new device blocks; returns the device
-        addresses, each held once by the caller. The caller keeps its references to the
-        old addresses (free them as usual). An indexed block is re-pointed to its device
-        copy; pass a prompt's blocks parent first."""
-        device_addrs = self.prepare_swap_in(addrs)
-        mover = self._need_mover("swap_in")
-        for tier, src, dst in self.swap_in_copies(addrs, device_addrs):
-            mover.copy_blocks(tier, src, Tier.DEVICE, dst)
-        self.commit_swap_in(addrs, device_addrs)
-        return device_addrs
-
-    def prepare_swap_in(self, addrs: Sequence[int]) -> list[int]:
-        """First half of an asynchronous ``swap_in``: checks ``addrs`` and allocates their
-        device blocks (held once by the caller), copying nothing. Copy them (the runs of
-        ``swap_in_copies``) off the scheduling path, then ``commit_swap_in``. Both the
-        sources (held by the caller) and the new device blocks (private) are safe from
-        eviction meanwhile."""
-        self._need_mover("swap_in")
-        entries = self._held(addrs, "swap_in")
-        promoted: set[RadixNode] = set()
-        for e in entries:
-            if e.tier == Tier.DEVICE:
-                raise MemPoolError(f"swap_in: {addr_str(e.addr)} is already on the device")
-            if e.node is not None:
-                parent = e.node.parent
-                if parent is not self.index.root and parent.tier != Tier.DEVICE and parent not in promoted:  # type: ignore[union-attr]
-                    raise MemPoolError(f"swap_in: {addr_str(e.addr)}'s parent block is not on the device; pass it first")
-                promoted.add(e.node)
-        return self.alloc_mem(len(entries), Tier.DEVICE)
-
-    @staticmethod
-    def swap_in_copies(addrs: Sequence[int], device_addrs: Sequence[int]) -> list[tuple[Tier, list[int], list[int]]]:
-        """(source tier, source blocks, device blocks) runs that a swap-in copies."""
-        pairs = [((a >> TIER_SHIFT) & TIER_MASK, a & BLOCK_MASK, d & BLOCK_MASK) for a, d in zip(addrs, device_addrs)]
-        return [(Tier(tier), [p[1] for p in run], [p[2] for p in run])
-                for tier, run in ((t, list(g)) for t, g in itertools.groupby(pairs, key=lambda p: p[0]))]
-
-    def commit_swap_in(self, addrs: Sequence[int], device_addrs: Sequence[int]) -> None:
-        """Second half of an asynchronous ``swap_in``, once the copies are done: indexed
-        sources are re-pointed to their device copies. A source another swap-in already
-        promoted keeps that copy; this one's stays private to the caller."""
-        moved = []
-        for e, d in zip(self._held(addrs, "swap_in"), device_addrs):
-            if e.node is not None and e.node.addr == e.addr:
-                moved.append((e, d & BLOCK_MASK))
-        if not moved:
-            return
-        self._pools[Tier.DEVICE].park([b for _, b in moved])  # type: ignore[union-attr]
-        device_owner = self._node_of[Tier.DEVICE]
-        for e, b in moved:
-            holders = e.node.lock  # type: ignore[union-attr]
-            self.index.move(e.node, self._addr(Tier.DEVICE, b), lock=1)  # type: ignore[arg-type]
-            self._node_of[e.tier][e.block] = None
-            device_owner[b] = e.node
-            self._pools[e.tier].unpark([e.block], [holders])  # type: ignore[union-attr]
-        nodes = [e.node for e, _ in moved]
-        self._events.append(KVEvent(MOVED, [n.hash for n in nodes], None, [n.addr for n in nodes]))  # type: ignore[misc,union-attr]
-
-    # -------------------------------------------------------------- transfer
-
-    def attach_transfer(self, endpoint: TransferEndpoint) -> None:
-        """Called by the endpoint that carries this instance's transfers."""
-        if self._transfer is not None and self._transfer is not endpoint:
-            raise MemPoolError("a transfer endpoint is already attached")
-        self._transfer = endpoint
-
-    def transfer(
-        self, instance: int, src: Sequence[int], dst: Sequence[int] | None = None, flags: int = 0,
-        private: Any = None, ticket: str = "",
-    ) -> list[int]:
-        """Copy the held blocks ``src`` to ``instance`` and return their addresses there.
-        Without ``dst`` the receiver allocates them (device, or host with ``KVFlags.HOST``);
-        ``private`` (msgpack-able) reaches the receiving engine with the addresses. The
-        receiver accepts only a transfer it expects under ``ticket``."""
-        return self._endpoint().send(instance, list(src), dst, flags, private, ticket)
-
-    def transfer_with_insert(
-        self,
-        instance: int,
-        tokens: Sequence[int],
-        src: Sequence[int],
-        dst: Sequence[int] | None = None,
-        flags: int = 0,
-        private: Any = None,
-        first_block: int = 0,
-        ticket: str = "",
-    ) -> list[int]:
-        """``transfer`` plus an ``insert(tokens, ...)`` at the receiver, saving a round
-        trip. ``src`` holds blocks ``first_block..`` of ``tokens``; the receiver must have
-        the blocks before ``first_block`` cached (incremental transfer)."""
-        return self._endpoint().send(instance, list(src), dst, flags, private, ticket, list(tokens), first_block)
-
-    def check_held(self, addrs: Sequence[int], op: str) -> None:
-        """Raise unless every address is a local block someone holds."""
-        self._held(addrs, op)
-
-    def read_blocks(self, addrs: Sequence[int]) -> list[Buffer]:
-        """The bytes of held blocks, in order, as the mover's per-run buffers."""
-        mover = self._need_mover("read_blocks")
-        buffers: list[Buffer] = []
-        for tier, blocks in self._runs_by_tier(addrs, "read_blocks"):
-            buffers.extend(mover.read_blocks(tier, blocks))
-        return buffers
-
-    def write_blocks(self, addrs: Sequence[int], buffers: Sequence[Buffer]) -> None:
-        """Store blocks given back to back across ``buffers`` (the sender's runs) into
-        held blocks ``addrs``, re-cut into this pool's runs for the mover."""
-        mover = self._need_mover("write_blocks")
-        groups = self._runs_by_tier(addrs, "write_blocks")
-        sizes = [n * mover.block_nbytes for _, blocks in groups for _, n in contiguous_runs(blocks)]
-        pieces = iter(recut(buffers, sizes))
-        for tier, blocks in groups:
-            mover.write_blocks(tier, blocks, [next(pieces) for _ in contiguous_runs(blocks)])
-
     # ----------------------------------------------------------------- state
 
     def drain_events(self) -> list[KVEvent]:
@@ -396,46 +271,6 @@ class MemPool:
 
     # -------------------------------------------------------------- internals
 
-    def _evict(self, tier: int, n: int) -> None:
-        """Free ``n`` blocks of ``tier`` by giving up its LRU cached blocks: demote them
-        to the next slower tier while it can take them, drop the rest."""
-        victims = self.index.select_evictable(tier, n)
-        nxt = self._next_tier(tier)
-        room = 0
-        if nxt is not None:
-            room = self._pools[nxt].num_free + self.index.idle_count(nxt)  # type: ignore[union-attr]
-        keep = min(len(victims), room)
-        # Drop the oldest: victims come deepest first, so none of them is an ancestor of a
-        # demoted one. A dropped block's slower descendants go with it.
-        dropped = victims[: len(victims) - keep]
-        if dropped:
-            self._forget([gone for v in dropped for gone in self.index.remove_subtree(v)])
-        if keep:
-            self._move(victims[len(victims) - keep :], nxt)  # type: ignore[arg-type]
-
-    def _move(self, nodes: list[RadixNode], dst: Tier) -> list[tuple[int, int]]:
-        """Relocate idle indexed blocks of one tier to tier ``dst``."""
-        src = nodes[0].tier
-        dst_pool = self._pools[dst]
-        short = len(nodes) - dst_pool.num_free  # type: ignore[union-attr]
-        if short > 0:
-            self._evict(dst, short)
-        dst_blocks = dst_pool.alloc(len(nodes))  # type: ignore[union-attr]
-        dst_pool.park(dst_blocks)  # type: ignore[union-attr]
-        src_blocks = [n.addr & BLOCK_MASK for n in nodes]
-        self.mover.copy_blocks(src, src_blocks, dst, dst_blocks)  # type: ignore[union-attr]
-        src_owner, dst_owner = self._node_of[src], self._node_of[dst]
-        pairs = []
-        for node, sb, db in zip(nodes, src_blocks, dst_blocks):
-            new = self._addr(dst, db)
-            pairs.append((node.addr, new))
-            self.index.move(node, new)
-            src_owner[sb] = None
-            dst_owner[db] = node
-        self._pools[src].release(src_blocks)  # type: ignore[union-attr]
-        self._events.append(KVEvent(MOVED, [n.hash for n in nodes], None, [new for _, new in pairs]))  # type: ignore[misc]
-        return pairs
-
     def _forget(self, removed: list[RadixNode]) -> None:
         """Return the blocks of nodes just removed from the index to their free lists."""
         if not removed:
@@ -447,11 +282,6 @@ class MemPool:
                 owners[b] = None
             self._pools[tier].release(blocks)  # type: ignore[union-attr]
         self._events.append(KVEvent(REMOVED, [n.hash for n in removed]))  # type: ignore[misc]
-
-    def _next_tier(self, tier: int) -> Tier | None:
-        if self.mover is None:
-            return None
-        return next((t for t in self.tiers if t > tier), None)
 
     def _addr(self, tier: int, block: int) -> int:
         return (self.instance_id << INSTANCE_SHIFT) | (tier << TIER_SHIFT) | block
@@ -509,8 +339,3 @@ class MemPool:
         if self.mover is None:
             raise MemPoolError(f"{op} needs a BlockMover")
         return self.mover
-
-    def _endpoint(self) -> TransferEndpoint:
-        if self._transfer is None:
-            raise MemPoolError("no transfer endpoint attached to this MemPool")
-        return self._transfer
