@@ -19,7 +19,7 @@ from memserve.ipc.messages import AddRequest, RequestOutput
 from memserve.kvcache.address import Tier
 from memserve.kvcache.events import KVEvent
 from memserve.kvcache.eviction import make_eviction_policy
-from memserve.kvcache.mempool import KVFlags, MemPool
+from memserve.kvcache.mempool import MemPool
 from memserve.workers.kv_manager import KVCacheManager
 from memserve.workers.policies import make_schedule_policy
 from memserve.workers.runner import Runner
@@ -125,21 +125,6 @@ class Engine:
                 failure.finish_reason, failure.error = "error", f"the engine step failed on this request: {exc!r}"
                 failed.append(failure)
         return kept, result, failed
-
-    def push_prefix(self, token_ids: list[int], dst_instance: int, ticket: str) -> int:
-        """Send the cached prefix of ``token_ids`` to another instance, which indexes it as
-        its own historical KV, under the ``ticket`` it expects. Returns the number of
-        blocks sent."""
-        bs = self.cfg.block_size
-        addrs = self.mempool.match(token_ids, take_ref=True)
-        if not addrs:
-            return 0
-        try:
-            self.mempool.transfer_with_insert(dst_instance, token_ids[: len(addrs) * bs], addrs,
-                                              flags=KVFlags.RELEASE, ticket=ticket)
-        finally:
-            self.mempool.free_mem(addrs)
-        return len(addrs)
 
     def drain_kv_events(self) -> list[KVEvent]:
         return self.mempool.drain_events()
