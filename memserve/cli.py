@@ -1,4 +1,4 @@
-"""Command line: `memserve up | bench | profile`."""
+"""Command line: `memserve up | bench | profile | simulate`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ import os
 import sys
 
 from memserve.config import EngineConfig, ServeConfig
+from memserve.gateway.router import ROUTING_POLICIES
+from memserve.kvcache.eviction import EVICTION_POLICIES
+from memserve.workers.policies import SCHEDULE_POLICIES
 
 
 def _add_up(sub: argparse._SubParsersAction) -> None:
@@ -30,7 +33,13 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-cache", action="store_true", help="disable context caching (the baseline)")
     p.add_argument("--kv-layout", default="aggregated", choices=["aggregated", "layer-major"])
+    p.add_argument("--schedule-policy", default="fcfs", choices=sorted(SCHEDULE_POLICIES),
+                   help="order of admission and choice of preemption victims in each worker")
+    p.add_argument("--eviction-policy", default="lru", choices=sorted(EVICTION_POLICIES),
+                   help="which cached KV blocks a tier gives up first")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--router", default="least-load", choices=sorted(ROUTING_POLICIES),
+                   help="how the gateway picks a worker for each request")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0,
                    help="seconds of silence after which a worker is declared dead, failed and restarted")
     p.add_argument("--header-timeout", type=float, default=10.0,
@@ -60,6 +69,8 @@ def _run_up(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_cache,
         kv_layout=args.kv_layout,
+        schedule_policy=args.schedule_policy,
+        eviction_policy=args.eviction_policy,
         seed=args.seed,
     )
     cfg = ServeConfig(
@@ -73,6 +84,7 @@ def _run_up(args: argparse.Namespace) -> int:
         header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout,
         max_connections=args.max_connections,
+        router=args.router,
     )
     try:
         from uvloop import run
@@ -115,8 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     _add_up(sub)
     _add_profile(sub)
     from memserve.bench.cli import add_parser as add_bench
+    from memserve.sim.cli import add_parser as add_simulate
 
     add_bench(sub)
+    add_simulate(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -22,6 +22,8 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's context window
     enable_prefix_caching: bool = True
     kv_layout: str = "aggregated"  # aggregated | layer-major
+    schedule_policy: str = "fcfs"  # workers/policies.py
+    eviction_policy: str = "lru"  # kvcache/eviction.py
     seed: int = 0
 
 
@@ -53,6 +55,7 @@ class ServeConfig:
     gpus: list[int] | None = None
     served_model_name: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
+    router: str = "least-load"  # gateway/router.py
     heartbeat_timeout_s: float = 5.0  # a worker silent this long is declared dead and restarted
     header_timeout_s: float = 10.0  # a request head must arrive this soon after connect / the last response
     body_timeout_s: float = 10.0  # a request body must arrive within this

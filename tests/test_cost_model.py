@@ -185,7 +185,7 @@ def test_profile_quick_end_to_end(tmp_path: Path, monkeypatch):
 
     from memserve.config import EngineConfig
     from memserve.workers.engine import Engine
-    from memserve.workers.model.gguf_convert import cache_root, ensure_model_dir
+    from memserve.models.gguf_convert import cache_root, ensure_model_dir
 
     (tmp_path / "models").symlink_to(cache_root())  # a fresh cost-model cache, the same converted model
     monkeypatch.setenv("MEMSERVE_CACHE", str(tmp_path))

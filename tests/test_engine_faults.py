@@ -7,8 +7,8 @@ import pytest
 
 from memserve.config import EngineConfig
 from memserve.ipc.messages import AddRequest, SamplingParams
-from memserve.workers.engine import Engine
-from memserve.workers.model.gguf_convert import ensure_model_dir
+from memserve.workers.engine import Engine, build_engine
+from memserve.models.gguf_convert import ensure_model_dir
 from memserve.workers.warmup import warm_up
 
 PROMPT = [1, 504, 3458, 282, 4649, 314]  # a few in-vocabulary token ids
@@ -21,7 +21,7 @@ def model_dir():
 
 def make_engine(model_dir, num_blocks: int = 64, **kw) -> Engine:
     cfg = EngineConfig(model=str(model_dir), dtype="float32", num_blocks=num_blocks, max_num_batched_tokens=256, **kw)
-    return Engine(cfg, model_dir)
+    return build_engine(cfg, model_dir)
 
 
 def run(engine: Engine, prompts: dict[str, list[int]], max_tokens: int = 8) -> dict[str, tuple[list[int], str, str]]:

@@ -6,6 +6,9 @@ sent to worker 1 reports it as cached and produces the same tokens."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
 
 from memserve.config import EngineConfig
 from memserve.gateway.cluster import Cluster, plan_workers
@@ -13,7 +16,7 @@ from memserve.gateway.engine_client import ZmqEngineClient
 from memserve.gateway.tokenizer import Tokenizer
 from memserve.ipc.channel import GatewayChannel
 from memserve.ipc.messages import SamplingParams
-from memserve.workers.model.gguf_convert import ensure_model_dir
+from memserve.models.gguf_convert import ensure_model_dir
 
 BLOCK = 16
 
@@ -59,3 +62,37 @@ async def scenario(model_dir) -> None:
 
 def test_transfer_with_insert_between_worker_processes():
     asyncio.run(scenario(ensure_model_dir(None)))
+
+
+async def slow_peer_scenario(model_dir) -> None:
+    """Worker 1 is frozen while worker 0 pushes a prefix to it: worker 0 keeps streaming
+    another request's tokens meanwhile, and the transfer completes once 1 wakes up."""
+    tok = Tokenizer.from_folder(model_dir)
+    prompt = tok.encode_chat([{"role": "system", "content": "You answer in one short sentence. " * 6},
+                              {"role": "user", "content": "Why is the sky blue?"}])
+    channel = GatewayChannel()
+    engine_cfg = EngineConfig(model=str(model_dir), dtype="float32", num_blocks=96)
+    cluster = Cluster(plan_workers(engine_cfg, channel.address, cpu_workers=2, gpus=None), heartbeat_timeout_s=30)
+    client = ZmqEngineClient(channel, cluster, BLOCK)
+    await client.start()
+    try:
+        await collect(client.generate("warm", prompt, SamplingParams(max_tokens=2, temperature=0.0), instance=0))
+        peer = cluster.workers[1].process.pid
+        os.kill(peer, signal.SIGSTOP)
+        try:
+            transfer = asyncio.create_task(client.transfer_prefix(0, 1, prompt))
+            await asyncio.sleep(0.3)  # the transfer has started: worker 1 cannot answer it
+            token_times = []
+            long = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+            async for out in client.generate("meanwhile", prompt[:20], long, instance=0):
+                token_times += [time.monotonic()] * len(out.new_token_ids)
+            assert len(token_times) == 12 and not transfer.done()  # streamed while the transfer waited
+        finally:
+            os.kill(peer, signal.SIGCONT)
+        assert await asyncio.wait_for(transfer, 30) == len(prompt) // BLOCK
+    finally:
+        await client.close()
+
+
+def test_a_slow_peer_does_not_stall_the_senders_other_requests():
+    asyncio.run(slow_peer_scenario(ensure_model_dir(None)))

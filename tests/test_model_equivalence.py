@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from memserve.workers.model.attention import AttentionMetadata, allocate_kv_cache
-from memserve.workers.model.default_model import default_gguf_path
-from memserve.workers.model.gguf_convert import ensure_model_dir
+from memserve.models.default_model import default_gguf_path
+from memserve.models.gguf_convert import ensure_model_dir
 from memserve.workers.model.llama import LlamaForCausalLM
 from memserve.workers.model.loader import load_model
 from memserve.workers.model.model_config import ModelConfig

@@ -126,6 +126,27 @@ def test_eviction_is_lru_and_deepest_first():
     assert index.match([1] * 12) == old[:2]
 
 
+class MostRecentlyUsed:
+    """A policy unlike the default, to show the index takes whatever it is given."""
+
+    name = "mru"
+
+    def priority(self, node: RadixNode) -> float:
+        return -node.last_access
+
+
+def test_the_eviction_policy_is_injected():
+    clock = Clock()
+    index = RadixIndex(BS, clock, MostRecentlyUsed())
+    old = add(index, [1] * 12, lock=1)
+    new = add(index, [2] * 12, lock=1, first_block=10)
+    clock.now = 1
+    index.unlock(new)
+    clock.now = 2
+    index.unlock(old)
+    assert index.select_evictable(Tier.DEVICE, 4) == [old[2], old[1], old[0], new[2]]
+
+
 def test_a_locked_descendant_protects_its_ancestors_from_eviction():
     index, clock = new_index()
     trunk = add(index, [5] * 8)  # idle, older

@@ -14,7 +14,7 @@ from test_mempool import BS, NumpyBlockMover, prompt
 from memserve.ipc.messages import decode, encode
 from memserve.kvcache.address import Tier, addr_block, addr_instance, addr_tier, make_addr
 from memserve.kvcache.mempool import KVFlags, MemPool, MemPoolError
-from memserve.kvcache.transfer import KVAllocRequest, KVTransferEndpoint, TransferError
+from memserve.ipc.kv_transfer import KVAllocRequest, KVTransferEndpoint, TransferError
 
 SENDER, RECEIVER = 0, 1
 TIERS = {Tier.DEVICE: 32, Tier.HOST: 16}

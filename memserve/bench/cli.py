@@ -123,6 +123,19 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                         help="JSON object merged into every request body")
     server.add_argument("--request-timeout", type=_positive_float, default=600.0, help="seconds per request (default 600)")
 
+    add_workload_arguments(p)
+    add_load_arguments(p)
+    add_output_arguments(p)
+
+    sub = p.add_subparsers(dest="bench_command", metavar="{compare}")
+    cmp_ = sub.add_parser("compare", help="print results files side by side with ratios vs the first")
+    cmp_.add_argument("results", nargs="+", help="results JSON files (single runs or sweeps)")
+    cmp_.add_argument("--plot", metavar="DIR", help="draw all runs on shared axes into DIR")
+    cmp_.set_defaults(func=run_compare_command)
+
+
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The workload flags, shared with ``memserve simulate`` (same names, same meaning)."""
     wl = p.add_argument_group("workload")
     wl.add_argument("--workload", choices=WORKLOADS, default="sharegpt")
     wl.add_argument("--dataset", help="ShareGPT JSONL (default ../shared/data/sharegpt-sample.jsonl or $MEMSERVE_DATA)")
@@ -141,6 +154,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                     help="synthetic workloads' target output tokens (used with --fixed-output-len)")
     wl.add_argument("--seed", type=int, default=0)
 
+
+def add_load_arguments(p: argparse.ArgumentParser) -> None:
+    """How the workload is offered, shared with ``memserve simulate``."""
     load = p.add_argument_group("load")
     load.add_argument("--rate", type=_rate, help="session starts per second, Poisson (default inf: all at once)")
     load.add_argument("--request-rate", type=_rate, help="request starts per second for single-turn workloads")
@@ -159,25 +175,21 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     load.add_argument("--slo-ttft-ms", type=float, help="per-request TTFT SLO (sent and scored)")
     load.add_argument("--slo-tbt-ms", type=float, help="per-request TBT SLO (sent and scored)")
 
+
+def add_output_arguments(p: argparse.ArgumentParser) -> None:
     out = p.add_argument_group("output")
     out.add_argument("--output", "-o", help="write results JSON here")
     out.add_argument("--plot", metavar="DIR", help="write PNG plots here")
     out.add_argument("--label", help="name of this run in tables and plots (default: the model)")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    sub = p.add_subparsers(dest="bench_command", metavar="{compare}")
-    cmp_ = sub.add_parser("compare", help="print results files side by side with ratios vs the first")
-    cmp_.add_argument("results", nargs="+", help="results JSON files (single runs or sweeps)")
-    cmp_.add_argument("--plot", metavar="DIR", help="draw all runs on shared axes into DIR")
-    cmp_.set_defaults(func=run_compare_command)
 
-
-def _fail(message: str, code: int) -> int:
+def fail(message: str, code: int) -> int:
     Console(stderr=True).print(f"[bold red]memserve bench: error:[/] {message}", highlight=False, soft_wrap=True)
     return code
 
 
-def _workload_spec(args: argparse.Namespace, parts: int) -> WorkloadSpec:
+def workload_spec(args: argparse.Namespace, parts: int) -> WorkloadSpec:
     if args.num_sessions is not None and args.num_requests is not None:
         raise ValueError("give --num-sessions or --num-requests, not both")
     count = args.num_sessions if args.num_sessions is not None else args.num_requests
@@ -197,6 +209,30 @@ def _workload_spec(args: argparse.Namespace, parts: int) -> WorkloadSpec:
     )
 
 
+def replay_options(args: argparse.Namespace, rate: float) -> ReplayOptions:
+    """The load flags as replay options (shared with ``memserve simulate``)."""
+    return ReplayOptions(
+        rate=rate,
+        concurrency=args.concurrency,
+        duration_s=args.duration,
+        max_tokens=args.max_tokens,
+        fixed_output_len=args.fixed_output_len,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tbt_ms=args.slo_tbt_ms,
+        think_time_s=args.think_time,
+        seed=args.seed,
+    )
+
+
+def build_sessions(args: argparse.Namespace, parts: int) -> tuple[WorkloadSpec, list[list[Session]], str]:
+    """The workload flags as sessions: (spec, one list of sessions per part, dataset path)."""
+    spec = workload_spec(args, parts)
+    dataset = Path(args.dataset) if args.dataset else default_sharegpt_path()
+    conversations = load_conversations(dataset)
+    return spec, build_workload(spec, conversations, TextCorpus(conversations, make_token_counter(args.tokenizer))), \
+        str(dataset)
+
+
 def _rates_to_run(args: argparse.Namespace) -> list[float]:
     if args.sweep_rate and (args.rate or args.request_rate):
         raise ValueError("--sweep-rate replaces --rate/--request-rate")
@@ -205,7 +241,7 @@ def _rates_to_run(args: argparse.Namespace) -> list[float]:
     return args.sweep_rate or [args.rate or args.request_rate or math.inf]
 
 
-def _config(args: argparse.Namespace, model: str, spec: WorkloadSpec, dataset: str) -> dict:
+def run_config(args: argparse.Namespace, model: str, spec: WorkloadSpec, dataset: str) -> dict:
     """The run's settings as JSON-safe values (infinite rates as the string "inf")."""
     skip = {"func", "bench_command", "api_key", "input_len", "output_len", "rate", "request_rate", "sweep_rate"}
     config = {k: v for k, v in vars(args).items() if k not in skip}
@@ -224,7 +260,7 @@ def _config(args: argparse.Namespace, model: str, spec: WorkloadSpec, dataset: s
     return config
 
 
-def _point_result(result: ReplayResult) -> dict:
+def point_result(result: ReplayResult) -> dict:
     return {
         **compute_metrics(result.records, result.duration_s),
         "interrupted": result.interrupted,
@@ -240,20 +276,16 @@ def run_bench_command(args: argparse.Namespace) -> int:
     try:
         return _run_bench_command(args)
     except KeyboardInterrupt:
-        return _fail("interrupted", EXIT_INTERRUPTED)
+        return fail("interrupted", EXIT_INTERRUPTED)
 
 
 def _run_bench_command(args: argparse.Namespace) -> int:
     try:
         rates = _rates_to_run(args)
-        spec = _workload_spec(args, parts=len(rates))
-        dataset = Path(args.dataset) if args.dataset else default_sharegpt_path()
-        counter = make_token_counter(args.tokenizer)
-        conversations = load_conversations(dataset)
-        parts = build_workload(spec, conversations, TextCorpus(conversations, counter))
+        spec, parts, dataset = build_sessions(args, len(rates))
     except (ValueError, FileNotFoundError, OSError) as e:
-        return _fail(str(e), EXIT_USAGE)
-    return asyncio.run(_bench(args, rates, spec, parts, str(dataset)))
+        return fail(str(e), EXIT_USAGE)
+    return asyncio.run(_bench(args, rates, spec, parts, dataset))
 
 
 class _Interrupts:
@@ -315,14 +347,14 @@ async def _bench_with(
             models = await client.list_models()
         except ModelListUnavailable as e:
             if not args.model:
-                return _fail(f"{e}; pass --model", EXIT_USAGE)
+                return fail(f"{e}; pass --model", EXIT_USAGE)
             err_console.print(f"note: {e}; going on with --model {args.model}", highlight=False)
             models = [args.model]
         except BenchError as e:
-            return _fail(str(e), EXIT_USAGE)
+            return fail(str(e), EXIT_USAGE)
         if not args.model:
             if not models:
-                return _fail(f"{client.base_url}/v1/models lists no model; pass --model", EXIT_USAGE)
+                return fail(f"{client.base_url}/v1/models lists no model; pass --model", EXIT_USAGE)
             client.model = models[0]
         elif args.model not in models:
             listed = ", ".join(models) or "empty"
@@ -330,22 +362,22 @@ async def _bench_with(
                               highlight=False)
         failure = await _warm_up(client, args.warmup)
         if failure is not None:
-            return _fail(f"warm-up request failed with {failure.status}: {failure.error}", EXIT_FAILED)
+            return fail(f"warm-up request failed with {failure.status}: {failure.error}", EXIT_FAILED)
         label = args.label or client.model
-        config = _config(args, client.model, spec, dataset)
+        config = run_config(args, client.model, spec, dataset)
         points: list[RunPoint] = []
         outcome = EXIT_OK
         for rate, sessions in zip(rates, parts):
             if interrupts.requested:
                 break
             result = await _replay(client, args, rate, sessions, err_console, interrupts)
-            points.append(RunPoint(label, rate if args.sweep_rate else None, _point_result(result)))
+            points.append(RunPoint(label, rate if args.sweep_rate else None, point_result(result)))
             print_run(console, points[-1])
             if result.aborted:
-                outcome = _fail(result.aborted, EXIT_FAILED)
+                outcome = fail(result.aborted, EXIT_FAILED)
                 break
             if not any(r.ok for r in result.records) and not interrupts.requested:
-                outcome = _fail(_all_failed_message(result.records), EXIT_FAILED)
+                outcome = fail(_all_failed_message(result.records), EXIT_FAILED)
                 break
             errors = points[-1].result["errors"]
             if errors["count"]:
@@ -354,7 +386,7 @@ async def _bench_with(
     if interrupts.requested and outcome == EXIT_OK:
         err_console.print("interrupted" + (": writing what was measured" if points else ""))
         outcome = EXIT_INTERRUPTED
-    _write_outputs(args, config, label, points, console)
+    write_outputs(args, config, label, points, console)
     return outcome
 
 
@@ -385,17 +417,7 @@ async def _replay(
     console: Console,
     interrupts: _Interrupts,
 ) -> ReplayResult:
-    options = ReplayOptions(
-        rate=rate,
-        concurrency=args.concurrency,
-        duration_s=args.duration,
-        max_tokens=args.max_tokens,
-        fixed_output_len=args.fixed_output_len,
-        slo_ttft_ms=args.slo_ttft_ms,
-        slo_tbt_ms=args.slo_tbt_ms,
-        think_time_s=args.think_time,
-        seed=args.seed,
-    )
+    options = replay_options(args, rate)
     total = sum(len(s.turns) for s in sessions)
     progress = Progress(
         TextColumn("{task.description}"),
@@ -425,7 +447,7 @@ async def _replay(
         interrupts.replayer = None
 
 
-def _write_outputs(
+def write_outputs(
     args: argparse.Namespace, config: dict, label: str, points: list[RunPoint], console: Console
 ) -> None:
     if not points:
@@ -448,9 +470,9 @@ def run_compare_command(args: argparse.Namespace) -> int:
     try:
         points = [p for path in args.results for p in load_points(path)]
     except (OSError, ValueError, KeyError) as e:
-        return _fail(f"cannot read results: {e}", EXIT_USAGE)
+        return fail(f"cannot read results: {e}", EXIT_USAGE)
     if not points:
-        return _fail("the results files hold no runs", EXIT_USAGE)
+        return fail("the results files hold no runs", EXIT_USAGE)
     console = Console(soft_wrap=True)
     console.print(compare_table(points))
     if args.plot:

@@ -9,11 +9,12 @@ import itertools
 import logging
 import secrets
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from memserve.gateway.cluster import Cluster, WorkerHandle
-from memserve.gateway.engine_protocol import EngineUnavailable
+from memserve.gateway.router import LeastLoad, RouteRequest, Router, WorkerView
 from memserve.ipc.channel import GatewayChannel
 from memserve.ipc.messages import (
     AbortRequest,
@@ -37,10 +38,6 @@ from memserve.kvcache.mirror import PromptTreeMirror
 log = logging.getLogger("memserve.gateway")
 
 
-# Seconds a client is asked to wait when every worker is restarting.
-RESTART_RETRY_AFTER_S = 5.0
-
-
 class WorkerStartError(RuntimeError):
     pass
 
@@ -62,9 +59,11 @@ _RETRY = RequestOutput("", [], False, "retry")
 class ZmqEngineClient:
     """Implements ``gateway.engine_protocol.EngineClient`` over real worker processes."""
 
-    def __init__(self, channel: GatewayChannel, cluster: Cluster, block_size: int, heartbeat_s: float = 1.0) -> None:
+    def __init__(self, channel: GatewayChannel, cluster: Cluster, block_size: int, heartbeat_s: float = 1.0,
+                 router: Router | None = None) -> None:
         self.channel = channel
         self.cluster = cluster
+        self.router = router if router is not None else Router(LeastLoad())
         self.heartbeat_s = heartbeat_s
         self.block_size = block_size
         self.max_model_len = 0
@@ -123,16 +122,19 @@ class ZmqEngineClient:
         ``EngineUnavailable``."""
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id}")
-        stream = _Stream(self._pick_worker() if instance is None else instance, pinned=instance is not None)
+        route = RouteRequest(request_id, prompt_token_ids, session_id, slo or {})
+        stream = _Stream(self._pick_worker(route) if instance is None else instance, pinned=instance is not None)
         self._streams[request_id] = stream
         finished = False
         try:
-            add = AddRequest(request_id, list(prompt_token_ids), params, session_id, time.time())
+            slo = slo or {}
+            add = AddRequest(request_id, list(prompt_token_ids), params, session_id, time.time(),
+                             slo.get("priority", 0), slo.get("ttft_ms"), slo.get("tbt_ms"))
             await self.channel.send(stream.worker, add)
             while not finished:
                 out = await stream.queue.get()
                 if out is _RETRY:
-                    stream.worker = self._pick_worker()
+                    stream.worker = self._pick_worker(route)
                     log.warning("request %s: its worker died before the first token; retrying on worker %d",
                                 request_id, stream.worker)
                     await self.channel.send(stream.worker, add)
@@ -177,18 +179,13 @@ class ZmqEngineClient:
         except Exception:  # the worker is gone; its requests are failed by the watcher
             pass
 
-    def _pick_worker(self) -> int:
-        """Least-loaded healthy worker (by requests in flight from this gateway); a
-        degraded one only when no worker is healthy."""
+    def _pick_worker(self, request: RouteRequest) -> int:
+        """The router's choice among the workers as they are now."""
+        in_flight = Counter(stream.worker for stream in self._streams.values())
         states = self.cluster.states()
-        load = {i: 0 for i, state in states.items() if state == "ok"}
-        load = load or {i: 0 for i, state in states.items() if state == "degraded"}
-        if not load:
-            raise EngineUnavailable("no live worker: the workers are restarting", RESTART_RETRY_AFTER_S)
-        for stream in self._streams.values():
-            if stream.worker in load:
-                load[stream.worker] += 1
-        return min(load, key=lambda i: (load[i], i))
+        views = [WorkerView(i, states[i], in_flight[i], h.stats, self.mirrors[i])
+                 for i, h in self.cluster.workers.items()]
+        return self.router.route(request, views)
 
     def stats(self) -> dict:
         workers = []

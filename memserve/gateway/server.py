@@ -17,9 +17,10 @@ from memserve.gateway.app import create_app
 from memserve.gateway.cluster import Cluster, plan_workers
 from memserve.gateway.connection import GatewayRunner
 from memserve.gateway.engine_client import ZmqEngineClient
+from memserve.gateway.router import Router
 from memserve.gateway.tokenizer import Tokenizer
 from memserve.ipc.channel import GatewayChannel
-from memserve.workers.model.gguf_convert import ensure_model_dir
+from memserve.models.gguf_convert import ensure_model_dir
 
 log = logging.getLogger("memserve.gateway")
 
@@ -45,7 +46,7 @@ async def serve(cfg: ServeConfig) -> None:
     channel = GatewayChannel(f"ipc://{runtime_dir}/gateway")
     cluster = Cluster(plan_workers(cfg.engine, channel.address, cfg.cpu_workers, cfg.gpus, runtime_dir=runtime_dir),
                       cfg.heartbeat_timeout_s)
-    client = ZmqEngineClient(channel, cluster, cfg.engine.block_size)
+    client = ZmqEngineClient(channel, cluster, cfg.engine.block_size, router=Router.named(cfg.router))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -13,6 +13,8 @@ from typing import Any, ClassVar
 
 import msgpack
 
+from memserve.kvcache.events import KVEvent, KVEvents
+
 PROTOCOL_VERSION = 1
 
 # Temperatures below this sample greedily (as vLLM): dividing logits by a temperature
@@ -45,7 +47,10 @@ class AddRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     session_id: str | None = None
-    arrival_time: float = 0.0
+    arrival_time: float = 0.0  # the gateway's wall clock (time.time()) when the request arrived
+    priority: int = 0
+    slo_ttft_ms: float | None = None
+    slo_tbt_ms: float | None = None
 
 
 @dataclass
@@ -213,3 +218,7 @@ def decode(data: bytes) -> Any:
             value = [_NESTED_LISTS[(kind, f.name)](*v) for v in value]
         kwargs[f.name] = value
     return cls(**kwargs)
+
+
+# kvcache's types that travel between processes; kvcache itself knows no wire format.
+register(KVEvents, nested_lists={"events": KVEvent})

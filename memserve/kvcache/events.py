@@ -4,7 +4,8 @@ Every change to a MemPool's index becomes one event, in order: a chain of blocks
 by ``insert``, blocks removed by eviction or ``delete``, blocks moved between tiers by
 swapping. Applying them in order to a ``PromptTreeMirror`` reproduces the index exactly,
 so the router knows what each worker has cached instead of guessing (the names are the
-chained block hashes both sides compute). They travel in msgpack as ``KVEvents``.
+chained block hashes both sides compute). They travel in msgpack as ``KVEvents``; the
+ipc side registers them with its codec (kvcache knows no wire format).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from memserve.ipc.messages import register
 from memserve.kvcache.address import Tier, addr_instance, addr_tier
 
 STORED = "stored"
@@ -54,5 +54,3 @@ class KVEvents:
     instance_id: int
     events: list[KVEvent]
 
-
-register(KVEvents, nested_lists={"events": KVEvent})

@@ -12,13 +12,15 @@ references along; an indexed block nobody holds is cached: it stays in the tier 
 eviction needs the room.
 
 Tiers. Pools exist for the tiers given in ``num_blocks``. When a tier runs short,
-``alloc_mem`` evicts its least recently used cached blocks: with a slower tier and a
-mover they are demoted there (device -> host -> disk), otherwise dropped. A cached
-block's children never sit in a faster tier than the block itself, so a tier always
-gives up the deep end of a prompt first and a prompt's cached prefix reads device blocks
-first, then host, then disk.
+``alloc_mem`` evicts cached blocks in the order of the injected eviction policy (LRU by
+default): with a slower tier and a mover they are demoted there (device -> host ->
+disk), otherwise dropped. A cached block's children never sit in a faster tier than the
+block itself, so a tier always gives up the deep end of a prompt first and a prompt's
+cached prefix reads device blocks first, then host, then disk.
 
 Pure Python: the data moves through a ``BlockMover`` that the model runner implements.
+The class is split by concern: memory, index and state here, tier moves in
+``tiering.py``, the transfer API in ``transfer_api.py``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import itertools
 from collections import Counter
 from collections.abc import Callable, Sequence
 from enum import IntFlag
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, Union
+from typing import Any, NamedTuple
 
 from memserve.kvcache.address import (
     BLOCK_MASK,
@@ -39,18 +41,17 @@ from memserve.kvcache.address import (
     addr_str,
     make_addrs,
 )
-from memserve.kvcache.blocks import BlockPool, MemPoolError, OutOfBlocks, contiguous_runs
-from memserve.kvcache.events import MOVED, REMOVED, STORED, KVEvent
+from memserve.kvcache.blocks import BlockPool, MemPoolError, OutOfBlocks
+from memserve.kvcache.eviction import EvictionPolicy
+from memserve.kvcache.events import REMOVED, STORED, KVEvent
 from memserve.kvcache.hashing import block_hashes
+from memserve.kvcache.mover import BlockMover, TransferEndpoint
 from memserve.kvcache.radix import RadixIndex, RadixNode
+from memserve.kvcache.tiering import TierMoves
+from memserve.kvcache.transfer_api import TransferAPI
 
-if TYPE_CHECKING:
-    from memserve.kvcache.transfer import KVTransferEndpoint
 
 __all__ = ["BlockMover", "KVFlags", "MemPool", "MemPoolError", "OutOfBlocks", "Tier"]
-
-Buffer = Union[bytes, bytearray, memoryview]
-
 
 class KVFlags(IntFlag):
     """Flags of ``insert`` and the transfer calls."""
@@ -63,55 +64,6 @@ class KVFlags(IntFlag):
     HOST = 2
 
 
-class BlockMover(Protocol):
-    """What the model runner provides: the bytes behind block ids. Copies must take
-    effect in call order relative to the runner's later reads and writes of the same
-    blocks (a CUDA stream gives that)."""
-
-    block_nbytes: int  # bytes of one block (all layers, K and V) in every tier
-
-    def copy_blocks(self, src_tier: Tier, src_blocks: list[int], dst_tier: Tier, dst_blocks: list[int]) -> None:
-        """Copy block ``src_blocks[i]`` of ``src_tier`` to ``dst_blocks[i]`` of ``dst_tier``."""
-
-    def read_blocks(self, tier: Tier, blocks: list[int]) -> list[Buffer]:
-        """The blocks' bytes, one buffer per run of consecutive ids (zero-copy views
-        where the tier is host memory). They must stay valid until the next call that
-        writes those blocks."""
-
-    def write_blocks(self, tier: Tier, blocks: list[int], buffers: Sequence[Buffer]) -> None:
-        """Store the blocks' bytes: ``buffers[i]`` holds the i-th run of consecutive ids
-        of ``blocks`` (the same cut as ``read_blocks``; see ``contiguous_runs``)."""
-
-
-def _recut(buffers: Sequence[Buffer], sizes: list[int]) -> list[Buffer]:
-    """The bytes of ``buffers`` cut into pieces of ``sizes``: views where a piece lies in
-    one buffer, a joined copy where it spans several."""
-    views = [memoryview(b).cast("B") for b in buffers]
-    if sum(len(v) for v in views) != sum(sizes):
-        raise MemPoolError(f"write_blocks: {sum(sizes)} bytes expected, got {sum(len(v) for v in views)}")
-    out: list[Buffer] = []
-    i, offset = 0, 0
-    for size in sizes:
-        head = views[i]
-        if len(head) - offset >= size:
-            out.append(head[offset : offset + size])
-            offset += size
-        else:
-            parts = []
-            while size:
-                head = views[i]
-                take = min(size, len(head) - offset)
-                parts.append(head[offset : offset + take])
-                size -= take
-                offset += take
-                if offset == len(head) and size:
-                    i, offset = i + 1, 0
-            out.append(b"".join(parts))
-        if i < len(views) and offset == len(views[i]):
-            i, offset = i + 1, 0
-    return out
-
-
 class _Held(NamedTuple):
     addr: int
     tier: int
@@ -119,7 +71,7 @@ class _Held(NamedTuple):
     node: RadixNode | None  # None: a private block
 
 
-class MemPool:
+class MemPool(TierMoves, TransferAPI):
     """MemServe's elastic memory pool for one inference instance."""
 
     def __init__(
@@ -130,6 +82,7 @@ class MemPool:
         enable_caching: bool = True,
         mover: BlockMover | None = None,
         clock: Callable[[], float] | None = None,
+        eviction: EvictionPolicy | None = None,
     ) -> None:
         self.instance_id = instance_id
         self.block_size = block_size
@@ -144,11 +97,11 @@ class MemPool:
         if not self.tiers:
             raise ValueError("a MemPool needs blocks in at least one tier")
         self._node_of: list[list[RadixNode | None]] = [[None] * (p.num_blocks if p else 0) for p in self._pools]
-        self.index = RadixIndex(block_size, self._clock)
+        self.index = RadixIndex(block_size, self._clock, eviction)
         self._events: list[KVEvent] = []
         self._hit_tokens = 0
         self._query_tokens = 0
-        self._transfer: KVTransferEndpoint | None = None
+        self._transfer: TransferEndpoint | None = None
 
     # ---------------------------------------------------------------- memory
 
@@ -291,111 +244,6 @@ class MemPool:
         self._forget(removed)
         return len(removed)
 
-    # ----------------------------------------------------------------- tiers
-
-    def swap_out(self, n: int) -> list[tuple[int, int]]:
-        """Move up to ``n`` least recently used cached device blocks to the host tier;
-        returns ``(old, new)`` addresses. Fewer move when fewer are idle or the host is
-        full of blocks in use."""
-        host = self._pool(Tier.HOST, "swap_out")
-        self._need_mover("swap_out")
-        room = host.num_free + self.index.idle_count(Tier.HOST)
-        n = min(n, self.index.idle_count(Tier.DEVICE), room)
-        if n <= 0:
-            return []
-        return self._move(self.index.select_evictable(Tier.DEVICE, n), Tier.HOST)
-
-    def swap_in(self, addrs: Sequence[int]) -> list[int]:
-        """Copy held blocks of slower tiers to new device blocks; returns the device
-        addresses, each held once by the caller. The caller keeps its references to the
-        old addresses (free them as usual). An indexed block is re-pointed to its device
-        copy; pass a prompt's blocks parent first."""
-        mover = self._need_mover("swap_in")
-        entries = self._held(addrs, "swap_in")
-        promoted: set[RadixNode] = set()
-        for e in entries:
-            if e.tier == Tier.DEVICE:
-                raise MemPoolError(f"swap_in: {addr_str(e.addr)} is already on the device")
-            if e.node is not None:
-                parent = e.node.parent
-                if parent is not self.index.root and parent.tier != Tier.DEVICE and parent not in promoted:  # type: ignore[union-attr]
-                    raise MemPoolError(f"swap_in: {addr_str(e.addr)}'s parent block is not on the device; pass it first")
-                promoted.add(e.node)
-        device_addrs = self.alloc_mem(len(entries), Tier.DEVICE)
-        new_blocks = [a & BLOCK_MASK for a in device_addrs]
-        for tier, pairs in itertools.groupby(zip(entries, new_blocks), key=lambda p: p[0].tier):
-            src, dst = zip(*((e.block, b) for e, b in pairs))
-            mover.copy_blocks(Tier(tier), list(src), Tier.DEVICE, list(dst))
-        moved = [(e, b) for e, b in zip(entries, new_blocks) if e.node is not None]
-        if moved:
-            self._pools[Tier.DEVICE].park([b for _, b in moved])  # type: ignore[union-attr]
-            device_owner = self._node_of[Tier.DEVICE]
-            for e, b in moved:
-                holders = e.node.lock  # type: ignore[union-attr]
-                self.index.move(e.node, self._addr(Tier.DEVICE, b), lock=1)  # type: ignore[arg-type]
-                self._node_of[e.tier][e.block] = None
-                device_owner[b] = e.node
-                self._pools[e.tier].unpark([e.block], [holders])  # type: ignore[union-attr]
-            nodes = [e.node for e, _ in moved]
-            self._events.append(KVEvent(MOVED, [n.hash for n in nodes], None, [n.addr for n in nodes]))  # type: ignore[misc,union-attr]
-        return device_addrs
-
-    # -------------------------------------------------------------- transfer
-
-    def attach_transfer(self, endpoint: KVTransferEndpoint) -> None:
-        """Called by the endpoint that carries this instance's transfers."""
-        if self._transfer is not None and self._transfer is not endpoint:
-            raise MemPoolError("a transfer endpoint is already attached")
-        self._transfer = endpoint
-
-    def transfer(
-        self, instance: int, src: Sequence[int], dst: Sequence[int] | None = None, flags: int = 0,
-        private: Any = None, ticket: str = "",
-    ) -> list[int]:
-        """Copy the held blocks ``src`` to ``instance`` and return their addresses there.
-        Without ``dst`` the receiver allocates them (device, or host with ``KVFlags.HOST``);
-        ``private`` (msgpack-able) reaches the receiving engine with the addresses. The
-        receiver accepts only a transfer it expects under ``ticket``."""
-        return self._endpoint().send(instance, list(src), dst, flags, private, ticket)
-
-    def transfer_with_insert(
-        self,
-        instance: int,
-        tokens: Sequence[int],
-        src: Sequence[int],
-        dst: Sequence[int] | None = None,
-        flags: int = 0,
-        private: Any = None,
-        first_block: int = 0,
-        ticket: str = "",
-    ) -> list[int]:
-        """``transfer`` plus an ``insert(tokens, ...)`` at the receiver, saving a round
-        trip. ``src`` holds blocks ``first_block..`` of ``tokens``; the receiver must have
-        the blocks before ``first_block`` cached (incremental transfer)."""
-        return self._endpoint().send(instance, list(src), dst, flags, private, ticket, list(tokens), first_block)
-
-    def check_held(self, addrs: Sequence[int], op: str) -> None:
-        """Raise unless every address is a local block someone holds."""
-        self._held(addrs, op)
-
-    def read_blocks(self, addrs: Sequence[int]) -> list[Buffer]:
-        """The bytes of held blocks, in order, as the mover's per-run buffers."""
-        mover = self._need_mover("read_blocks")
-        buffers: list[Buffer] = []
-        for tier, blocks in self._runs_by_tier(addrs, "read_blocks"):
-            buffers.extend(mover.read_blocks(tier, blocks))
-        return buffers
-
-    def write_blocks(self, addrs: Sequence[int], buffers: Sequence[Buffer]) -> None:
-        """Store blocks given back to back across ``buffers`` (the sender's runs) into
-        held blocks ``addrs``, re-cut into this pool's runs for the mover."""
-        mover = self._need_mover("write_blocks")
-        groups = self._runs_by_tier(addrs, "write_blocks")
-        sizes = [n * mover.block_nbytes for _, blocks in groups for _, n in contiguous_runs(blocks)]
-        pieces = iter(_recut(buffers, sizes))
-        for tier, blocks in groups:
-            mover.write_blocks(tier, blocks, [next(pieces) for _ in contiguous_runs(blocks)])
-
     # ----------------------------------------------------------------- state
 
     def drain_events(self) -> list[KVEvent]:
@@ -423,46 +271,6 @@ class MemPool:
 
     # -------------------------------------------------------------- internals
 
-    def _evict(self, tier: int, n: int) -> None:
-        """Free ``n`` blocks of ``tier`` by giving up its LRU cached blocks: demote them
-        to the next slower tier while it can take them, drop the rest."""
-        victims = self.index.select_evictable(tier, n)
-        nxt = self._next_tier(tier)
-        room = 0
-        if nxt is not None:
-            room = self._pools[nxt].num_free + self.index.idle_count(nxt)  # type: ignore[union-attr]
-        keep = min(len(victims), room)
-        # Drop the oldest: victims come deepest first, so none of them is an ancestor of a
-        # demoted one. A dropped block's slower descendants go with it.
-        dropped = victims[: len(victims) - keep]
-        if dropped:
-            self._forget([gone for v in dropped for gone in self.index.remove_subtree(v)])
-        if keep:
-            self._move(victims[len(victims) - keep :], nxt)  # type: ignore[arg-type]
-
-    def _move(self, nodes: list[RadixNode], dst: Tier) -> list[tuple[int, int]]:
-        """Relocate idle indexed blocks of one tier to tier ``dst``."""
-        src = nodes[0].tier
-        dst_pool = self._pools[dst]
-        short = len(nodes) - dst_pool.num_free  # type: ignore[union-attr]
-        if short > 0:
-            self._evict(dst, short)
-        dst_blocks = dst_pool.alloc(len(nodes))  # type: ignore[union-attr]
-        dst_pool.park(dst_blocks)  # type: ignore[union-attr]
-        src_blocks = [n.addr & BLOCK_MASK for n in nodes]
-        self.mover.copy_blocks(src, src_blocks, dst, dst_blocks)  # type: ignore[union-attr]
-        src_owner, dst_owner = self._node_of[src], self._node_of[dst]
-        pairs = []
-        for node, sb, db in zip(nodes, src_blocks, dst_blocks):
-            new = self._addr(dst, db)
-            pairs.append((node.addr, new))
-            self.index.move(node, new)
-            src_owner[sb] = None
-            dst_owner[db] = node
-        self._pools[src].release(src_blocks)  # type: ignore[union-attr]
-        self._events.append(KVEvent(MOVED, [n.hash for n in nodes], None, [new for _, new in pairs]))  # type: ignore[misc]
-        return pairs
-
     def _forget(self, removed: list[RadixNode]) -> None:
         """Return the blocks of nodes just removed from the index to their free lists."""
         if not removed:
@@ -474,11 +282,6 @@ class MemPool:
                 owners[b] = None
             self._pools[tier].release(blocks)  # type: ignore[union-attr]
         self._events.append(KVEvent(REMOVED, [n.hash for n in removed]))  # type: ignore[misc]
-
-    def _next_tier(self, tier: int) -> Tier | None:
-        if self.mover is None:
-            return None
-        return next((t for t in self.tiers if t > tier), None)
 
     def _addr(self, tier: int, block: int) -> int:
         return (self.instance_id << INSTANCE_SHIFT) | (tier << TIER_SHIFT) | block
@@ -536,8 +339,3 @@ class MemPool:
         if self.mover is None:
             raise MemPoolError(f"{op} needs a BlockMover")
         return self.mover
-
-    def _endpoint(self) -> KVTransferEndpoint:
-        if self._transfer is None:
-            raise MemPoolError("no transfer endpoint attached to this MemPool")
-        return self._transfer

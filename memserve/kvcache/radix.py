@@ -15,11 +15,12 @@ Locks and eviction. ``lock`` counts the references running requests hold on the 
 block. A node is *busy* while it or any descendant is locked (``busy_children`` counts
 busy children; the state propagates up only on transitions, so locking a chain costs
 O(1) per node). Idle nodes are what a tier can give up; per tier the index keeps their
-count (exact, so the scheduler can ask "can I allocate n?") and a lazy LRU heap of its
-*frontier*: idle nodes with no child in the same tier. Evicting frontier nodes first
+count (exact, so the scheduler can ask "can I allocate n?") and a lazy heap of its
+*frontier* (idle nodes with no child in the same tier) ordered by the injected eviction
+policy (``eviction.py``; LRU by default). Evicting frontier nodes first
 keeps the tree a tree (a parent never goes before its children) and, with the MemPool's
 rule that children live in the same or a slower tier than their parent, lets a tier
-shed its LRU blocks one level at a time: device -> host -> disk -> dropped.
+shed its blocks one level at a time: device -> host -> disk -> dropped.
 
 The clock is injected (any callable returning a number); by default a logical counter.
 """
@@ -34,6 +35,7 @@ from types import MappingProxyType
 
 from memserve.kvcache.address import TIER_MASK, TIER_SHIFT, Tier, addr_block, addr_instance, addr_str, addr_tier
 from memserve.kvcache.blocks import MemPoolError
+from memserve.kvcache.eviction import LRU, EvictionPolicy
 from memserve.kvcache.hashing import block_hashes
 
 _NO_CHILDREN = MappingProxyType({})  # shared by every leaf until it gets a child
@@ -84,15 +86,17 @@ def _tier(node: RadixNode) -> int:
 class RadixIndex:
     """Prefix tree of cached blocks, shared by the worker's MemPool and the gateway."""
 
-    def __init__(self, block_size: int, clock: Callable[[], float] | None = None) -> None:
+    def __init__(self, block_size: int, clock: Callable[[], float] | None = None,
+                 eviction: EvictionPolicy | None = None) -> None:
         self.block_size = block_size
         self._clock = clock if clock is not None else itertools.count().__next__
+        self._eviction = eviction if eviction is not None else LRU()
         # The root is locked for good, so busy/idle propagation stops below it.
         self.root = RadixNode(None, None, -1, 1, 0, 0)
         self._nodes: dict[int, RadixNode] = {}
         self._count = [0] * _NUM_TIERS
         self._idle = [0] * _NUM_TIERS
-        self._lru: list[list[tuple[float, int, RadixNode]]] = [[] for _ in range(_NUM_TIERS)]
+        self._heaps: list[list[tuple[float, int, RadixNode]]] = [[] for _ in range(_NUM_TIERS)]
         self._seq = itertools.count()
 
     # ----------------------------------------------------------------- lookup
@@ -366,22 +370,22 @@ class RadixIndex:
     # --------------------------------------------------------------- eviction
 
     def select_evictable(self, tier: int, n: int) -> list[RadixNode]:
-        """The ``n`` least recently used idle blocks of ``tier`` to evict, deepest first:
+        """The ``n`` idle blocks of ``tier`` the eviction policy gives up first, deepest first:
         each one's descendants in this tier come before it. The caller must then remove
         or move every returned node out of ``tier``."""
         if n > self._idle[tier]:
             raise MemPoolError(f"only {self._idle[tier]} idle blocks in tier {Tier(tier).name}, asked for {n}")
-        heap = self._lru[tier]
+        heap = self._heaps[tier]
         selected: set[RadixNode] = set()
         out: list[RadixNode] = []
         while len(out) < n:
             if not heap:
                 raise AssertionError(f"tier {tier}: {self._idle[tier]} idle blocks counted but none listed")
-            last_access, _, node = heapq.heappop(heap)
+            priority, _, node = heapq.heappop(heap)
             if (
                 node in selected
                 or node.parent is None
-                or last_access != node.last_access
+                or priority != self._eviction.priority(node)
                 or _tier(node) != tier
                 or not node.idle
                 or not self._frontier(node, tier, selected)
@@ -392,7 +396,7 @@ class RadixIndex:
             parent = node.parent
             if parent is not self.root and _tier(parent) == tier and parent.idle and self._frontier(parent, tier, selected):
                 # No compaction here: it would not know about ``selected``.
-                heapq.heappush(heap, (parent.last_access, next(self._seq), parent))
+                heapq.heappush(heap, (self._eviction.priority(parent), next(self._seq), parent))
         return out
 
     def _frontier(self, node: RadixNode, tier: int, gone: set[RadixNode] | frozenset = frozenset()) -> bool:
@@ -408,17 +412,17 @@ class RadixIndex:
             self._push(tier, parent)
 
     def _push(self, tier: int, node: RadixNode) -> None:
-        heap = self._lru[tier]
-        heapq.heappush(heap, (node.last_access, next(self._seq), node))
+        heap = self._heaps[tier]
+        heapq.heappush(heap, (self._eviction.priority(node), next(self._seq), node))
         if len(heap) > 2 * self._count[tier] + 64:
             self._rebuild_heap(tier)
 
     def _rebuild_heap(self, tier: int) -> None:
         """Drop stale entries: one entry per current frontier node."""
         heap = [
-            (n.last_access, next(self._seq), n)
+            (self._eviction.priority(n), next(self._seq), n)
             for n in self._nodes.values()
             if _tier(n) == tier and n.idle and self._frontier(n, tier)
         ]
         heapq.heapify(heap)
-        self._lru[tier] = heap
+        self._heaps[tier] = heap

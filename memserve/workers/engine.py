@@ -1,7 +1,10 @@
-"""The engine of one worker: scheduler -> model runner -> sampler -> token deltas.
+"""The engine of one worker: scheduler -> runner -> token deltas.
 
-It wires the MemPool (KV bookkeeping), the scheduler (policy) and the runner (tensors)
-together and knows nothing about sockets; ``worker.py`` drives it."""
+It is assembled from parts: a runner (the real model, or the simulator's cost-model
+runner) and a clock are injected; the MemPool (KV bookkeeping), the KV cache manager,
+the scheduling policy and the eviction policy are built from the configuration. It
+knows nothing about sockets; ``worker.py`` drives it, and ``build_engine`` assembles
+the real one from a model folder."""
 
 from __future__ import annotations
 
@@ -15,10 +18,14 @@ from memserve.config import EngineConfig
 from memserve.ipc.messages import AddRequest, RequestOutput
 from memserve.kvcache.address import Tier
 from memserve.kvcache.events import KVEvent
-from memserve.kvcache.mempool import KVFlags, MemPool
-from memserve.workers.model_runner import ModelRunner
-from memserve.workers.scheduler import Scheduler, SchedulerOutput
+from memserve.kvcache.eviction import make_eviction_policy
+from memserve.kvcache.mempool import MemPool
+from memserve.workers.kv_manager import KVCacheManager
+from memserve.workers.policies import make_schedule_policy
+from memserve.workers.runner import Runner
+from memserve.workers.scheduler import Scheduler, SchedulerConfig
 from memserve.workers.sequence import Sequence
+from memserve.workers.step_plan import StepPlan, StepResult
 
 log = logging.getLogger("memserve.worker")
 
@@ -37,23 +44,24 @@ def eos_token_ids(model_dir: Path) -> set[int]:
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, model_dir: Path, instance_id: int = 0,
+    def __init__(self, cfg: EngineConfig, runner: Runner, eos_token_ids: set[int], instance_id: int = 0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
-        self.runner = ModelRunner(cfg, model_dir)
-        model_len = self.runner.model_config.max_position_embeddings
-        pool_len = self.runner.num_blocks * cfg.block_size
-        self.max_model_len = min(cfg.max_model_len or model_len, model_len, pool_len)
-        if self.max_model_len == pool_len < min(cfg.max_model_len or model_len, model_len):
+        self.runner = runner
+        self.clock = clock
+        self.eos_token_ids = eos_token_ids
+        model_len = runner.max_position_embeddings
+        pool_len = runner.num_blocks * cfg.block_size
+        wanted = min(cfg.max_model_len or model_len, model_len)
+        self.max_model_len = min(wanted, pool_len)
+        if pool_len < wanted:
             log.warning("the KV pool holds %d tokens: serving a context of %d tokens, not %d", pool_len, pool_len,
-                        min(cfg.max_model_len or model_len, model_len))
-        tiers = {Tier.DEVICE: self.runner.num_blocks}
+                        wanted)
+        tiers = {Tier.DEVICE: runner.num_blocks}
         if cfg.num_host_blocks:
             tiers[Tier.HOST] = cfg.num_host_blocks
         self.mempool = MemPool(instance_id, tiers, cfg.block_size, enable_caching=cfg.enable_prefix_caching,
-                               mover=self.runner.pools, clock=clock)
-        self.eos_token_ids = eos_token_ids(model_dir)
-        self.clock = clock
+                               mover=runner.mover, clock=clock, eviction=make_eviction_policy(cfg.eviction_policy))
         self.scheduler = self.make_scheduler(self.mempool, cfg.enable_prefix_caching)
         self.num_steps = 0
 
@@ -61,20 +69,16 @@ class Engine:
                        max_num_batched_tokens: int | None = None) -> Scheduler:
         """A scheduler over ``mempool`` with this engine's limits (warm-up makes its own)."""
         cfg = self.cfg
-        return Scheduler(
-            mempool,
-            num_blocks=self.runner.num_blocks,
-            block_size=cfg.block_size,
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens or cfg.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            eos_token_ids=self.eos_token_ids,
-            enable_prefix_caching=enable_prefix_caching,
-            clock=self.clock,
-        )
+        limits = SchedulerConfig(cfg.max_num_seqs, max_num_batched_tokens or cfg.max_num_batched_tokens,
+                                 self.max_model_len)
+        return Scheduler(KVCacheManager(mempool, enable_prefix_caching), make_schedule_policy(cfg.schedule_policy),
+                         limits, self.eos_token_ids, self.clock)
 
-    def add_request(self, req: AddRequest) -> RequestOutput | None:
-        seq = Sequence(req.request_id, list(req.prompt_token_ids), req.params, self.clock(), req.session_id)
+    def add_request(self, req: AddRequest, arrival_time: float | None = None) -> RequestOutput | None:
+        """Queue a request; ``arrival_time`` on this engine's clock (default: now)."""
+        seq = Sequence(req.request_id, list(req.prompt_token_ids), req.params,
+                       self.clock() if arrival_time is None else arrival_time, req.session_id,
+                       priority=req.priority, slo_ttft_ms=req.slo_ttft_ms, slo_tbt_ms=req.slo_tbt_ms)
         return self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -88,54 +92,50 @@ class Engine:
         return self.scheduler.has_work
 
     def step(self) -> list[RequestOutput]:
-        out = self.scheduler.schedule()
-        if not out:
+        loaded = self.runner.finished_loads()
+        if loaded:
+            self.scheduler.finish_loads(loaded)
+        plan = self.scheduler.schedule()
+        if not (plan.chunks or plan.loads or plan.finished_ids):
             return []
         failed: list[RequestOutput] = []
         try:
-            sampled = self.runner.execute(out)
+            result = self.runner.execute(plan)
         except Exception:
-            log.exception("engine step of %d sequences failed; running them one by one", len(out.scheduled))
-            out, sampled, failed = self._isolate_failures(out)
-        self.num_steps += 1
-        return self.scheduler.update(out, sampled) + failed
+            log.exception("engine step of %d requests failed; running them one by one", len(plan.chunks))
+            plan, result, failed = self._isolate_failures(plan)
+        if plan.chunks:
+            self.num_steps += 1
+        return self.scheduler.update(plan, result) + failed
 
-    def _isolate_failures(self, out: SchedulerOutput) -> tuple[SchedulerOutput, dict[Sequence, int],
-                                                               list[RequestOutput]]:
-        """Re-run a failed step one sequence at a time, so that one request's bad input
+    def _isolate_failures(self, plan: StepPlan) -> tuple[StepPlan, StepResult, list[RequestOutput]]:
+        """Re-run a failed step one request at a time, so that one request's bad input
         fails only that request. The KV a failed run wrote is overwritten by the rerun
         (same tokens, same slots); no scheduler state has moved yet."""
-        kept = SchedulerOutput(preempted=out.preempted)
-        sampled: dict[Sequence, int] = {}
+        kept = StepPlan(preempted_ids=plan.preempted_ids)
+        result = StepResult()
         failed: list[RequestOutput] = []
-        for seq, num_new in out.scheduled:
+        for chunk in plan.chunks:
             try:
-                sampled.update(self.runner.execute(SchedulerOutput([(seq, num_new)])))
-                kept.scheduled.append((seq, num_new))
+                result.sampled.update(self.runner.execute(plan.only(chunk)).sampled)
+                kept.chunks.append(chunk)
             except Exception as exc:
-                log.error("request %s fails the engine step on its own: %r", seq.request_id, exc)
-                failure = self.abort(seq.request_id)
+                log.error("request %s fails the engine step on its own: %r", chunk.request_id, exc)
+                failure = self.abort(chunk.request_id)
                 failure.finish_reason, failure.error = "error", f"the engine step failed on this request: {exc!r}"
                 failed.append(failure)
-        return kept, sampled, failed
-
-    def push_prefix(self, token_ids: list[int], dst_instance: int, ticket: str) -> int:
-        """Send the cached prefix of ``token_ids`` to another instance, which indexes it as
-        its own historical KV, under the ``ticket`` it expects. Returns the number of
-        blocks sent."""
-        bs = self.cfg.block_size
-        addrs = self.mempool.match(token_ids, take_ref=True)
-        if not addrs:
-            return 0
-        try:
-            self.mempool.transfer_with_insert(dst_instance, token_ids[: len(addrs) * bs], addrs,
-                                              flags=KVFlags.RELEASE, ticket=ticket)
-        finally:
-            self.mempool.free_mem(addrs)
-        return len(addrs)
+        return kept, result, failed
 
     def drain_kv_events(self) -> list[KVEvent]:
         return self.mempool.drain_events()
 
     def stats(self) -> dict:
         return {**self.scheduler.stats(), "mempool": self.mempool.stats(), "num_steps": self.num_steps}
+
+
+def build_engine(cfg: EngineConfig, model_dir: Path, instance_id: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> Engine:
+    """The real engine: the model in ``model_dir`` on ``cfg.device``."""
+    from memserve.workers.model_runner import ModelRunner  # torch: only the real engine needs it
+
+    return Engine(cfg, ModelRunner(cfg, model_dir), eos_token_ids(model_dir), instance_id, clock)

@@ -1,42 +1,72 @@
 """Runs one engine step on the real model: builds the flat batch and attention metadata
-from the scheduler's decision, executes the forward pass over the paged KV cache and
-samples the next token of every sequence whose known tokens are now all computed."""
+from the scheduler's plan, executes the forward pass over the paged KV cache and samples
+the next token of every request the plan says to sample. It keeps each request's
+sampling parameters and seeded generator from its first plan until the plan that lists
+it as finished; it never sees the scheduler's objects.
+
+KV loads (a slower tier's cached prefix) are copied by one background thread: torch
+releases the GIL in its copy kernels, so the copy overlaps the steps of other requests.
+The scheduler never schedules a request whose load is running, and no block being copied
+into is handed to anyone else, so steps and loads touch disjoint blocks."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
 
 from memserve.config import EngineConfig
+from memserve.ipc.messages import SamplingParams
+from memserve.kvcache.address import Tier
 from memserve.workers.kv_pools import KVPools
 from memserve.workers.model.attention import AttentionMetadata
 from memserve.workers.model.dtype import resolve_dtype
+from memserve.workers.model.layer_hooks import NO_HOOKS, LayerHooks
 from memserve.workers.model.loader import load_model
 from memserve.workers.model.sampler import Sampler
-from memserve.workers.scheduler import SchedulerOutput
-from memserve.workers.sequence import Sequence
+from memserve.workers.step_plan import KVLoad, StepPlan, StepResult
 
 
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig, model_dir: Path) -> None:
+    def __init__(self, cfg: EngineConfig, model_dir: Path, hooks: LayerHooks = NO_HOOKS) -> None:
         self.device = torch.device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         torch.manual_seed(cfg.seed)
         self.model = load_model(model_dir, self.dtype, self.device)
         self.model_config = self.model.config
+        self.vocab_size = self.model_config.vocab_size
+        self.max_position_embeddings = self.model_config.max_position_embeddings
         self.block_size = cfg.block_size
         self.layout = cfg.kv_layout
         self.pools = KVPools.create(self.model_config, cfg, self.dtype, self.device)
+        self.mover = self.pools
+        self.hooks = hooks
         self.sampler = Sampler()
+        self._params: dict[str, SamplingParams] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-load")
+        self._loads: dict[str, Future] = {}
 
     @property
     def num_blocks(self) -> int:
         return self.pools.num_device_blocks
 
+    # ------------------------------------------------------------------ steps
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[Sequence, int]:
-        """Run the scheduled tokens; return the sampled token of each sequence that has one."""
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run the planned tokens; return the sampled token of each request that has one."""
+        for rid in plan.finished_ids:
+            self._params.pop(rid, None)
+            self._generators.pop(rid, None)
+        for new in plan.new_requests:
+            self._params[new.request_id] = new.params
+            if new.params.seed is not None and new.request_id not in self._generators:
+                self._generators[new.request_id] = torch.Generator(self.device).manual_seed(new.params.seed)
+        if plan.loads:
+            self.start_loads(plan.loads)
+        if not plan.chunks:
+            return StepResult()
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -45,19 +75,19 @@ class ModelRunner:
         context_lens: list[int] = []
         tables: list[list[int]] = []
         sample_rows: list[int] = []
-        sample_seqs: list[Sequence] = []
-        for seq, n in out.scheduled:
-            start = seq.num_computed_tokens
-            end = start + n
-            input_ids += seq.all_token_ids[start:end]
+        sample_ids: list[str] = []
+        for chunk in plan.chunks:
+            start, end = chunk.start_pos, chunk.start_pos + len(chunk.token_ids)
+            table = chunk.block_ids
+            input_ids += chunk.token_ids
             positions += range(start, end)
-            slots += [seq.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
-            query_start_loc.append(query_start_loc[-1] + n)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            query_start_loc.append(query_start_loc[-1] + end - start)
             context_lens.append(end)
-            tables.append(seq.block_ids)
-            if end == seq.num_tokens:
+            tables.append(table)
+            if chunk.sample:
                 sample_rows.append(query_start_loc[-1] - 1)
-                sample_seqs.append(seq)
+                sample_ids.append(chunk.request_id)
         width = max(len(t) for t in tables)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
@@ -72,12 +102,29 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.long, device=self.device),
             self.pools.device,
             meta,
+            self.hooks,
         )
-        if not sample_seqs:
-            return {}
+        if not sample_ids:
+            return StepResult()
         logits = self.model.compute_logits(hidden[sample_rows])
-        for seq in sample_seqs:
-            if seq.params.seed is not None and seq.generator is None:
-                seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed)
-        tokens = self.sampler.sample(logits, [s.params for s in sample_seqs], [s.generator for s in sample_seqs])
-        return dict(zip(sample_seqs, tokens))
+        tokens = self.sampler.sample(logits, [self._params[r] for r in sample_ids],
+                                     [self._generators.get(r) for r in sample_ids])
+        return StepResult(dict(zip(sample_ids, tokens)))
+
+    # ------------------------------------------------------------------ loads
+    def start_loads(self, loads: list[KVLoad]) -> None:
+        for load in loads:
+            self._loads[load.request_id] = self._copier.submit(self._copy, load)
+
+    def _copy(self, load: KVLoad) -> None:
+        for tier, src, dst in load.copies:
+            self.pools.copy_blocks(Tier(tier), src, Tier.DEVICE, dst)
+
+    def finished_loads(self) -> list[str]:
+        done = [rid for rid, f in self._loads.items() if f.done()]
+        for rid in done:
+            self._loads.pop(rid).result()  # a failed copy raises here, in the engine's step
+        return done
+
+    def wait_loads(self) -> None:
+        wait(list(self._loads.values()))

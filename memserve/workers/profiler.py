@@ -47,9 +47,9 @@ from memserve.workers.cost_fit import (
     Samples,
     fit_cost_model,
 )
-from memserve.workers.engine import Engine
+from memserve.workers.engine import Engine, build_engine
 from memserve.workers.kv_pools import KVPools
-from memserve.workers.model.gguf_convert import ensure_model_dir
+from memserve.models.gguf_convert import ensure_model_dir
 from memserve.workers.model_runner import ModelRunner
 from memserve.workers.op_timer import OperatorTimer, llama_operator_classes
 from memserve.workers.transfer_probe import TransferProbe
@@ -312,7 +312,7 @@ def profile(model: str | None, dtype: str, device: str, grid: Grid, repeats: int
         max_num_seqs=max(max(len(b) for b, _ in prefill_points), max(b for b, _, _ in decode_points)),
         max_num_batched_tokens=max(sum(x for x, _ in b) for b, _ in prefill_points),
     )
-    engine = Engine(cfg, model_dir)
+    engine = build_engine(cfg, model_dir)
     runner = engine.runner
     profiler = Profiler(engine)
     max_blocks = max(n for n, _ in grid.size_points())

@@ -1,200 +1,193 @@
 """Continuous-batching scheduler with chunked prefill and preemption by recompute.
 
-Pure logic: it decides which sequences run this step and how many tokens each computes,
-and keeps KV bookkeeping through the MemPool API. It never touches tensors or the wall
-clock; the engine passes it a clock, and runs the model with a ``ModelRunner``.
+Pure logic: it decides which requests run this step and how many tokens each computes,
+and returns a ``StepPlan`` of ids, tokens and block ids for the runner. It speaks requests,
+not blocks: the KV cache manager hands out computed prefixes and slots, and the injected
+policy orders admission and picks preemption victims. It never touches tensors or the
+wall clock (the engine passes it a clock).
 
-Policy (the vLLM-style ``fcfs`` baseline): every step has a token budget. Running
-sequences go first (one token each when decoding, or their next prefill chunk), oldest
-first; when blocks run out, the newest running sequence is preempted (its blocks freed,
-its full blocks kept as cached KV, recomputed later). Waiting sequences are admitted in
-arrival order while budget, sequence slots and blocks last; an admitted sequence skips
-the prefix already cached in the MemPool.
+Mechanics: every step has a token budget. Running requests go first (one token each when
+decoding, or their next prefill chunk), oldest first; when blocks run out, the policy's
+victim is preempted (its blocks freed, its full blocks kept as cached KV, recomputed
+later). Waiting requests are admitted in the policy's order while budget, request slots
+and blocks last; an admitted request skips its cached prefix, and waits
+(``WAITING_FOR_KV``) while the slower-tier part of that prefix is copied in.
+
+Invariant: a request is in exactly one of ``policy`` (waiting), ``loading`` (waiting for
+KV), ``running``, or none (finished); the KV manager holds blocks exactly for requests in
+``loading`` and ``running``.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from memserve.ipc.messages import RequestOutput
-from memserve.kvcache.address import Tier, addr_block, addr_tier
-from memserve.kvcache.mempool import MemPool
+from memserve.workers.kv_manager import KVCacheManager
+from memserve.workers.policies import SchedulePolicy
 from memserve.workers.sequence import Sequence, SequenceStatus
+from memserve.workers.step_plan import NewRequestData, ScheduledChunk, StepPlan, StepResult
 
 
 @dataclass
-class SchedulerOutput:
-    """What runs this step: each sequence with the number of new tokens it computes."""
-
-    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.scheduled)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
 
 
 class Scheduler:
-    def __init__(
-        self,
-        mempool: MemPool,
-        num_blocks: int,
-        block_size: int,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        max_model_len: int,
-        eos_token_ids: set[int],
-        enable_prefix_caching: bool,
-        clock: Callable[[], float],
-    ) -> None:
-        self.mempool = mempool
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
+    def __init__(self, kv: KVCacheManager, policy: SchedulePolicy, config: SchedulerConfig,
+                 eos_token_ids: set[int], clock: Callable[[], float]) -> None:
+        self.kv = kv
+        self.policy = policy
+        self.config = config
         self.eos_token_ids = eos_token_ids
-        self.enable_prefix_caching = enable_prefix_caching
         self.clock = clock
-        self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.loading: dict[str, Sequence] = {}
+        self._requests: dict[str, Sequence] = {}
+        self._unseen: set[str] = set()  # admitted, not yet announced to the runner
+        self._finished_ids: list[str] = []  # left since the last plan
         self.num_preemptions = 0
-        self.num_swapped_in = 0  # cached blocks brought back from slower tiers
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
 
     # ----------------------------------------------------------------- requests
     def add(self, seq: Sequence) -> RequestOutput | None:
-        """Queue a sequence; returns an error output at once if it can never fit."""
-        blocks_needed = -(-min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len) // self.block_size)
-        if seq.num_prompt_tokens == 0 or seq.num_prompt_tokens >= self.max_model_len:
+        """Queue a request; returns an error output at once if it can never fit (the
+        engine caps the context by the pool, so a request that fits it fits the pool)."""
+        max_len = self.config.max_model_len
+        if seq.num_prompt_tokens == 0 or seq.num_prompt_tokens >= max_len:
             return self._reject(seq, f"prompt of {seq.num_prompt_tokens} tokens does not fit the context window "
-                                     f"of {self.max_model_len} tokens")
-        if blocks_needed > self.num_blocks:
-            return self._reject(seq, f"request needs {blocks_needed} KV blocks but the pool holds "
-                                     f"{self.num_blocks}")
-        self.waiting.append(seq)
+                                     f"of {max_len} tokens")
+        self._requests[seq.request_id] = seq
+        self.policy.push(seq)
         return None
 
     def abort(self, request_id: str) -> Sequence | None:
-        for queue in (self.waiting, self.running):
-            for seq in queue:
-                if seq.request_id == request_id:
-                    queue.remove(seq)
-                    self._finish(seq, "abort")
-                    return seq
-        return None
+        seq = self._requests.get(request_id)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.WAITING:
+            self.policy.remove(seq)
+        elif seq.status is SequenceStatus.WAITING_FOR_KV:
+            del self.loading[request_id]
+        else:
+            self.running.remove(seq)
+        self._finish(seq, "abort")
+        return seq
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(len(self.policy) or self.running or self.loading or self.kv.has_abandoned_loads)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.policy) + len(self.loading)
+
+    def finish_loads(self, request_ids: list[str]) -> None:
+        """The runner finished copying these requests' cached prefixes: they run from the
+        next step on (their first chunk's slots were reserved at admission)."""
+        for rid in request_ids:
+            if self.kv.finish_load(rid):
+                seq = self.loading.pop(rid)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                self._unseen.add(rid)
 
     # ----------------------------------------------------------------- schedule
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.config.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self._reserve(seq, num_new):
-                victim = self.running.pop()
+            while not self.kv.allocate_slots(seq, num_new):
+                victim = self.policy.victim(self.running)
+                self.running.remove(victim)
                 self._preempt(victim)
-                out.preempted.append(victim)
+                plan.preempted_ids.append(victim.request_id)
                 if victim is seq:
                     break
             else:
-                out.scheduled.append((seq, num_new))
+                plan.chunks.append(self._chunk(seq, num_new))
                 budget -= num_new
                 i += 1
-        if out.preempted:
-            return out
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if not self._admit(seq, budget):
+        if not plan.preempted_ids:
+            self._admit(plan, budget)
+        plan.loads = self.kv.take_loads()
+        plan.new_requests = [NewRequestData(c.request_id, self._requests[c.request_id].params)
+                             for c in plan.chunks if c.request_id in self._unseen]
+        self._unseen.difference_update(r.request_id for r in plan.new_requests)
+        plan.finished_ids, self._finished_ids = self._finished_ids, []
+        return plan
+
+    def _admit(self, plan: StepPlan, budget: int) -> None:
+        """Admit waiting requests in the policy's order while budget, slots and blocks
+        last. A request whose cached prefix must first be loaded gets the slots of its
+        first chunk now too, so it can run as soon as the load is done."""
+        while budget > 0 and len(self.running) + len(self.loading) < self.config.max_num_seqs:
+            seq = self.policy.peek()
+            if seq is None:
                 break
-            self.waiting.popleft()
+            loading = self.kv.admit(seq, self.kv.get_computed_blocks(seq))
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.kv.allocate_slots(seq, num_new):
+                self.kv.free(seq)
+                seq.num_computed_tokens = 0
+                break
+            self.policy.pop()
+            self._count_admission(seq)
+            if loading:
+                seq.status = SequenceStatus.WAITING_FOR_KV
+                self.loading[seq.request_id] = seq
+                continue
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append((seq, num_new))
+            self._unseen.add(seq.request_id)
+            plan.chunks.append(self._chunk(seq, num_new))
             budget -= num_new
-        return out
 
-    def _admit(self, seq: Sequence, budget: int) -> bool:
-        """Take the cached prefix and the blocks for the first chunk, or nothing at all."""
-        if self.enable_prefix_caching:
-            # Leave at least one token to compute: its logits give the next token.
-            tokens = seq.all_token_ids[:-1]
-            hashes = seq.full_block_hashes(self.block_size, len(tokens) // self.block_size)
-            hit = self._to_device(self.mempool.match(tokens, take_ref=True, hashes=hashes))
-            seq.block_addrs = hit
-            seq.block_ids = [addr_block(a) for a in hit]
-            seq.num_indexed_blocks = len(hit)
-            seq.num_computed_tokens = len(hit) * self.block_size
-        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-        if not self._reserve(seq, num_new):
-            self._release(seq)
-            return False
+    def _count_admission(self, seq: Sequence) -> None:
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = seq.num_computed_tokens
             self.prompt_tokens_total += seq.num_prompt_tokens
             self.cached_tokens_total += seq.num_cached_tokens
-        return True
 
-    def _to_device(self, hit: list[int]) -> list[int]:
-        """Bring the slower-tier tail of a cache hit back to the device (a block is never
-        indexed under a slower-tier parent, so those blocks are a suffix); keep only the
-        device part when there is no room for it."""
-        slow = [a for a in hit if addr_tier(a) != Tier.DEVICE]
-        if not slow:
-            return hit
-        fast = hit[: len(hit) - len(slow)]
-        swapped = self.mempool.swap_in(slow) if self.mempool.can_alloc(len(slow)) else []
-        self.mempool.free_mem(slow)
-        self.num_swapped_in += len(swapped)
-        return fast + swapped
-
-    def _reserve(self, seq: Sequence, num_new: int) -> bool:
-        """Make sure the sequence has blocks for ``num_new`` more tokens."""
-        need = -(-(seq.num_computed_tokens + num_new) // self.block_size) - len(seq.block_addrs)
-        if need <= 0:
-            return True
-        if not self.mempool.can_alloc(need):
-            return False
-        addrs = self.mempool.alloc_mem(need)
-        seq.block_addrs += addrs
-        seq.block_ids += [addr_block(a) for a in addrs]
-        return True
+    def _chunk(self, seq: Sequence, num_new: int) -> ScheduledChunk:
+        start = seq.num_computed_tokens
+        end = start + num_new
+        return ScheduledChunk(seq.request_id, seq.token_slice(start, end), start,
+                              self.kv.block_ids(seq.request_id), end == seq.num_tokens)
 
     def _preempt(self, seq: Sequence) -> None:
-        self._release(seq)
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
-
-    def _release(self, seq: Sequence) -> None:
-        if seq.block_addrs:
-            self.mempool.free_mem(seq.block_addrs)
-        seq.block_addrs, seq.block_ids = [], []
-        seq.num_computed_tokens = seq.num_indexed_blocks = 0
+        self.policy.push_preempted(seq)
 
     # ----------------------------------------------------------------- update
-    def update(self, out: SchedulerOutput, sampled: dict[Sequence, int]) -> list[RequestOutput]:
-        """Advance sequences by what the step computed; return this step's token deltas."""
+    def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        """Advance requests by what the step computed; return this step's token deltas."""
         outputs = []
-        for seq, num_new in out.scheduled:
-            seq.num_computed_tokens += num_new
-            token = sampled.get(seq)
+        for chunk in plan.chunks:
+            seq = self._requests.get(chunk.request_id)
+            if seq is None or seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens += len(chunk.token_ids)
+            token = result.sampled.get(chunk.request_id)
             if token is not None:
                 seq.output_token_ids.append(token)
                 self._check_stop(seq, token)
-            self._index_full_blocks(seq)
+            self.kv.cache_full_blocks(seq)
             if seq.is_finished:
                 self.running.remove(seq)
-                self._free_finished(seq)
+                self._release(seq)
             if token is not None:
                 outputs.append(self._output(seq, [token]))
         return outputs
@@ -203,30 +196,20 @@ class Scheduler:
         params = seq.params
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             self._finish(seq, "stop", release=False)
-        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
             self._finish(seq, "length", release=False)
-
-    def _index_full_blocks(self, seq: Sequence) -> None:
-        """Offer newly filled blocks to the index: prompt blocks after prefill, and the
-        answer's blocks as decoding fills them, so a finished request is historical KV."""
-        if not self.enable_prefix_caching:
-            return
-        full = seq.num_computed_tokens // self.block_size
-        if full > seq.num_indexed_blocks:
-            self.mempool.insert(seq.all_token_ids[: full * self.block_size], seq.block_addrs[:full],
-                                hashes=seq.full_block_hashes(self.block_size, full))
-            seq.num_indexed_blocks = full
 
     def _finish(self, seq: Sequence, reason: str, release: bool = True) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         if release:
-            self._free_finished(seq)
+            self._release(seq)
 
-    def _free_finished(self, seq: Sequence) -> None:
-        if seq.block_addrs:
-            self.mempool.free_mem(seq.block_addrs)
-        seq.block_addrs, seq.block_ids = [], []
+    def _release(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        self._requests.pop(seq.request_id, None)
+        self._unseen.discard(seq.request_id)
+        self._finished_ids.append(seq.request_id)
 
     def _reject(self, seq: Sequence, message: str) -> RequestOutput:
         seq.status = SequenceStatus.FINISHED
@@ -249,9 +232,9 @@ class Scheduler:
     def stats(self) -> dict:
         return {
             "num_running": len(self.running),
-            "num_waiting": len(self.waiting),
+            "num_waiting": self.num_waiting,
             "num_preemptions": self.num_preemptions,
-            "num_swapped_in": self.num_swapped_in,
+            "num_swapped_in": self.kv.num_loaded_blocks,
             "prompt_tokens_total": self.prompt_tokens_total,
             "cached_tokens_total": self.cached_tokens_total,
             "cache_hit_rate": self.cached_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else 0.0,

@@ -1,10 +1,11 @@
-"""A request inside a worker: its tokens, its KV blocks and how far it has been computed."""
+"""A request inside a worker's scheduler: its tokens, its state and how far it has been
+computed. Its KV blocks belong to the KV cache manager (``kv_manager.py``), its sampling
+state to the model runner; the scheduler reasons in tokens only."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
 
 from memserve.ipc.messages import SamplingParams
 from memserve.kvcache.hashing import block_hashes
@@ -12,6 +13,7 @@ from memserve.kvcache.hashing import block_hashes
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"  # admitted; its cached prefix is being copied in
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -23,27 +25,31 @@ class Sequence:
     params: SamplingParams
     arrival_time: float
     session_id: str | None = None
+    priority: int = 0
+    slo_ttft_ms: float | None = None
+    slo_tbt_ms: float | None = None
     output_token_ids: list[int] = field(default_factory=list)
-    # MemPool addresses of the device blocks holding this sequence's KV, in order.
-    block_addrs: list[int] = field(default_factory=list)
-    # Device block ids matching block_addrs (what the runner's block tables hold).
-    block_ids: list[int] = field(default_factory=list)
     # Tokens whose K/V is in the cache (prefix-cache hits plus everything computed).
     num_computed_tokens: int = 0
     # Prompt tokens served from the prefix cache at the latest admission.
     num_cached_tokens: int = 0
-    # Full blocks already offered to the MemPool index.
-    num_indexed_blocks: int = 0
     # Chained names of the leading full blocks of all_token_ids, computed once each.
     block_hashes: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
-    generator: Any = None  # the runner's per-request RNG when a seed is given
 
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without building the whole list (decode steps
+        need the last token only)."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:end] + self.output_token_ids[: max(0, end - p)]
 
     @property
     def num_tokens(self) -> int:
@@ -57,7 +63,7 @@ class Sequence:
         """Names of the first ``num_blocks`` full blocks, hashing only blocks not named yet."""
         have = len(self.block_hashes)
         if num_blocks > have:
-            tokens = self.all_token_ids[have * block_size : num_blocks * block_size]
+            tokens = self.token_slice(have * block_size, num_blocks * block_size)
             self.block_hashes += block_hashes(tokens, block_size, self.block_hashes[-1] if have else None)
         return self.block_hashes[:num_blocks]
 

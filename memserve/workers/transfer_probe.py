@@ -20,7 +20,7 @@ from typing import Any, Callable
 from memserve.config import EngineConfig
 from memserve.kvcache.address import Tier
 from memserve.kvcache.mempool import KVFlags, MemPool
-from memserve.kvcache.transfer import KVTransferEndpoint
+from memserve.ipc.kv_transfer import KVTransferEndpoint
 from memserve.workers.kv_pools import KVPools
 from memserve.workers.model.dtype import resolve_dtype
 from memserve.workers.model.model_config import ModelConfig

@@ -2,9 +2,9 @@
 
 The first steps of a fresh process pay one-time costs (kernel selection and code paths
 of the math libraries, the allocator growing its arenas for each new tensor shape), and
-without this the first users would pay them: seconds per request on a CPU. The steps run
-on a throwaway scheduler and MemPool over the same runner and KV tensors, with caching
-off, so warm-up leaves no cached block, no KV event and no statistic behind."""
+without this the first users would pay them. The steps run on a throwaway scheduler and
+MemPool over the same runner and KV tensors, with caching off, so warm-up leaves no
+cached block, no KV event and no statistic behind."""
 
 from __future__ import annotations
 
@@ -35,24 +35,24 @@ def warm_up(engine: Engine, seed: int = 0) -> int:
     sizes, with greedy and sampled rows."""
     cfg = engine.cfg
     rng = random.Random(seed)
-    vocab = engine.runner.model_config.vocab_size
-    num_blocks = engine.runner.num_blocks
-    mempool = MemPool(-1, {Tier.DEVICE: num_blocks}, cfg.block_size, enable_caching=False,
-                      mover=engine.runner.pools, clock=engine.clock)
+    runner = engine.runner
+    mempool = MemPool(-1, {Tier.DEVICE: runner.num_blocks}, cfg.block_size, enable_caching=False,
+                      mover=runner.mover, clock=engine.clock)
     scheduler = engine.make_scheduler(mempool, enable_prefix_caching=False, max_num_batched_tokens=CHUNK_TOKENS)
-    limit = min(engine.max_model_len, num_blocks * cfg.block_size) - DECODE_STEPS
+    limit = min(engine.max_model_len, runner.num_blocks * cfg.block_size) - DECODE_STEPS
     steps = 0
 
     def add(prompt_len: int, temperature: float) -> None:
         params = SamplingParams(max_tokens=DECODE_STEPS, temperature=temperature, ignore_eos=True)
-        ids = [rng.randrange(vocab) for _ in range(prompt_len)]
+        ids = [rng.randrange(runner.vocab_size) for _ in range(prompt_len)]
         scheduler.add(Sequence(f"warmup-{rng.getrandbits(32)}", ids, params, engine.clock()))
 
     def step() -> None:
         nonlocal steps
-        out = scheduler.schedule()
-        if out:
-            scheduler.update(out, engine.runner.execute(out))
+        plan = scheduler.schedule()
+        result = runner.execute(plan)  # also tells the runner which warm-up requests ended
+        if plan.chunks:
+            scheduler.update(plan, result)
             steps += 1
 
     rounds = [[CHUNKED_PROMPT_LEN]]
@@ -67,4 +67,5 @@ def warm_up(engine: Engine, seed: int = 0) -> int:
         add(lengths[-1], 0.0)
         while scheduler.has_work:
             step()
+    step()
     return steps

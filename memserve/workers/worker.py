@@ -19,6 +19,7 @@ import signal
 import sys
 import time
 import traceback
+from concurrent.futures import Future
 
 from memserve.config import WorkerConfig
 from memserve.ipc.channel import WorkerChannel
@@ -38,15 +39,18 @@ from memserve.ipc.messages import (
     WorkerReady,
 )
 from memserve.kvcache.events import KVEvents
-from memserve.kvcache.transfer import KVTransferEndpoint
+from memserve.kvcache.mempool import KVFlags
+from memserve.ipc.kv_transfer import KVTransferEndpoint
 from memserve.workers.heartbeat import HeartbeatThread
-from memserve.workers.model.gguf_convert import ensure_model_dir
+from memserve.models.gguf_convert import ensure_model_dir
 from memserve.workers.warmup import warm_up
 
 log = logging.getLogger("memserve.worker")
 
 # Missed gateway heartbeats after which a worker decides it has been orphaned.
 GATEWAY_SILENCE_HEARTBEATS = 15
+# How often an idle loop looks at prefix transfers in flight.
+PUSH_POLL_MS = 5
 
 
 def _die_with_parent() -> None:
@@ -68,12 +72,13 @@ class Worker:
         self.engine = None
         self.endpoint: KVTransferEndpoint | None = None
         self.heartbeat: HeartbeatThread | None = None
+        self._pushes: list[tuple[TransferPrefix, list[int], Future]] = []  # prefix transfers in flight
 
     def start(self) -> None:
-        from memserve.workers.engine import Engine  # heavy: torch and the model
+        from memserve.workers.engine import build_engine  # heavy: torch and the model
 
         try:
-            self.engine = Engine(self.cfg.engine, ensure_model_dir(self.cfg.engine.model), self.id)
+            self.engine = build_engine(self.cfg.engine, ensure_model_dir(self.cfg.engine.model), self.id)
             started = time.monotonic()
             steps = warm_up(self.engine)
             log.info("worker %d: warmed up in %.1f s (%d steps)", self.id, time.monotonic() - started, steps)
@@ -97,7 +102,7 @@ class Worker:
         self.heartbeat.start()
         while not self.stopping:
             self.heartbeat.tick()
-            timeout_ms = 0 if self.engine.has_work else int(hb * 1000)
+            timeout_ms = 0 if self.engine.has_work else PUSH_POLL_MS if self._pushes else int(hb * 1000)
             outputs: list[RequestOutput] = []
             messages = self.channel.poll(timeout_ms)
             polled = time.monotonic()
@@ -112,6 +117,7 @@ class Worker:
                 break
             self.endpoint.serve(0)
             self.endpoint.drain_received()  # peers send with RELEASE: the blocks are cached KV
+            self._finish_pushes()
             if self.engine.has_work:
                 outputs += self._step()
             if outputs:
@@ -126,7 +132,9 @@ class Worker:
 
     def _handle(self, msg) -> list[RequestOutput]:
         if isinstance(msg, AddRequest):
-            out = self.engine.add_request(msg)
+            # The gateway stamps arrival on its wall clock; the engine keeps its own clock.
+            waited = max(0.0, time.time() - msg.arrival_time) if msg.arrival_time else 0.0
+            out = self.engine.add_request(msg, self.engine.clock() - waited)
             return [out] if out else []
         if isinstance(msg, AbortRequest):
             out = self.engine.abort(msg.request_id)
@@ -144,17 +152,39 @@ class Worker:
             self.channel.send(TransferExpected(msg.transfer_id))
             return []
         if isinstance(msg, TransferPrefix):
-            self.channel.send(self._push_prefix(msg))
+            self._push_prefix(msg)
             return []
         log.warning("worker %d: unexpected message %r", self.id, msg)
         return []
 
-    def _push_prefix(self, msg: TransferPrefix) -> TransferDone:
+    def _push_prefix(self, msg: TransferPrefix) -> None:
+        """Start sending the cached prefix of ``msg.token_ids`` to another instance, which
+        indexes it as its own historical KV; the engine keeps stepping while it goes."""
+        addrs = self.engine.mempool.match(msg.token_ids, take_ref=True)
+        if not addrs:
+            self.channel.send(TransferDone(msg.transfer_id, 0))
+            return
+        tokens = msg.token_ids[: len(addrs) * self.cfg.engine.block_size]
         try:
-            return TransferDone(msg.transfer_id, self.engine.push_prefix(msg.token_ids, msg.dst_instance, msg.ticket))
+            sent = self.endpoint.send_async(msg.dst_instance, addrs, None, KVFlags.RELEASE, None, msg.ticket, tokens)
         except Exception as exc:
-            log.warning("worker %d: prefix transfer to %d failed: %s", self.id, msg.dst_instance, exc)
-            return TransferDone(msg.transfer_id, 0, str(exc))
+            sent = Future()
+            sent.set_exception(exc)
+        self._pushes.append((msg, addrs, sent))
+
+    def _finish_pushes(self) -> None:
+        """Report the prefix transfers that ended and drop their references."""
+        pending = []
+        for msg, addrs, sent in self._pushes:
+            if not sent.done():
+                pending.append((msg, addrs, sent))
+                continue
+            self.engine.mempool.free_mem(addrs)
+            error = sent.exception()
+            if error is not None:
+                log.warning("worker %d: prefix transfer to %d failed: %s", self.id, msg.dst_instance, error)
+            self.channel.send(TransferDone(msg.transfer_id, 0 if error else len(addrs), str(error) if error else None))
+        self._pushes = pending
 
     def _step(self) -> list[RequestOutput]:
         """One engine step; a failure fails the requests in flight, not the worker."""

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memserve.workers.model.attention import AttentionMetadata, AttentionPlan, layer_kv, paged_attention
+from memserve.workers.model.layer_hooks import NO_HOOKS, LayerHooks
 from memserve.workers.model.model_config import ModelConfig
 from memserve.workers.model.rope import RotaryEmbedding, apply_rotary
 
@@ -114,14 +115,18 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        hooks: LayerHooks = NO_HOOKS,
     ) -> torch.Tensor:
         """Run T flattened new tokens through the decoder, writing their K/V into
-        ``kv_cache``; returns the final-norm hidden states [T, hidden]."""
+        ``kv_cache``; returns the final-norm hidden states [T, hidden]. ``hooks`` are
+        called around every layer (KV loads and saves overlap the compute)."""
         plan = AttentionPlan.build(meta, input_ids.device)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        for layer in self.model.layers:
+        for i, layer in enumerate(self.model.layers):
+            hooks.before_layer(i)
             x = layer(x, cos, sin, kv_cache, plan)
+            hooks.after_layer(i)
         return self.model.norm(x)
 
     @torch.inference_mode()

@@ -8,7 +8,7 @@ for rotary is undone so the tensors are in Hugging Face layout.
 
 This module must not import torch: the gateway calls ``ensure_model_dir`` and never loads
 torch. transformers (needed for config and tokenizer) does import torch, so the conversion
-itself runs in a child process: ``python -m memserve.workers.model.gguf_convert GGUF OUT``.
+itself runs in a child process: ``python -m memserve.models.gguf_convert GGUF OUT``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 from safetensors.numpy import save_file
 
-from memserve.workers.model.default_model import default_gguf_path
+from memserve.models.default_model import default_gguf_path
 
 log = logging.getLogger(__name__)
 

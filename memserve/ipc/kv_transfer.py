@@ -22,8 +22,11 @@ blocks allocated for its ticket; blocks allocated for a transfer that does not c
 within the ticket's lifetime are freed. A local process that reaches the socket can thus
 neither drain the pool nor overwrite another request's KV.
 
-Calls block, but while one waits the endpoint keeps serving its own ROUTER, so two
-instances sending to each other at once do not deadlock. The receiver's engine collects
+Sending runs on the endpoint's own sender thread, which alone owns the peer sockets:
+``send_async`` returns at once and the engine keeps stepping while a slow peer answers.
+The blocking calls (``send``, ``allocate``: MemPool's synchronous API) keep serving the
+endpoint's ROUTER while they wait, so two instances sending to each other at once do not
+deadlock. The receiver's engine collects
 what arrived (addresses, tokens, the sender's ``private`` payload) with
 ``drain_received``; it then holds one reference on each received block, unless the
 sender set ``KVFlags.RELEASE``.
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -136,6 +140,8 @@ class KVTransferEndpoint:
         self._received: list[ReceivedKV] = []
         self._grants: dict[str, _Grant] = {}
         self._ids = itertools.count(1)
+        # Peer sockets live on this one thread: ZeroMQ sockets are not shared across threads.
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-send")
         pool.attach_transfer(self)
 
     @property
@@ -144,6 +150,9 @@ class KVTransferEndpoint:
         return self._server
 
     def connect(self, instance: int, address: str) -> None:
+        self._sender.submit(self._connect, instance, address)
+
+    def _connect(self, instance: int, address: str) -> None:
         if instance in self._peers:
             self._peers.pop(instance).close(linger=0)
         sock = self._ctx.socket(zmq.DEALER)
@@ -152,10 +161,14 @@ class KVTransferEndpoint:
         self._peers[instance] = sock
 
     def close(self) -> None:
+        self._sender.submit(self._close_peers).result()
+        self._sender.shutdown()
+        self._server.close(linger=0)
+
+    def _close_peers(self) -> None:
         for sock in self._peers.values():
             sock.close(linger=0)
         self._peers.clear()
-        self._server.close(linger=0)
 
     def expect(self, ticket: str, src_instance: int, max_blocks: int, ttl_s: float | None = None) -> None:
         """Accept one transfer of at most ``max_blocks`` from ``src_instance`` under
@@ -184,6 +197,36 @@ class KVTransferEndpoint:
     def allocate(self, instance: int, size: int, tier: Tier, ticket: str) -> list[int]:
         """``alloc_mem`` on another instance for the transfer ``ticket``; the blocks are
         handed to its engine once data is transferred into them."""
+        return self._await(self._sender.submit(self._allocate, instance, size, tier, ticket))
+
+    def send(self, instance: int, src: list[int], dst: list[int] | None, flags: int, private: Any, ticket: str,
+             tokens: list[int] | None = None, first_block: int = 0) -> list[int]:
+        """Copy held blocks ``src`` to ``instance`` under ``ticket``; returns their
+        addresses there."""
+        return self._await(self.send_async(instance, src, dst, flags, private, ticket, tokens, first_block))
+
+    def send_async(self, instance: int, src: list[int], dst: list[int] | None, flags: int, private: Any,
+                   ticket: str, tokens: list[int] | None = None, first_block: int = 0) -> Future[list[int]]:
+        """``send`` without waiting: the blocks' bytes are taken here (they must stay held
+        until the future is done); allocation, sending and waiting for the receiver run on
+        the sender thread, so the engine keeps stepping meanwhile."""
+        self.pool.check_held(src, "transfer")
+        if dst is not None and len(dst) != len(src):
+            raise MemPoolError(f"transfer: {len(src)} source blocks but {len(dst)} destinations")
+        buffers = self.pool.read_blocks(src)
+        return self._sender.submit(self._send, instance, len(src), dst, flags, private, ticket, tokens, first_block,
+                                   buffers)
+
+    def _await(self, future: Future) -> Any:
+        """The result of a sender-thread job, serving incoming requests meanwhile (two
+        instances sending to each other at once must not deadlock)."""
+        while not future.done():
+            self.serve(timeout_ms=2)
+        return future.result()
+
+    # The methods below run on the sender thread, the only one that touches peer sockets.
+
+    def _allocate(self, instance: int, size: int, tier: Tier, ticket: str) -> list[int]:
         peer = self._peer(instance)
         tid = next(self._ids)
         peer.send(encode(KVAllocRequest(tid, self.pool.instance_id, size, int(tier), ticket)))
@@ -192,29 +235,13 @@ class KVTransferEndpoint:
             raise TransferError(f"instance {instance} could not allocate {size} blocks: {reply.error}")
         return list(reply.addrs)
 
-    def send(
-        self,
-        instance: int,
-        src: list[int],
-        dst: list[int] | None,
-        flags: int,
-        private: Any,
-        ticket: str,
-        tokens: list[int] | None = None,
-        first_block: int = 0,
-    ) -> list[int]:
-        """Copy held blocks ``src`` to ``instance`` under ``ticket``; returns their
-        addresses there."""
-        self.pool.check_held(src, "transfer")
+    def _send(self, instance: int, num_blocks: int, dst: list[int] | None, flags: int, private: Any, ticket: str,
+              tokens: list[int] | None, first_block: int, buffers: list) -> list[int]:
         peer = self._peer(instance)
         if dst is None:
-            dst = self.allocate(instance, len(src), Tier.HOST if flags & KVFlags.HOST else Tier.DEVICE, ticket)
-        elif len(dst) != len(src):
-            raise MemPoolError(f"transfer: {len(src)} source blocks but {len(dst)} destinations")
-        buffers = self.pool.read_blocks(src)
-        mover = self.pool.mover
+            dst = self._allocate(instance, num_blocks, Tier.HOST if flags & KVFlags.HOST else Tier.DEVICE, ticket)
         tid = next(self._ids)
-        header = KVData(tid, self.pool.instance_id, list(dst), int(flags), mover.block_nbytes,  # type: ignore[union-attr]
+        header = KVData(tid, self.pool.instance_id, list(dst), int(flags), self.pool.mover.block_nbytes,  # type: ignore[union-attr]
                         private, tokens, first_block, ticket)
         # copy=False: the frames point into the mover's memory. They are safe to reuse
         # once the receiver answers, which means it has received every frame.
@@ -231,23 +258,16 @@ class KVTransferEndpoint:
         return sock
 
     def _wait(self, peer: zmq.Socket, tid: int) -> Any:
-        """The reply to request ``tid``, serving incoming requests meanwhile."""
-        poller = zmq.Poller()
-        poller.register(peer, zmq.POLLIN)
-        poller.register(self._server, zmq.POLLIN)
+        """The reply to request ``tid`` (late answers to requests that timed out are skipped)."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TransferError(f"no answer to transfer request {tid} within {self.timeout_s} s")
-            ready = dict(poller.poll(remaining * 1000))
-            if self._server in ready:
-                self.serve()
-            if peer in ready:
+            if peer.poll(remaining * 1000, zmq.POLLIN):
                 reply = decode(peer.recv())
                 if reply.transfer_id == tid:
                     return reply
-                # else: a late answer to a request that already timed out
 
     # ---------------------------------------------------------- receiver side
 

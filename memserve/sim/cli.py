@@ -1,0 +1,92 @@
+"""``memserve simulate``: the shipped engine, scheduler, MemPool and router at cluster
+scale on a virtual clock, driven by a cost model (``memserve profile``'s JSON or a paper
+preset) instead of a model. Workload, load and output flags are ``memserve bench``'s,
+with the same meaning, and so is ``results.json``: ``memserve bench compare`` reads real
+and simulated runs side by side."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+from rich.console import Console
+
+from memserve.bench.cli import (
+    add_load_arguments,
+    add_output_arguments,
+    add_workload_arguments,
+    build_sessions,
+    fail,
+    point_result,
+    replay_options,
+    run_config,
+    write_outputs,
+)
+from memserve.bench.report import RunPoint, print_run
+from memserve.bench.runner import ReplayResult
+from memserve.config import EngineConfig
+from memserve.gateway.cost_model import CostModel
+from memserve.gateway.router import ROUTING_POLICIES, Router
+from memserve.kvcache.eviction import EVICTION_POLICIES
+from memserve.sim.simulator import Simulation
+from memserve.sim.tokens import HFTokenizer, SyntheticTokenizer
+from memserve.workers.policies import SCHEDULE_POLICIES
+
+EXIT_OK, EXIT_USAGE = 0, 2
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("simulate", help="run the engine at cluster scale on a cost-model clock",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sim = p.add_argument_group("cluster")
+    sim.add_argument("--cost-model", required=True, help="a cost-model JSON (memserve profile) or a preset name")
+    sim.add_argument("--instances", type=int, default=1, help="colocated instances")
+    sim.add_argument("--router", default="least-load", choices=sorted(ROUTING_POLICIES))
+    sim.add_argument("--schedule-policy", default="fcfs", choices=sorted(SCHEDULE_POLICIES))
+    sim.add_argument("--eviction-policy", default="lru", choices=sorted(EVICTION_POLICIES))
+    sim.add_argument("--num-blocks", type=int, default=2048, help="device KV blocks per instance")
+    sim.add_argument("--num-host-blocks", type=int, default=0, help="host-tier KV blocks per instance")
+    sim.add_argument("--block-size", type=int, default=16)
+    sim.add_argument("--max-num-seqs", type=int, default=64)
+    sim.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    sim.add_argument("--max-model-len", type=int, default=None)
+    sim.add_argument("--no-prefix-cache", action="store_true")
+    add_workload_arguments(p)
+    add_load_arguments(p)
+    add_output_arguments(p)
+    p.set_defaults(func=run_simulate_command)
+    return p
+
+
+def run_simulate_command(args: argparse.Namespace) -> int:
+    try:
+        cost = CostModel.load(args.cost_model)
+        rate = args.rate or args.request_rate or math.inf
+        spec, parts, dataset = build_sessions(args, 1)
+        tokenizer = HFTokenizer(args.tokenizer) if args.tokenizer else SyntheticTokenizer()
+        router = Router.named(args.router)
+    except (ValueError, FileNotFoundError, OSError, KeyError) as e:
+        return fail(str(e), EXIT_USAGE)
+    engine_cfg = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks,
+                              num_host_blocks=args.num_host_blocks, max_num_seqs=args.max_num_seqs,
+                              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                              enable_prefix_caching=not args.no_prefix_cache, schedule_policy=args.schedule_policy,
+                              eviction_policy=args.eviction_policy)
+    sim = Simulation(cost, engine_cfg, args.instances, router, tokenizer, replay_options(args, rate))
+    started = time.perf_counter()
+    duration = sim.run(parts[0])
+    wall = time.perf_counter() - started
+    console = Console(soft_wrap=True)
+    label = args.label or f"sim:{cost.key.model}x{args.instances}"
+    result = point_result(ReplayResult(records=sim.records, duration_s=duration))
+    result["simulation"] = {"wall_s": round(wall, 3), "simulated_s": round(duration, 3), "steps": sim.num_steps,
+                            "requests_per_wall_s": round(len(sim.records) / wall, 1) if wall else None}
+    point = RunPoint(label, None, result)
+    print_run(console, point)
+    console.print(f"simulated {duration:.1f} s of traffic ({len(sim.records)} requests, {sim.num_steps} steps) "
+                  f"in {wall:.2f} s of wall time")
+    config = run_config(args, cost.key.model, spec, dataset)
+    config["cost_model"] = args.cost_model
+    write_outputs(args, config, label, [point], console)
+    return EXIT_OK

@@ -1,0 +1,77 @@
+"""A model runner that computes nothing: it advances virtual time by the cost model.
+
+It executes the same ``StepPlan``s as the real runner, so the simulator drives the real
+engine, scheduler, KV manager and MemPool. A step's duration is the cost model's prefill
+time for its prefill chunks (each with its cached ratio) plus its decode step time for
+the decoding requests; a KV load finishes ``copy_s(bytes)`` after it starts. Sampled
+tokens are synthetic and never end a request: the workload's lengths do (ignore_eos)."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+
+from memserve.gateway.cost_model import CostModel
+from memserve.kvcache.address import Tier
+from memserve.workers.step_plan import KVLoad, StepPlan, StepResult
+
+SIM_VOCAB = 1 << 20  # synthetic token ids live below this
+
+
+class NullMover:
+    """Block copies cost time in the cost model, not work here."""
+
+    def __init__(self, block_nbytes: int) -> None:
+        self.block_nbytes = block_nbytes
+
+    def copy_blocks(self, src_tier: Tier, src_blocks: list[int], dst_tier: Tier, dst_blocks: list[int]) -> None:
+        pass
+
+    def read_blocks(self, tier: Tier, blocks: list[int]) -> list[bytes]:
+        return [bytes(self.block_nbytes * len(blocks))]
+
+    def write_blocks(self, tier: Tier, blocks: list[int], buffers: list[bytes]) -> None:
+        pass
+
+
+class SimulatedRunner:
+    def __init__(self, cost: CostModel, num_blocks: int, block_size: int, max_model_len: int,
+                 clock: Callable[[], float]) -> None:
+        self.cost = cost
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.vocab_size = SIM_VOCAB
+        self.max_position_embeddings = max_model_len
+        self.mover = NullMover(cost.kv_bytes_per_token * block_size)
+        self.clock = clock
+        self.last_step_s = 0.0  # duration of the latest execute()
+        self._loads: dict[str, float] = {}  # request id -> virtual time its load is done
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.start_loads(plan.loads)
+        prefills = [(c.start_pos + len(c.token_ids), c.start_pos / (c.start_pos + len(c.token_ids)))
+                    for c in plan.chunks if len(c.token_ids) > 1 or c.start_pos == 0]
+        decodes = [c for c in plan.chunks if len(c.token_ids) == 1 and c.start_pos > 0]
+        self.last_step_s = self.cost.prefill_batch_s(prefills) + self.cost.decode_step_s(
+            len(decodes), sum(c.start_pos + 1 for c in decodes))
+        return StepResult({c.request_id: 1 + zlib.crc32(f"{c.request_id}:{c.start_pos}".encode()) % (SIM_VOCAB - 2)
+                           for c in plan.chunks if c.sample})
+
+    def start_loads(self, loads: list[KVLoad]) -> None:
+        now = self.clock()
+        for load in loads:
+            nbytes = sum(len(src) for _, src, _ in load.copies) * self.mover.block_nbytes
+            self._loads[load.request_id] = now + self.cost.copy_s(nbytes)
+
+    def next_load_done(self) -> float | None:
+        return min(self._loads.values(), default=None)
+
+    def finished_loads(self) -> list[str]:
+        now = self.clock()
+        done = [rid for rid, at in self._loads.items() if at <= now]
+        for rid in done:
+            del self._loads[rid]
+        return done
+
+    def wait_loads(self) -> None:
+        self._loads = {rid: self.clock() for rid in self._loads}

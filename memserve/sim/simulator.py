@@ -1,0 +1,192 @@
+"""Discrete-event simulation of N instances running the real engine on a virtual clock.
+
+Each instance is a real ``Engine`` (scheduler, KV cache manager, MemPool, policies) over
+a ``SimulatedRunner``; requests are routed by the real gateway ``Router`` over mirrors
+fed by the engines' own KV events. Nothing here re-implements a policy: it only decides
+*when* things happen. Sessions replay as ``memserve bench`` replays them (Poisson session
+starts from the same seeded generator, turn k+1 sent when turn k's answer is complete,
+exponential think times), and the records are the bench's, so ``results.json`` has the
+same shape and ``memserve bench compare`` works across real and simulated runs.
+
+Output lengths are the workload's recorded answer lengths (capped by ``max_tokens``): a
+simulation cannot know when a model would stop. The history of the next turn carries
+the recorded answer with ``fixed_output_len`` (as the bench does) and otherwise the
+tokens the engine produced.
+
+Deterministic: no wall clock, no randomised hashing; the same inputs give the same
+results."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from dataclasses import dataclass, field
+
+from memserve.bench.records import RequestRecord
+from memserve.bench.runner import ReplayOptions, arrival_offsets
+from memserve.bench.workloads import Session
+from memserve.config import EngineConfig
+from memserve.gateway.cost_model import CostModel
+from memserve.gateway.router import RouteRequest, Router, WorkerView
+from memserve.ipc.messages import AddRequest, SamplingParams
+from memserve.kvcache.events import KVEvents
+from memserve.kvcache.mirror import PromptTreeMirror
+from memserve.sim.runner import SimulatedRunner
+from memserve.sim.tokens import TextTokenizer, chat_tokens
+from memserve.workers.engine import Engine
+
+# A step that computed nothing while work remains (only loads in flight) polls again after this.
+IDLE_POLL_S = 1e-3
+
+
+@dataclass
+class _Instance:
+    engine: Engine
+    runner: SimulatedRunner
+    mirror: PromptTreeMirror
+    busy: bool = False  # a step event is scheduled
+
+
+@dataclass
+class _Turn:
+    """A request in flight: its record and what the session needs to go on."""
+
+    record: RequestRecord
+    session: int
+    turn: int
+    instance: int
+    messages: list[tuple[str, list[int] | str]]
+    output: list[int] = field(default_factory=list)
+
+
+class Simulation:
+    def __init__(self, cost: CostModel, engine_cfg: EngineConfig, num_instances: int, router: Router,
+                 tokenizer: TextTokenizer, options: ReplayOptions) -> None:
+        self.now = 0.0
+        self.cost = cost
+        self.router = router
+        self.tokenizer = tokenizer
+        self.options = options
+        self.instances: list[_Instance] = []
+        for i in range(num_instances):
+            runner = SimulatedRunner(cost, engine_cfg.num_blocks, engine_cfg.block_size,
+                                     engine_cfg.max_model_len or 1 << 30, self.clock)
+            engine = Engine(engine_cfg, runner, set(), i, self.clock)
+            self.instances.append(_Instance(engine, runner, PromptTreeMirror(i, engine_cfg.block_size)))
+        self._events: list[tuple[float, int, str, tuple]] = []
+        self._seq = itertools.count()
+        self._in_flight: dict[str, _Turn] = {}
+        self.records: list[RequestRecord] = []
+        self.num_steps = 0
+
+    def clock(self) -> float:
+        return self.now
+
+    # ------------------------------------------------------------------ run
+    def run(self, sessions: list[Session]) -> float:
+        """Replay ``sessions``; returns the simulated duration (seconds)."""
+        self.sessions = sessions
+        offsets = arrival_offsets(len(sessions), self.options.rate, random.Random(f"arrivals:{self.options.seed}"))
+        self.deadline = self.options.duration_s if self.options.duration_s else math.inf
+        for s, start in enumerate(offsets):
+            history = [("system", sessions[s].system)] if sessions[s].system else []
+            self._push(start, "arrive", (s, 0, history))
+        while self._events:
+            self.now, _, kind, data = heapq.heappop(self._events)
+            if kind == "arrive":
+                self._arrive(*data)
+            else:
+                self._step(*data)
+        return self.now
+
+    def _push(self, at: float, kind: str, data: tuple) -> None:
+        heapq.heappush(self._events, (at, next(self._seq), kind, data))
+
+    # ------------------------------------------------------------- arrivals
+    def _arrive(self, s: int, k: int, history: list[tuple[str, list[int] | str]]) -> None:
+        if self.now >= self.deadline:
+            return
+        session, turn = self.sessions[s], self.sessions[s].turns[k]
+        messages = history + [("user", turn.user)]
+        prompt = chat_tokens(self.tokenizer, messages)
+        max_tokens = turn.output_len or self.options.max_tokens or 256
+        if self.options.max_tokens:
+            max_tokens = min(max_tokens, self.options.max_tokens)
+        rid = f"{session.session_id}:{k + 1}"
+        slo = {key: v for key, v in (("ttft_ms", self.options.slo_ttft_ms), ("tbt_ms", self.options.slo_tbt_ms))
+               if v is not None}
+        instance = self.router.route(RouteRequest(rid, prompt, session.session_id, slo), self._views())
+        record = RequestRecord(session.session_id, k + 1, self.now, prompt_tokens=len(prompt),
+                               slo_ttft_ms=self.options.slo_ttft_ms, slo_tbt_ms=self.options.slo_tbt_ms)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        add = AddRequest(rid, prompt, params, session.session_id, 0.0, 0, slo.get("ttft_ms"), slo.get("tbt_ms"))
+        refused = self.instances[instance].engine.add_request(add, self.now)
+        if refused is not None:
+            record.end, record.status, record.error = self.now, "400", refused.error
+            self.records.append(record)
+            return
+        self._in_flight[rid] = _Turn(record, s, k, instance, messages)
+        self._wake(instance, self.now)
+
+    def _views(self) -> list[WorkerView]:
+        in_flight = [0] * len(self.instances)
+        for t in self._in_flight.values():
+            in_flight[t.instance] += 1
+        return [WorkerView(i, "ok", in_flight[i], {}, inst.mirror) for i, inst in enumerate(self.instances)]
+
+    def _wake(self, i: int, at: float) -> None:
+        if not self.instances[i].busy:
+            self.instances[i].busy = True
+            self._push(at, "step", (i,))
+
+    # ---------------------------------------------------------------- steps
+    def _step(self, i: int) -> None:
+        inst = self.instances[i]
+        inst.busy = False
+        inst.runner.last_step_s = 0.0
+        outputs = inst.engine.step()
+        done_at = self.now + inst.runner.last_step_s
+        self.num_steps += inst.runner.last_step_s > 0
+        events = inst.engine.drain_kv_events()
+        if events:
+            inst.mirror.apply(KVEvents(i, events))
+        for out in outputs:
+            turn = self._in_flight.get(out.request_id)
+            if turn is None:
+                continue
+            rec = turn.record
+            rec.cached_tokens = out.num_cached_tokens
+            if out.new_token_ids:
+                rec.chunk_times.append(done_at)
+                rec.chunk_tokens.append(len(out.new_token_ids))
+                turn.output += out.new_token_ids
+            if out.finished:
+                self._finish(out.request_id, turn, done_at, out.error)
+        if inst.engine.has_work:
+            if inst.runner.last_step_s > 0:
+                self._wake(i, done_at)
+            else:
+                load_done = inst.runner.next_load_done()
+                self._wake(i, load_done if load_done is not None and load_done > self.now else self.now + IDLE_POLL_S)
+
+    def _finish(self, rid: str, turn: _Turn, at: float, error: str | None) -> None:
+        del self._in_flight[rid]
+        rec = turn.record
+        rec.end = at
+        rec.completion_tokens = len(turn.output)
+        if error is not None:
+            rec.status, rec.error = "500", error
+        self.records.append(rec)
+        session = self.sessions[turn.session]
+        if error is not None or turn.turn + 1 >= len(session.turns):
+            return
+        recorded = session.turns[turn.turn].recorded_answer
+        answer: list[int] | str = recorded if self.options.fixed_output_len and recorded is not None else turn.output
+        history = turn.messages + [("assistant", answer)]
+        think = 0.0
+        if self.options.think_time_s > 0:
+            rng = random.Random(f"think:{self.options.seed}:{session.session_id}:{turn.turn}")
+            think = rng.expovariate(1.0 / self.options.think_time_s)
+        self._push(at + think, "arrive", (turn.session, turn.turn + 1, history))

@@ -1,0 +1,33 @@
+"""What the engine needs from a model runner. ``model_runner.ModelRunner`` runs the real
+model on the KV tensors; the simulator's runner advances a virtual clock by the cost
+model instead. Both execute the same ``StepPlan``s from the same scheduler."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from memserve.kvcache.mempool import BlockMover
+from memserve.workers.step_plan import KVLoad, StepPlan, StepResult
+
+
+class Runner(Protocol):
+    num_blocks: int  # device KV blocks
+    vocab_size: int
+    max_position_embeddings: int
+    mover: BlockMover  # copies blocks between tiers and reads/writes them for transfers
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step; forget the plan's finished requests first."""
+        ...
+
+    def start_loads(self, loads: list[KVLoad]) -> None:
+        """Start copying KV into device blocks, off the caller's thread."""
+        ...
+
+    def finished_loads(self) -> list[str]:
+        """Request ids whose loads completed since the last call."""
+        ...
+
+    def wait_loads(self) -> None:
+        """Block until every started load is done (shutdown, tests)."""
+        ...

@@ -1,0 +1,65 @@
+"""What the scheduler tells the model runner to do in one step, and what comes back.
+
+A plan names requests by id and KV blocks by id; it carries the token ids to compute but
+no live object, so the runner cannot touch scheduler state and a simulated runner can
+execute the same plan (after vLLM v1's ``SchedulerOutput``). The runner keeps what it
+needs across steps (sampling parameters, a seeded generator) from ``new_requests`` until
+the request's id appears in ``finished_ids``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from memserve.ipc.messages import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen yet."""
+
+    request_id: str
+    params: SamplingParams
+
+
+@dataclass
+class ScheduledChunk:
+    """New tokens of one request computed this step."""
+
+    request_id: str
+    token_ids: list[int]  # the tokens whose K/V this step computes
+    start_pos: int  # position of token_ids[0] (tokens before it are in the KV cache)
+    block_ids: list[int]  # the request's device block table, covering start_pos + len(token_ids)
+    sample: bool  # True when the last token's logits give the request's next token
+
+
+@dataclass
+class KVLoad:
+    """A copy of KV blocks into device blocks that a request waits for (a slower tier's
+    cached prefix today; another instance's KV later). The sources are held by the
+    request until the load is done."""
+
+    request_id: str
+    copies: list[tuple[int, list[int], list[int]]]  # (source tier, source block ids, device block ids)
+
+
+@dataclass
+class StepPlan:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    loads: list[KVLoad] = field(default_factory=list)  # to start this step
+    finished_ids: list[str] = field(default_factory=list)  # left since the last plan: forget them
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    def only(self, chunk: ScheduledChunk) -> StepPlan:
+        """The same plan restricted to one chunk (to find which request fails a step)."""
+        new = [r for r in self.new_requests if r.request_id == chunk.request_id]
+        return StepPlan(new_requests=new, chunks=[chunk])
+
+
+@dataclass
+class StepResult:
+    sampled: dict[str, int] = field(default_factory=dict)  # request id -> next token

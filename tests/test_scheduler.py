@@ -1,0 +1,242 @@
+"""The real Engine, Scheduler, KV cache manager and MemPool driven by a scripted runner
+and a fake clock, with no model and no torch (in the style of vLLM's
+tests/v1/core/test_scheduler.py): chunked-prefill budgets, preemption order, prefix
+hits, a request waiting for in-flight KV while others run, abort in every state, and no
+leaked block after each."""
+
+from __future__ import annotations
+
+import pytest
+from test_mempool import NumpyBlockMover
+
+from memserve.config import EngineConfig
+from memserve.ipc.messages import AddRequest, RequestOutput, SamplingParams
+from memserve.kvcache.address import Tier
+from memserve.workers.engine import Engine
+from memserve.workers.sequence import SequenceStatus
+from memserve.workers.step_plan import KVLoad, StepPlan, StepResult
+
+BS = 4
+VOCAB = 1000
+EOS = 999
+
+
+class ScriptedRunner:
+    """Samples token ``7`` for every request asked to sample; records every plan; copies
+    loads through a numpy mover, completing them only when the test says so."""
+
+    def __init__(self, num_blocks: int, num_host_blocks: int = 0) -> None:
+        self.num_blocks = num_blocks
+        self.vocab_size = VOCAB
+        self.max_position_embeddings = 4096
+        tiers = {Tier.DEVICE: num_blocks, **({Tier.HOST: num_host_blocks} if num_host_blocks else {})}
+        self.mover = NumpyBlockMover(tiers)
+        self.plans: list[StepPlan] = []
+        self.known: set[str] = set()
+        self.loads: list[KVLoad] = []
+        self.done_loads: list[str] = []
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.plans.append(plan)
+        self.known -= set(plan.finished_ids)
+        self.known |= {r.request_id for r in plan.new_requests}
+        self.start_loads(plan.loads)
+        assert all(c.request_id in self.known for c in plan.chunks), "a chunk of a request the runner never saw"
+        return StepResult({c.request_id: 7 for c in plan.chunks if c.sample})
+
+    def start_loads(self, loads: list[KVLoad]) -> None:
+        self.loads += loads
+
+    def complete_loads(self) -> None:
+        for load in self.loads:
+            for tier, src, dst in load.copies:
+                self.mover.copy_blocks(Tier(tier), src, Tier.DEVICE, dst)
+            self.done_loads.append(load.request_id)
+        self.loads = []
+
+    def finished_loads(self) -> list[str]:
+        done, self.done_loads = self.done_loads, []
+        return done
+
+    def wait_loads(self) -> None:
+        self.complete_loads()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_engine(num_blocks: int = 64, budget: int = 32, max_num_seqs: int = 8, caching: bool = True,
+                num_host_blocks: int = 0) -> tuple[Engine, ScriptedRunner]:
+    cfg = EngineConfig(block_size=BS, num_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+                       enable_prefix_caching=caching, num_host_blocks=num_host_blocks)
+    runner = ScriptedRunner(num_blocks, num_host_blocks)
+    return Engine(cfg, runner, {EOS}, clock=Clock()), runner
+
+
+def add(engine: Engine, rid: str, prompt: list[int], max_tokens: int = 3) -> None:
+    assert engine.add_request(AddRequest(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))) is None
+
+
+def chunk_sizes(plan: StepPlan) -> dict[str, int]:
+    return {c.request_id: len(c.token_ids) for c in plan.chunks}
+
+
+def run_to_end(engine: Engine) -> list[RequestOutput]:
+    outputs = []
+    while engine.has_work:
+        outputs += engine.step()
+    return outputs
+
+
+def assert_no_block_held(engine: Engine) -> None:
+    for tier in engine.mempool.tiers:
+        s = engine.mempool.stats()[tier.name.lower()]
+        assert s["free"] + s["evictable"] == s["total"], (tier, s)
+
+
+def test_chunked_prefill_respects_the_token_budget_and_decodes_first():
+    engine, runner = make_engine(budget=32)
+    add(engine, "long", list(range(1, 71)))  # 70 prompt tokens: chunks of 32, 32, 6
+    engine.step()
+    add(engine, "short", list(range(100, 110)))
+    engine.step()
+    engine.step()
+    assert [chunk_sizes(p) for p in runner.plans[:3]] == [
+        {"long": 32}, {"long": 32}, {"long": 6, "short": 10}]
+    assert [c.sample for c in runner.plans[2].chunks] == [True, True]
+    assert chunk_sizes(engine_step_plan(engine, runner)) == {"long": 1, "short": 1}  # both decode
+    run_to_end(engine)
+    assert_no_block_held(engine)
+
+
+def engine_step_plan(engine: Engine, runner: ScriptedRunner) -> StepPlan:
+    engine.step()
+    return runner.plans[-1]
+
+
+def test_preemption_takes_the_newest_request_and_recomputes_it():
+    engine, runner = make_engine(num_blocks=6, budget=64)
+    add(engine, "old", list(range(1, 12)), max_tokens=8)  # 11 tokens: 3 blocks, grows to 19 (5 blocks)
+    add(engine, "new", list(range(20, 31)), max_tokens=8)
+    engine.step()
+    assert chunk_sizes(runner.plans[0]) == {"old": 11, "new": 11}
+    outputs = run_to_end(engine)
+    preempted = [p.preempted_ids for p in runner.plans if p.preempted_ids]
+    assert preempted and all(ids == ["new"] for ids in preempted)
+    assert engine.stats()["num_preemptions"] >= 1
+    finished = {o.request_id: o.finish_reason for o in outputs if o.finished}
+    assert finished == {"old": "length", "new": "length"}
+    # After preemption the newest request recomputes everything after its cached blocks.
+    resumed = next(i for i, p in enumerate(runner.plans) if p.preempted_ids)
+    later = next(p for p in runner.plans[resumed + 1:] if "new" in chunk_sizes(p))
+    chunk = next(c for c in later.chunks if c.request_id == "new")
+    assert chunk.start_pos % BS == 0 and len(chunk.token_ids) > 1 and chunk.sample
+    assert_no_block_held(engine)
+
+
+def test_prefix_hits_skip_cached_blocks_and_leave_one_token_to_compute():
+    engine, runner = make_engine()
+    prompt = list(range(1, 17))  # exactly 4 blocks
+    add(engine, "first", prompt)
+    run_to_end(engine)
+    add(engine, "again", prompt)
+    engine.step()
+    chunk = runner.plans[-1].chunks[0]
+    assert (chunk.start_pos, len(chunk.token_ids)) == (12, 4)  # 3 cached blocks; the 4th holds the last token
+    out = run_to_end(engine)
+    assert out[-1].num_cached_tokens == 12
+    assert_no_block_held(engine)
+
+
+def test_a_request_waits_for_its_kv_while_others_run():
+    engine, runner = make_engine(num_blocks=8, num_host_blocks=32, budget=64)
+    history = list(range(1, 25))  # 6 blocks
+    add(engine, "turn1", history, max_tokens=1)
+    run_to_end(engine)
+    add(engine, "filler", list(range(200, 224)), max_tokens=1)  # pushes turn1's blocks to the host tier
+    run_to_end(engine)
+    assert engine.mempool.stats()["host"]["cached"] > 0
+    add(engine, "turn2", history + [50, 51, 52], max_tokens=2)
+    add(engine, "other", [300, 301, 302], max_tokens=4)
+    engine.step()
+    assert runner.loads and runner.loads[0].request_id == "turn2"
+    assert engine.scheduler.loading.keys() == {"turn2"}
+    for _ in range(2):  # the load is still running: only the other request steps
+        engine.step()
+        assert "turn2" not in chunk_sizes(runner.plans[-1])
+        assert "other" in chunk_sizes(runner.plans[-1])
+    runner.complete_loads()
+    engine.step()
+    turn2 = next(c for c in runner.plans[-1].chunks if c.request_id == "turn2")
+    assert turn2.start_pos > 0  # the loaded prefix is skipped
+    out = run_to_end(engine)
+    assert any(o.request_id == "turn2" and o.finished for o in out)
+    assert engine.stats()["num_swapped_in"] > 0
+    assert_no_block_held(engine)
+
+
+@pytest.mark.parametrize("state", ["waiting", "loading", "running-prefill", "running-decode"])
+def test_abort_in_every_state_frees_every_block(state):
+    engine, runner = make_engine(num_blocks=8, num_host_blocks=32, budget=8)
+    history = list(range(1, 25))
+    if state.startswith("loading"):
+        add(engine, "h", history, max_tokens=1)
+        run_to_end(engine)
+        add(engine, "f", list(range(200, 224)), max_tokens=1)
+        run_to_end(engine)
+    prompt = history + [50] if state.startswith("loading") else list(range(1, 20))
+    add(engine, "victim", prompt, max_tokens=5)
+    if state == "loading":
+        engine.step()
+        assert engine.scheduler.loading and runner.loads  # the runner is copying
+    elif state == "running-prefill":
+        engine.step()
+        assert engine.scheduler.running and runner.plans[-1].chunks[0].sample is False
+    elif state == "running-decode":
+        while not any(c.sample for p in runner.plans for c in p.chunks):
+            engine.step()
+        engine.step()
+    out = engine.abort("victim")
+    assert out is not None and out.finish_reason == "abort"
+    assert engine.abort("victim") is None  # unknown now: harmless
+    runner.complete_loads()
+    run_to_end(engine)
+    assert not engine.has_work
+    assert_no_block_held(engine)
+    assert "victim" not in runner.known or not engine.scheduler.running
+
+
+def test_requests_that_can_never_fit_are_refused_at_once():
+    engine, _ = make_engine(num_blocks=4)
+    out = engine.add_request(AddRequest("big", list(range(1, 30)), SamplingParams(max_tokens=1)))
+    assert out is not None and out.finish_reason == "error" and "does not fit" in out.error
+    assert not engine.has_work
+
+
+def test_scheduler_state_is_consistent_after_a_random_workload():
+    import random
+
+    rng = random.Random(0)
+    engine, runner = make_engine(num_blocks=24, num_host_blocks=48, budget=24, max_num_seqs=4)
+    prefixes = [[rng.randrange(1, VOCAB - 1) for _ in range(rng.randrange(4, 30))] for _ in range(5)]
+    for i in range(60):
+        prompt = rng.choice(prefixes) + [rng.randrange(1, VOCAB - 1) for _ in range(rng.randrange(1, 10))]
+        add(engine, f"r{i}", prompt, max_tokens=rng.randrange(1, 6))
+        for _ in range(rng.randrange(0, 4)):
+            engine.step()
+            if rng.random() < 0.5:
+                runner.complete_loads()
+            if rng.random() < 0.1:
+                engine.abort(f"r{rng.randrange(0, i + 1)}")
+        s = engine.scheduler
+        states = [seq.status for seq in s.running] + [seq.status for seq in s.loading.values()]
+        assert all(st in (SequenceStatus.RUNNING, SequenceStatus.WAITING_FOR_KV) for st in states)
+    while engine.has_work:
+        runner.complete_loads()
+        engine.step()
+    assert_no_block_held(engine)
