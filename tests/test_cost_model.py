@@ -184,7 +184,7 @@ def test_profile_quick_end_to_end(tmp_path: Path, monkeypatch):
     import torch
 
     from memserve.config import EngineConfig
-    from memserve.workers.engine import Engine
+    from memserve.workers.engine import build_engine
     from memserve.models.gguf_convert import cache_root, ensure_model_dir
 
     (tmp_path / "models").symlink_to(cache_root())  # a fresh cost-model cache, the same converted model
@@ -209,7 +209,7 @@ def test_profile_quick_end_to_end(tmp_path: Path, monkeypatch):
     torch.set_num_threads(1)  # as profiled
     try:
         cfg = EngineConfig(dtype="float32", num_blocks=64, max_num_batched_tokens=256)
-        engine = Engine(cfg, ensure_model_dir(None))
+        engine = build_engine(cfg, ensure_model_dir(None))
         rng = random.Random(7)
         _median_prefill_s(engine, rng, 128, 0, repeats=1)  # warm-up
         rounds = [[_median_prefill_s(engine, rng, x, c) for x, c in points] for _ in range(2)]
