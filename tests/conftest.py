@@ -82,6 +82,21 @@ def stop_server(handle: ServerHandle, timeout_s: float = 20.0) -> int:
     return handle.process.returncode
 
 
+@pytest.fixture(scope="module")
+def tokenizer_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2's tokenizer files alone (no weights), for gateway tests on a fake engine."""
+    from test_chat_template import smollm2_tokenizer_folder
+
+    return smollm2_tokenizer_folder(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_folder: Path):
+    from memserve.gateway.tokenizer import Tokenizer
+
+    return Tokenizer.from_folder(tokenizer_folder)
+
+
 @pytest.fixture(scope="session")
 def memserve_server(tmp_path_factory):
     """One live server for the end-to-end tests: float32 (so greedy output can be compared

@@ -25,21 +25,10 @@ from memserve.gateway.app import create_app
 from memserve.gateway.engine_protocol import EngineUnavailable, RequestRejected
 from memserve.gateway.tokenizer import Tokenizer
 from memserve.ipc.messages import RequestOutput, SamplingParams
-from test_chat_template import smollm2_tokenizer_folder
 
 MODEL = "smollm2-test"
 REPLY = "Hello! 😀 你好. The end is near."
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def tokenizer_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return smollm2_tokenizer_folder(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tokenizer_folder: Path) -> Tokenizer:
-    return Tokenizer.from_folder(tokenizer_folder)
 
 
 class FakeEngine:

@@ -35,20 +35,11 @@ from memserve.gateway.errors import APIError
 from memserve.gateway.prompt_encoder import INLINE_MAX_CHARS, PromptEncoder
 from memserve.gateway.protocol import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from memserve.gateway.tokenizer import Tokenizer
-from test_chat_template import smollm2_tokenizer_folder
 from test_gateway_api import MESSAGES, MODEL, FakeEngine, async_test, post, serve
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 
 
-@pytest.fixture(scope="module")
-def tokenizer_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return smollm2_tokenizer_folder(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tokenizer_folder: Path) -> Tokenizer:
-    return Tokenizer.from_folder(tokenizer_folder)
 
 LOOPS = ["asyncio", pytest.param("uvloop", marks=pytest.mark.skipif(find_spec("uvloop") is None,
                                                                     reason="uvloop is not installed"))]

@@ -22,7 +22,7 @@ from conftest import REPO, ServerHandle
 from memserve.gateway.engine_protocol import EngineUnavailable, RequestRejected
 from memserve.gateway.responses import ChatFormat, CompletionFormat, Usage
 from memserve.gateway.tokenizer import Tokenizer
-from test_chat_template import _folder_without_template, smollm2_tokenizer_folder
+from test_chat_template import _folder_without_template
 from test_gateway_api import MESSAGES, FakeEngine, async_test, post, serve
 
 SCHEMAS_PATH = REPO.parent / "shared" / "specs" / "openai-schemas.json"
@@ -301,11 +301,6 @@ def test_error_object(memserve_server: ServerHandle, method: str, path: str, bod
 
 
 # ----------------------------------------------------------------------------- a scripted engine
-
-
-@pytest.fixture(scope="module")
-def tokenizer_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return smollm2_tokenizer_folder(tmp_path_factory)
 
 
 @pytest.mark.parametrize("path,fields,schema", ENDPOINTS)

@@ -199,52 +199,45 @@ def _ask(endpoint: KVTransferEndpoint, sock: zmq.Socket, msg: Any) -> Any:
     raise AssertionError("no answer")
 
 
-def test_garbage_on_the_socket_does_not_stop_serving():
+@pytest.fixture
+def stray() -> tuple[MemPool, KVTransferEndpoint, zmq.Socket]:
+    """A receiver and a raw socket anyone on the machine could open to it."""
     pool, _, endpoint = make_instance(RECEIVER)
-    stray = zmq.Context.instance().socket(zmq.DEALER)
-    stray.connect(endpoint.address)
-    try:
-        stray.send(b"\x93not msgpack")
-        stray.send(b"")
-        endpoint.expect("t1", 9, 2)
-        reply = _ask(endpoint, stray, KVAllocRequest(1, 9, 2, int(Tier.DEVICE), "t1"))
-        assert reply.error is None and len(reply.addrs) == 2  # the garbage was skipped, the request answered
-    finally:
-        stray.close(linger=0)
-        endpoint.close()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(endpoint.address)
+    yield pool, endpoint, sock
+    sock.close(linger=0)
+    endpoint.close()
 
 
-def test_unannounced_or_oversized_allocations_are_refused():
+def test_garbage_on_the_socket_does_not_stop_serving(stray):
+    _, endpoint, sock = stray
+    sock.send(b"\x93not msgpack")
+    sock.send(b"")
+    endpoint.expect("t1", 9, 2)
+    reply = _ask(endpoint, sock, KVAllocRequest(1, 9, 2, int(Tier.DEVICE), "t1"))
+    assert reply.error is None and len(reply.addrs) == 2  # the garbage was skipped, the request answered
+
+
+def test_unannounced_or_oversized_allocations_are_refused(stray):
     """One stray message once allocated nearly the whole pool for a fictitious peer."""
-    pool, _, endpoint = make_instance(RECEIVER)
-    stray = zmq.Context.instance().socket(zmq.DEALER)
-    stray.connect(endpoint.address)
+    pool, endpoint, sock = stray
     free = pool.stats()["device"]["free"]
-    try:
-        assert "no transfer" in _ask(endpoint, stray, KVAllocRequest(1, 9, 30, int(Tier.DEVICE))).error
-        endpoint.expect("t1", SENDER, 4)
-        assert "no transfer" in _ask(endpoint, stray, KVAllocRequest(2, 9, 4, int(Tier.DEVICE), "t1")).error
-        assert "at most 4" in _ask(endpoint, stray, KVAllocRequest(3, SENDER, 30, int(Tier.DEVICE), "t1")).error
-        assert pool.stats()["device"]["free"] == free
-        assert len(_ask(endpoint, stray, KVAllocRequest(4, SENDER, 4, int(Tier.DEVICE), "t1")).addrs) == 4
-        assert "no transfer" in _ask(endpoint, stray, KVAllocRequest(5, SENDER, 4, int(Tier.DEVICE), "t1")).error
-    finally:
-        stray.close(linger=0)
-        endpoint.close()
+    assert "no transfer" in _ask(endpoint, sock, KVAllocRequest(1, 9, 30, int(Tier.DEVICE))).error
+    endpoint.expect("t1", SENDER, 4)
+    assert "no transfer" in _ask(endpoint, sock, KVAllocRequest(2, 9, 4, int(Tier.DEVICE), "t1")).error
+    assert "at most 4" in _ask(endpoint, sock, KVAllocRequest(3, SENDER, 30, int(Tier.DEVICE), "t1")).error
+    assert pool.stats()["device"]["free"] == free
+    assert len(_ask(endpoint, sock, KVAllocRequest(4, SENDER, 4, int(Tier.DEVICE), "t1")).addrs) == 4
+    assert "no transfer" in _ask(endpoint, sock, KVAllocRequest(5, SENDER, 4, int(Tier.DEVICE), "t1")).error
 
 
-def test_blocks_of_a_transfer_that_never_completes_are_reclaimed():
-    pool, _, endpoint = make_instance(RECEIVER)
-    stray = zmq.Context.instance().socket(zmq.DEALER)
-    stray.connect(endpoint.address)
+def test_blocks_of_a_transfer_that_never_completes_are_reclaimed(stray):
+    pool, endpoint, sock = stray
     free = pool.stats()["device"]["free"]
-    try:
-        endpoint.expect("t1", SENDER, 5, ttl_s=0.3)
-        assert len(_ask(endpoint, stray, KVAllocRequest(1, SENDER, 5, int(Tier.DEVICE), "t1")).addrs) == 5
-        assert pool.stats()["device"]["free"] == free - 5
-        time.sleep(0.35)
-        endpoint.serve(timeout_ms=0)
-        assert pool.stats()["device"]["free"] == free
-    finally:
-        stray.close(linger=0)
-        endpoint.close()
+    endpoint.expect("t1", SENDER, 5, ttl_s=0.3)
+    assert len(_ask(endpoint, sock, KVAllocRequest(1, SENDER, 5, int(Tier.DEVICE), "t1")).addrs) == 5
+    assert pool.stats()["device"]["free"] == free - 5
+    time.sleep(0.35)
+    endpoint.serve(timeout_ms=0)
+    assert pool.stats()["device"]["free"] == free

@@ -13,6 +13,7 @@ from typing import Protocol
 
 from memserve.gateway.engine_protocol import EngineUnavailable
 from memserve.kvcache.mirror import PromptTreeMirror
+from memserve.registry import make
 
 # Seconds a client is asked to wait when every worker is restarting.
 RESTART_RETRY_AFTER_S = 5.0
@@ -61,10 +62,7 @@ class Router:
 
     @classmethod
     def named(cls, name: str) -> Router:
-        try:
-            return cls(ROUTING_POLICIES[name]())
-        except KeyError:
-            raise ValueError(f"unknown router {name!r}; expected one of {sorted(ROUTING_POLICIES)}") from None
+        return cls(make(ROUTING_POLICIES, name, "router"))
 
     def route(self, request: RouteRequest, workers: list[WorkerView]) -> int:
         candidates = [w for w in workers if w.state == "ok"] or [w for w in workers if w.state == "degraded"]

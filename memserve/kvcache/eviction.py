@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+from memserve.registry import make
+
 if TYPE_CHECKING:
     from memserve.kvcache.radix import RadixNode
 
@@ -36,7 +38,4 @@ EVICTION_POLICIES: dict[str, type] = {"lru": LRU}
 
 
 def make_eviction_policy(name: str) -> EvictionPolicy:
-    try:
-        return EVICTION_POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown eviction policy {name!r}; expected one of {sorted(EVICTION_POLICIES)}") from None
+    return make(EVICTION_POLICIES, name, "eviction policy")

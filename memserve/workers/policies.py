@@ -9,6 +9,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Protocol
 
+from memserve.registry import make
 from memserve.workers.sequence import Sequence
 
 
@@ -82,7 +83,4 @@ SCHEDULE_POLICIES: dict[str, type] = {"fcfs": FCFS}
 
 
 def make_schedule_policy(name: str) -> SchedulePolicy:
-    try:
-        return SCHEDULE_POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown schedule policy {name!r}; expected one of {sorted(SCHEDULE_POLICIES)}") from None
+    return make(SCHEDULE_POLICIES, name, "schedule policy")
