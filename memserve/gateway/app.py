@@ -91,11 +91,11 @@ def _client_gone(request: web.Request) -> bool:
 
 
 def _engine_error(exc: Exception) -> APIError:
-    if isinstance(exc, RequestRejected):
-        headers = {"Retry-After": str(math.ceil(exc.retry_after_s))} if exc.retry_after_s is not None else None
-        return APIError(429, str(exc), code="slo_unattainable", headers=headers)
-    if isinstance(exc, EngineUnavailable):
-        headers = {"Retry-After": str(math.ceil(exc.retry_after_s))} if exc.retry_after_s is not None else None
+    if isinstance(exc, (RequestRejected, EngineUnavailable)):
+        wait = exc.retry_after_s
+        headers = {"Retry-After": str(math.ceil(wait))} if wait is not None else None
+        if isinstance(exc, RequestRejected):
+            return APIError(429, str(exc), code="slo_unattainable", headers=headers)
         return APIError(503, str(exc), headers=headers)
     return APIError(500, f"engine error: {exc}")
 
