@@ -58,9 +58,6 @@ class ScriptedRunner:
         done, self.done_loads = self.done_loads, []
         return done
 
-    def wait_loads(self) -> None:
-        self.complete_loads()
-
 
 class Clock:
     def __init__(self) -> None:

@@ -73,5 +73,3 @@ class SimulatedRunner:
             del self._loads[rid]
         return done
 
-    def wait_loads(self) -> None:
-        self._loads = {rid: self.clock() for rid in self._loads}

@@ -11,7 +11,7 @@ into is handed to anyone else, so steps and loads touch disjoint blocks."""
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -126,5 +126,3 @@ class ModelRunner:
             self._loads.pop(rid).result()  # a failed copy raises here, in the engine's step
         return done
 
-    def wait_loads(self) -> None:
-        wait(list(self._loads.values()))

@@ -28,6 +28,3 @@ class Runner(Protocol):
         """Request ids whose loads completed since the last call."""
         ...
 
-    def wait_loads(self) -> None:
-        """Block until every started load is done (shutdown, tests)."""
-        ...

@@ -50,10 +50,6 @@ class StepPlan:
     finished_ids: list[str] = field(default_factory=list)  # left since the last plan: forget them
     preempted_ids: list[str] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.chunks)
-
     def only(self, chunk: ScheduledChunk) -> StepPlan:
         """The same plan restricted to one chunk (to find which request fails a step)."""
         new = [r for r in self.new_requests if r.request_id == chunk.request_id]
