@@ -6,7 +6,7 @@ the run, so records of one run can be laid on one time line.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -38,9 +38,10 @@ class RequestRecord:
 
     def to_json(self) -> dict:
         """The record without the output text (kept small for results files)."""
-        d = asdict(self)
+        d = dict(vars(self))  # shallow: every field is a scalar or a list of scalars
         del d["output_text"]
         d["chunk_times"] = [round(t, 6) for t in self.chunk_times]
+        d["chunk_tokens"] = list(self.chunk_tokens)
         return d
 
     @classmethod

@@ -25,12 +25,17 @@ class TextTokenizer(Protocol):
 
 
 class SyntheticTokenizer:
+    def __init__(self) -> None:
+        self._words: dict[str, list[int]] = {}  # a conversation repeats its words turn after turn
+
     def encode(self, text: str) -> list[int]:
-        ids = []
+        ids: list[int] = []
         for word in _WORDS.findall(text):
-            for i in range(0, len(word), CHARS_PER_TOKEN):
-                piece = word[i : i + CHARS_PER_TOKEN]
-                ids.append(100 + zlib.crc32(piece.encode()) % (SIM_VOCAB - 200))
+            pieces = self._words.get(word)
+            if pieces is None:
+                pieces = self._words[word] = [100 + zlib.crc32(word[i : i + CHARS_PER_TOKEN].encode()) % (SIM_VOCAB - 200)
+                                              for i in range(0, len(word), CHARS_PER_TOKEN)]
+            ids += pieces
         return ids
 
 
