@@ -42,6 +42,9 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
                    help="how the gateway picks a worker for each request")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0,
                    help="seconds of silence after which a worker is declared dead, failed and restarted")
+    p.add_argument("--spare-workers", type=int, default=0,
+                   help="CPU workers kept loaded and warmed up to replace one that dies within a second "
+                        "(each holds the model and a KV pool in memory)")
     p.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds a connection has to send a complete request head (from connect or the last response)")
     p.add_argument("--body-timeout", type=float, default=10.0, help="seconds a request body has to arrive (408)")
@@ -81,6 +84,7 @@ def _run_up(args: argparse.Namespace) -> int:
         gpus=[int(g) for g in args.gpus.split(",")] if args.gpus else None,
         served_model_name=args.served_model_name,
         heartbeat_timeout_s=args.heartbeat_timeout,
+        spare_workers=args.spare_workers,
         header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout,
         max_connections=args.max_connections,

@@ -57,6 +57,7 @@ class ServeConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     router: str = "least-load"  # gateway/router.py
     heartbeat_timeout_s: float = 5.0  # a worker silent this long is declared dead and restarted
+    spare_workers: int = 0  # CPU workers loaded and warmed up ahead, to replace one that dies
     header_timeout_s: float = 10.0  # a request head must arrive this soon after connect / the last response
     body_timeout_s: float = 10.0  # a request body must arrive within this
     max_connections: int = 1024  # open HTTP connections; past it a new one is answered 503

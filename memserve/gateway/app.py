@@ -268,15 +268,17 @@ class _OpenAIServer:
         """200 when every worker is alive, else 503 naming the dead ones; status
         ``degraded`` (still 200) names workers whose heartbeats are late or whose step is
         stuck. Each worker's load and KV pool figures come along for operators and tests."""
-        workers = [{**w, "alive": bool(w.get("alive"))} for w in self._engine.stats().get("workers", [])]
+        stats = self._engine.stats()
+        workers = [{**w, "alive": bool(w.get("alive"))} for w in stats.get("workers", [])]
+        body = {"workers": workers, "spare_workers": stats.get("spare_workers", [])}
         dead = [w["instance_id"] for w in workers if not w["alive"]]
         if not workers or dead:
             detail = f"workers not alive: {dead}" if dead else "no workers"
-            return _json({"status": "unhealthy", "detail": detail, "workers": workers}, status=503)
+            return _json({"status": "unhealthy", "detail": detail, **body}, status=503)
         degraded = [w["instance_id"] for w in workers if w.get("state") == "degraded"]
         if degraded:
-            return _json({"status": "degraded", "detail": f"workers degraded: {degraded}", "workers": workers})
-        return _json({"status": "ok", "workers": workers})
+            return _json({"status": "degraded", "detail": f"workers degraded: {degraded}", **body})
+        return _json({"status": "ok", **body})
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self._metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})

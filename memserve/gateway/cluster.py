@@ -1,6 +1,7 @@
 """Cluster manager: spawns one worker process per GPU (or per CPU worker), tracks their
 liveness from heartbeats and exit codes, restarts a worker that died, and stops them all
-on shutdown so that no orphan is left behind.
+on shutdown so that no orphan is left behind. With ``spare_workers``, CPU workers
+that died are replaced by spares that loaded the model and warmed up ahead of time.
 
 Workers are started with ``subprocess`` (not ``fork``) so the gateway never imports
 torch and a worker never inherits the gateway's event loop."""
@@ -9,7 +10,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import select
 import subprocess
 import sys
 import time
@@ -22,6 +25,8 @@ log = logging.getLogger("memserve.cluster")
 # Missed heartbeats after which a worker is reported degraded (and avoided by routing);
 # it is declared dead, failed and restarted after the heartbeat timeout.
 DEGRADED_AFTER_HEARTBEATS = 2.5
+# Seconds between two spare-worker starts.
+SPARE_RESPAWN_S = 10.0
 
 
 @dataclass
@@ -70,26 +75,92 @@ def plan_workers(engine: EngineConfig, gateway_addr: str, cpu_workers: int, gpus
 
 
 class Cluster:
-    def __init__(self, configs: list[WorkerConfig], heartbeat_timeout_s: float = 5.0) -> None:
+    def __init__(self, configs: list[WorkerConfig], heartbeat_timeout_s: float = 5.0, spare_workers: int = 0) -> None:
         self.workers = {c.instance_id: WorkerHandle(c) for c in configs}
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        # Spares replace CPU workers only: on a GPU a spare would hold a second copy of
+        # the model and its KV pool in the memory the serving worker needs.
+        cpu = bool(configs) and all(c.engine.device == "cpu" for c in configs)
+        if spare_workers and not cpu:
+            log.warning("--spare-workers applies to CPU workers only; starting none")
+        self.num_spares = spare_workers if cpu else 0
+        self.spares: list[subprocess.Popen] = []
+        self._ready_spares: set[subprocess.Popen] = set()
+        self._spare_spawned_at = -math.inf
 
-    def spawn(self, instance_id: int) -> None:
-        handle = self.workers[instance_id]
+    def _env(self, device: str) -> dict[str, str]:
         env = dict(os.environ)
-        device = handle.config.engine.device
         if device.startswith("cuda:"):
             # Each worker sees only its GPU, as cuda:0.
             env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
-            handle.config.engine.device = "cuda:0"
         if device == "cpu" and len(self.workers) > 1 and "OMP_NUM_THREADS" not in env:
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // len(self.workers)))
+        return env
+
+    def spawn(self, instance_id: int) -> None:
+        """Start worker ``instance_id``: a spare takes over when one is there, else a new process."""
+        handle = self.workers[instance_id]
+        device = handle.config.engine.device
         handle.ready = False
+        handle.process = self._take_spare(instance_id) if device == "cpu" else None
+        if handle.process is not None:
+            log.info("spare worker (pid %d) takes over as worker %d", handle.process.pid, instance_id)
+            return
+        env = self._env(device)
+        if device.startswith("cuda:"):
+            handle.config.engine.device = "cuda:0"
         handle.process = subprocess.Popen(
             [sys.executable, "-m", "memserve.workers.worker", json.dumps(handle.config.to_dict())], env=env
         )
         log.info("spawned worker %d (pid %d, %s, role %s)", instance_id, handle.process.pid, device,
                  handle.config.role)
+
+    def spare_states(self) -> list[dict]:
+        """Each spare's pid and state: ``ready`` (prepared, waiting on its stdin) or ``starting``."""
+        for spare in self.spares:
+            if spare not in self._ready_spares and select.select([spare.stdout], [], [], 0)[0]:
+                if spare.stdout.readline().strip() == b"ready":  # type: ignore[union-attr]
+                    self._ready_spares.add(spare)
+        return [{"pid": spare.pid, "state": "ready" if spare in self._ready_spares else "starting"}
+                for spare in self.spares]
+
+    def _take_spare(self, instance_id: int) -> subprocess.Popen | None:
+        self.spare_states()
+        self.spares.sort(key=lambda spare: spare not in self._ready_spares)
+        while self.spares:
+            spare = self.spares.pop(0)
+            self._ready_spares.discard(spare)
+            try:
+                spare.stdin.write(f"{instance_id}\n".encode())  # type: ignore[union-attr]
+                spare.stdin.close()  # type: ignore[union-attr]
+                return spare
+            except OSError:  # it died meanwhile
+                spare.wait()
+        return None
+
+    def refill_spares(self) -> None:
+        """Keep ``num_spares`` spare workers preparing or ready, once every worker is ready
+        (spares must not slow the first start), and at most one new spare per
+        ``SPARE_RESPAWN_S`` (a spare that cannot start must not loop)."""
+        alive = []
+        for spare in self.spares:
+            if spare.poll() is None:
+                alive.append(spare)
+            else:
+                log.warning("spare worker (pid %d) exited with code %s", spare.pid, spare.returncode)
+                self._ready_spares.discard(spare)
+        self.spares = alive
+        now = time.monotonic()
+        if (len(self.spares) >= self.num_spares or now - self._spare_spawned_at < SPARE_RESPAWN_S
+                or not all(h.ready for h in self.workers.values())):
+            return
+        template = next(iter(self.workers.values())).config
+        spare = subprocess.Popen([sys.executable, "-m", "memserve.workers.worker", "--spare",
+                                  json.dumps(template.to_dict())], env=self._env("cpu"),
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.spares.append(spare)
+        self._spare_spawned_at = now
+        log.info("started a spare worker (pid %d)", spare.pid)
 
     def spawn_all(self) -> None:
         for i in self.workers:
@@ -134,7 +205,14 @@ class Cluster:
 
     def stop_all(self, grace_s: float = 5.0) -> None:
         """SIGTERM every worker, wait up to ``grace_s``, then SIGKILL what is left."""
+        for spare in self.spares:  # end of file on stdin: not needed
+            try:
+                spare.stdin.close()  # type: ignore[union-attr]
+            except OSError:
+                pass
         procs = [h.process for h in self.workers.values() if h.process and h.process.poll() is None]
+        procs += [spare for spare in self.spares if spare.poll() is None]
+        self.spares, self._ready_spares = [], set()
         for p in procs:
             p.terminate()
         deadline = time.monotonic() + grace_s

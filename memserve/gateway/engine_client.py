@@ -211,7 +211,8 @@ class ZmqEngineClient:
                 "prompt_tokens_total": s.get("prompt_tokens_total", 0),
                 "mirror_blocks": len(self.mirrors[h.instance_id].entries()),
             })
-        return {"workers": workers, "num_requests_in_flight": len(self._streams)}
+        return {"workers": workers, "spare_workers": self.cluster.spare_states(),
+                "num_requests_in_flight": len(self._streams)}
 
     # ------------------------------------------------------------------ loops
     async def _recv_loop(self) -> None:
@@ -262,6 +263,7 @@ class ZmqEngineClient:
                         pass
             for h in self.cluster.find_dead():
                 self._fail_worker(h)
+            self.cluster.refill_spares()
 
     def _fail_worker(self, h: WorkerHandle) -> None:
         log.error("worker %d died (exit code %s); failing its requests and restarting it", h.instance_id,

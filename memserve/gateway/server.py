@@ -45,7 +45,7 @@ async def serve(cfg: ServeConfig) -> None:
     runtime_dir = tempfile.mkdtemp(prefix="memserve-")
     channel = GatewayChannel(f"ipc://{runtime_dir}/gateway")
     cluster = Cluster(plan_workers(cfg.engine, channel.address, cfg.cpu_workers, cfg.gpus, runtime_dir=runtime_dir),
-                      cfg.heartbeat_timeout_s)
+                      cfg.heartbeat_timeout_s, cfg.spare_workers)
     client = ZmqEngineClient(channel, cluster, cfg.engine.block_size, router=Router.named(cfg.router))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -112,7 +112,9 @@ class KVCacheManager:
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Blocks for ``num_new_tokens`` more tokens after the computed ones; False (and
         nothing allocated) when the pool cannot provide them now."""
-        blocks = self._blocks.setdefault(seq.request_id, _RequestBlocks())
+        blocks = self._blocks.get(seq.request_id)
+        if blocks is None:
+            blocks = self._blocks[seq.request_id] = _RequestBlocks()
         need = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(blocks.addrs)
         if need <= 0:
             return True

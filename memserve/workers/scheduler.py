@@ -79,6 +79,10 @@ class Scheduler:
         self._finish(seq, "abort")
         return seq
 
+    def request_ids(self) -> list[str]:
+        """Every request not finished, in any state."""
+        return list(self._requests)
+
     @property
     def has_work(self) -> bool:
         return bool(len(self.policy) or self.running or self.loading or self.kv.has_abandoned_loads)

@@ -6,7 +6,9 @@ each token as soon as it is sampled. Heartbeats to the gateway go out from a thr
 their own (``heartbeat.py``), on time even during a long step. The worker exits when told
 to, on SIGTERM, when its parent dies, or when the gateway's heartbeats stop.
 
-Run as ``python -m memserve.workers.worker '<WorkerConfig as JSON>'``.
+Run as ``python -m memserve.workers.worker [--spare] '<WorkerConfig as JSON>'``. A spare
+worker loads the model and warms up ahead of time, then waits to replace a worker that
+died: taking over costs a socket and an engine over the ready model, not a cold start.
 """
 
 from __future__ import annotations
@@ -66,26 +68,37 @@ class Worker:
     def __init__(self, cfg: WorkerConfig) -> None:
         self.cfg = cfg
         self.id = cfg.instance_id
-        self.channel = WorkerChannel(cfg.gateway_addr, cfg.instance_id)
+        self.channel: WorkerChannel | None = None
         self.stopping = False
         self.parent = os.getppid()
+        self.runner = None
+        self.eos_token_ids: set[int] = set()
         self.engine = None
         self.endpoint: KVTransferEndpoint | None = None
         self.heartbeat: HeartbeatThread | None = None
         self._pushes: list[tuple[TransferPrefix, list[int], Future]] = []  # prefix transfers in flight
 
-    def start(self) -> None:
-        from memserve.workers.engine import build_engine  # heavy: torch and the model
+    def prepare(self) -> None:
+        """The heavy part of starting, which needs no identity: the model, its KV pool and
+        the warm-up (on a throwaway engine). A spare worker does it ahead of time."""
+        from memserve.workers.engine import Engine, eos_token_ids  # heavy: torch and the model
+        from memserve.workers.model_runner import ModelRunner
 
-        try:
-            self.engine = build_engine(self.cfg.engine, ensure_model_dir(self.cfg.engine.model), self.id)
-            started = time.monotonic()
-            steps = warm_up(self.engine)
-            log.info("worker %d: warmed up in %.1f s (%d steps)", self.id, time.monotonic() - started, steps)
-        except Exception as exc:
-            self.channel.send(WorkerError(self.id, f"worker {self.id} failed to start: {exc!r}"))
-            raise
-        e = self.engine
+        model_dir = ensure_model_dir(self.cfg.engine.model)
+        self.runner = ModelRunner(self.cfg.engine, model_dir)
+        self.eos_token_ids = eos_token_ids(model_dir)
+        started = time.monotonic()
+        steps = warm_up(Engine(self.cfg.engine, self.runner, self.eos_token_ids, -1))
+        log.info("warmed up in %.1f s (%d steps)", time.monotonic() - started, steps)
+
+    def connect(self) -> None:
+        self.channel = WorkerChannel(self.cfg.gateway_addr, self.id)
+
+    def start(self) -> None:
+        """Become instance ``self.id`` on the prepared model and report ready."""
+        from memserve.workers.engine import Engine
+
+        self.engine = e = Engine(self.cfg.engine, self.runner, self.eos_token_ids, self.id)
         # On one machine, the KV socket is a file in the gateway's private (0700) runtime
         # directory: no other user can reach it, and it listens on no port.
         bind = f"ipc://{self.cfg.runtime_dir}/kv-{self.id}" if self.cfg.runtime_dir else "tcp://127.0.0.1:*"
@@ -193,25 +206,31 @@ class Worker:
         except Exception:
             log.error("worker %d: engine step failed:\n%s", self.id, traceback.format_exc())
             failed = []
-            for seq in list(self.engine.scheduler.running) + list(self.engine.scheduler.waiting):
-                out = self.engine.abort(seq.request_id)
+            for request_id in self.engine.scheduler.request_ids():
+                out = self.engine.abort(request_id)
                 out.finish_reason, out.error = "error", "internal error in the engine step"
                 failed.append(out)
             return failed
 
     def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()  # saves in flight finish: their block files are whole
         if self.heartbeat is not None:
             self.heartbeat.stop()
         if self.endpoint is not None:
             self.endpoint.close()
-        self.channel.close()
+        if self.channel is not None:
+            self.channel.close()
 
 
 def main(argv: list[str] | None = None) -> None:
+    """``worker.py CONFIG`` starts instance ``CONFIG.instance_id``; ``worker.py --spare
+    CONFIG`` prepares, then waits for the instance id to become on its stdin (a line; end
+    of file means: not needed, exit)."""
     argv = sys.argv[1:] if argv is None else argv
-    cfg = WorkerConfig.from_dict(json.loads(argv[0]))
-    logging.basicConfig(level=os.environ.get("MEMSERVE_LOG_LEVEL", "INFO"),
-                        format=f"%(asctime)s worker{cfg.instance_id} %(levelname)s %(message)s")
+    spare = argv[0] == "--spare"
+    cfg = WorkerConfig.from_dict(json.loads(argv[-1]))
+    _configure_logging("spare" if spare else cfg.instance_id)
     _die_with_parent()
     # Ctrl-C reaches the whole process group; the gateway shuts workers down in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -222,10 +241,32 @@ def main(argv: list[str] | None = None) -> None:
 
     signal.signal(signal.SIGTERM, on_term)
     try:
+        if spare:
+            worker.prepare()
+            print("ready", flush=True)  # the gateway reads this on the spare's stdout
+            line = sys.stdin.readline().strip()
+            if not line or worker.stopping:
+                return
+            worker.id = cfg.instance_id = int(line)
+            _configure_logging(worker.id)
+            worker.connect()
+            log.info("spare worker takes over as worker %d", worker.id)
+        else:
+            worker.connect()
+            try:
+                worker.prepare()
+            except Exception as exc:
+                worker.channel.send(WorkerError(worker.id, f"worker {worker.id} failed to start: {exc!r}"))
+                raise
         worker.start()
         worker.run()
     finally:
         worker.close()
+
+
+def _configure_logging(name: int | str) -> None:
+    logging.basicConfig(level=os.environ.get("MEMSERVE_LOG_LEVEL", "INFO"), force=True,
+                        format=f"%(asctime)s worker{name} %(levelname)s %(message)s")
 
 
 if __name__ == "__main__":
