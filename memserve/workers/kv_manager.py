@@ -30,7 +30,7 @@ class ComputedPrefix:
     slow: list[int] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)
 class _RequestBlocks:
     addrs: list[int] = field(default_factory=list)  # device MemPool addresses, in token order
     ids: list[int] = field(default_factory=list)  # their block ids (the runner's block table)

@@ -105,11 +105,12 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.config.max_num_batched_tokens
+        running, allocate_slots, chunks = self.running, self.kv.allocate_slots, plan.chunks
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(seq, num_new):
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            num_new = min(len(seq.prompt_token_ids) + len(seq.output_token_ids) - seq.num_computed_tokens, budget)
+            while not allocate_slots(seq, num_new):
                 victim = self.policy.victim(self.running)
                 self.running.remove(victim)
                 self._preempt(victim)
@@ -117,15 +118,16 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                plan.chunks.append(self._chunk(seq, num_new))
+                chunks.append(self._chunk(seq, num_new))
                 budget -= num_new
                 i += 1
         if not plan.preempted_ids:
             self._admit(plan, budget)
         plan.loads = self.kv.take_loads()
-        plan.new_requests = [NewRequestData(c.request_id, self._requests[c.request_id].params)
-                             for c in plan.chunks if c.request_id in self._unseen]
-        self._unseen.difference_update(r.request_id for r in plan.new_requests)
+        if self._unseen:
+            plan.new_requests = [NewRequestData(c.request_id, self._requests[c.request_id].params)
+                                 for c in plan.chunks if c.request_id in self._unseen]
+            self._unseen.difference_update([r.request_id for r in plan.new_requests])
         plan.finished_ids, self._finished_ids = self._finished_ids, []
         return plan
 
@@ -165,7 +167,7 @@ class Scheduler:
         start = seq.num_computed_tokens
         end = start + num_new
         return ScheduledChunk(seq.request_id, seq.token_slice(start, end), start,
-                              self.kv.block_ids(seq.request_id), end == seq.num_tokens)
+                              self.kv.block_ids(seq.request_id), end == len(seq.prompt_token_ids) + len(seq.output_token_ids))
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
@@ -179,17 +181,19 @@ class Scheduler:
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         """Advance requests by what the step computed; return this step's token deltas."""
         outputs = []
+        requests, sampled, cache_full_blocks = self._requests, result.sampled, self.kv.cache_full_blocks
+        running = SequenceStatus.RUNNING
         for chunk in plan.chunks:
-            seq = self._requests.get(chunk.request_id)
-            if seq is None or seq.status is not SequenceStatus.RUNNING:
+            seq = requests.get(chunk.request_id)
+            if seq is None or seq.status is not running:
                 continue  # aborted while the step ran
             seq.num_computed_tokens += len(chunk.token_ids)
-            token = result.sampled.get(chunk.request_id)
+            token = sampled.get(chunk.request_id)
             if token is not None:
                 seq.output_token_ids.append(token)
                 self._check_stop(seq, token)
-            self.kv.cache_full_blocks(seq)
-            if seq.is_finished:
+            cache_full_blocks(seq)
+            if seq.status is SequenceStatus.FINISHED:
                 self.running.remove(seq)
                 self._release(seq)
             if token is not None:
@@ -200,7 +204,8 @@ class Scheduler:
         params = seq.params
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             self._finish(seq, "stop", release=False)
-        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        elif (len(seq.output_token_ids) >= params.max_tokens
+              or len(seq.prompt_token_ids) + len(seq.output_token_ids) >= self.config.max_model_len):
             self._finish(seq, "length", release=False)
 
     def _finish(self, seq: Sequence, reason: str, release: bool = True) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from memserve.ipc.messages import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class NewRequestData:
     """A request the runner has not seen yet."""
 
@@ -21,7 +21,7 @@ class NewRequestData:
     params: SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledChunk:
     """New tokens of one request computed this step."""
 
