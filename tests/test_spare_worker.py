@@ -8,9 +8,8 @@ import os
 import signal
 
 import pytest
-from openai import OpenAI
-
 from conftest import start_server, stop_server
+from openai import OpenAI
 from test_worker_faults import all_ok, health, wait_until, workers
 
 

@@ -118,9 +118,9 @@ class Cluster:
     def spare_states(self) -> list[dict]:
         """Each spare's pid and state: ``ready`` (prepared, waiting on its stdin) or ``starting``."""
         for spare in self.spares:
-            if spare not in self._ready_spares and select.select([spare.stdout], [], [], 0)[0]:
-                if spare.stdout.readline().strip() == b"ready":  # type: ignore[union-attr]
-                    self._ready_spares.add(spare)
+            if (spare not in self._ready_spares and select.select([spare.stdout], [], [], 0)[0]
+                    and spare.stdout.readline().strip() == b"ready"):  # type: ignore[union-attr]
+                self._ready_spares.add(spare)
         return [{"pid": spare.pid, "state": "ready" if spare in self._ready_spares else "starting"}
                 for spare in self.spares]
 
