@@ -46,14 +46,14 @@ def measure(running: int, steps: int, repeats: int) -> dict:
             sched = sched_mod.Scheduler(KVCacheManager(mempool, True), make_schedule_policy("fcfs"),
                                         sched_mod.SchedulerConfig(running, running * 512, 1 << 20), set(), time.monotonic)
 
-            def one_step(sched=sched) -> int:  # noqa: ANN001
+            def one_step(sched=sched) -> int:
                 plan = sched.schedule()
                 return len(sched.update(plan, StepResult({c.request_id: 1 for c in plan.chunks if c.sample})))
         else:  # before the engine seams
             sched = sched_mod.Scheduler(mempool, num_blocks, 16, running, running * 512, 1 << 20, set(), True,
                                         time.monotonic)
 
-            def one_step(sched=sched) -> int:  # noqa: ANN001
+            def one_step(sched=sched) -> int:
                 out = sched.schedule()
                 return len(sched.update(out, {seq: 1 for seq, _ in out.scheduled}))
         for i in range(running):
