@@ -27,6 +27,9 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     kv.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker")
     kv.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache size per worker")
     p.add_argument("--num-host-blocks", type=int, default=0, help="host-DRAM KV tier blocks per worker")
+    p.add_argument("--disk-cache-dir", default=None,
+                   help="disk KV tier: cached blocks saved here as files (kept across restarts); off by default")
+    p.add_argument("--disk-cache-gb", type=float, default=10.0, help="size of the disk KV tier per worker")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -40,6 +43,16 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--router", default="least-load", choices=sorted(ROUTING_POLICIES),
                    help="how the gateway picks a worker for each request")
+    p.add_argument("--cost-model", default=None,
+                   help="cost model for routing and TTFT predictions: a `memserve profile` JSON or a preset "
+                        "(default: this model's profile, if one was made)")
+    p.add_argument("--router-balance-abs", type=int, default=16,
+                   help="prompt-tree/cost: requests in flight beyond the least loaded worker after which the "
+                        "least loaded one is chosen instead (with --router-balance-rel)")
+    p.add_argument("--router-balance-rel", type=float, default=1.5,
+                   help="... and the ratio to the least loaded worker's requests it must also exceed")
+    p.add_argument("--router-cache-threshold", type=float, default=0.5,
+                   help="prompt-tree: follow a cached prefix only when it covers this share of the prompt")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0,
                    help="seconds of silence after which a worker is declared dead, failed and restarted")
     p.add_argument("--spare-workers", type=int, default=0,
@@ -56,6 +69,7 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
 
 def _run_up(args: argparse.Namespace) -> int:
     from memserve.gateway.engine_client import WorkerStartError
+    from memserve.gateway.router_setup import RouterConfigError
     from memserve.gateway.server import serve
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s gateway %(levelname)s %(message)s")
@@ -67,6 +81,8 @@ def _run_up(args: argparse.Namespace) -> int:
         num_blocks=args.num_blocks,
         kv_cache_gb=args.kv_cache_gb,
         num_host_blocks=args.num_host_blocks,
+        disk_cache_dir=args.disk_cache_dir,
+        disk_cache_gb=args.disk_cache_gb,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
@@ -89,6 +105,10 @@ def _run_up(args: argparse.Namespace) -> int:
         body_timeout_s=args.body_timeout,
         max_connections=args.max_connections,
         router=args.router,
+        cost_model=args.cost_model,
+        router_balance_abs=args.router_balance_abs,
+        router_balance_rel=args.router_balance_rel,
+        router_cache_threshold=args.router_cache_threshold,
     )
     try:
         from uvloop import run
@@ -96,7 +116,7 @@ def _run_up(args: argparse.Namespace) -> int:
         run = asyncio.run
     try:
         run(serve(cfg))
-    except WorkerStartError as exc:
+    except (WorkerStartError, RouterConfigError) as exc:
         print(f"memserve: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:

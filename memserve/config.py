@@ -17,6 +17,10 @@ class EngineConfig:
     num_blocks: int | None = None  # overrides kv_cache_gb
     kv_cache_gb: float = 1.0
     num_host_blocks: int = 0  # host-DRAM tier (same layout); 0 disables it
+    disk_cache_dir: str | None = None  # disk tier: one file per KV block here; None disables it
+    disk_cache_gb: float = 10.0  # the disk tier's budget
+    async_save: bool = True  # save cached KV down the tiers on a background thread (False: inside the step)
+    save_watermark: float = 0.1  # fraction of a tier kept free or being saved down, ahead of need
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # defaults to the model's context window
@@ -56,6 +60,10 @@ class ServeConfig:
     served_model_name: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
     router: str = "least-load"  # gateway/router.py
+    cost_model: str | None = None  # a cost-model JSON or preset; default: this model's `memserve profile`
+    router_balance_abs: int = 16  # load-imbalance guard (gateway/route_types.Balance)
+    router_balance_rel: float = 1.5
+    router_cache_threshold: float = 0.5  # prompt-tree follows prefixes covering at least this share
     heartbeat_timeout_s: float = 5.0  # a worker silent this long is declared dead and restarted
     spare_workers: int = 0  # CPU workers loaded and warmed up ahead, to replace one that dies
     header_timeout_s: float = 10.0  # a request head must arrive this soon after connect / the last response

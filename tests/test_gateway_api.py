@@ -282,7 +282,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL}, 400, "prompt"),
     ("/v1/completions", {"prompt": 5}, 400, "prompt"),
     ("/v1/completions", {"prompt": [1, "a"]}, 400, "prompt"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a", [1]]}, 400, "prompt"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": [1, 10**9]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "word " * 300}, 400, "prompt"),
@@ -294,12 +294,25 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"prompt": "hi", "top_k": -2}, 400, "top_k"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 17}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "frequency_penalty": -3}, 400, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"1": 101}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "min_tokens": -1}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens"),
     ("/v1/completions", {"prompt": "hi", "stop": [1]}, 400, "stop"),
     ("/v1/completions", {"prompt": "hi", "stop": ""}, 400, "stop"),
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 6}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("/v1/completions", {"prompt": "hi", "slo_ttft_ms": 0}, 400, "slo_ttft_ms"),
     ("/v1/completions", {"prompt": "hi", "session_id": 12}, 400, "session_id"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
@@ -310,7 +323,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages[0].content"),
     ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
-    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function"}]}, 400, "tools[0]"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 300}]}, 400, "messages"),
 ]
 
@@ -471,7 +484,7 @@ async def test_metrics(tokenizer: Tokenizer) -> None:
     engine = FakeEngine(tokenizer)
     async with serve(engine, tokenizer) as client:
         await post(client, "/v1/completions", {"prompt": "Hi"})
-        await post(client, "/v1/completions", {"prompt": "Hi", "n": 3})
+        await post(client, "/v1/completions", {"prompt": "Hi", "n": 17})
         await post(client, "/v1/chat/completions", {"messages": MESSAGES, "stream": True})
         async with client.get("/metrics") as resp:
             assert resp.status == 200 and resp.content_type == "text/plain"
@@ -540,7 +553,7 @@ async def test_openai_client(tokenizer: Tokenizer) -> None:
         with pytest.raises(openai.NotFoundError):
             await client.completions.create(model="nope", prompt="Hi")
         with pytest.raises(openai.BadRequestError):
-            await client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2)
+            await client.chat.completions.create(model=MODEL, messages=MESSAGES, n=17)
         await client.close()
 
 

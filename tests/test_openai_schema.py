@@ -142,7 +142,7 @@ def test_every_published_schema_converts() -> None:
 def test_schemas_reject_what_openai_rejects() -> None:
     """The validation below can fail: memserve's own shapes pass, damaged ones do not."""
     chat = ChatFormat("chatcmpl-1", "m", 0)
-    response = chat.response("Hi", "stop", Usage(3, 2, 1))
+    response = chat.response([chat.choice(0, "Hi", "stop")], Usage(3, 2, 1))
     assert_valid(response, "CreateChatCompletionResponse")
     del response["choices"][0]["message"]["refusal"]
     assert schema_errors(response, "CreateChatCompletionResponse")
@@ -248,14 +248,12 @@ def _error_cases() -> list:
         ("unknown-model-chat", "POST", chat, {"messages": MESSAGES, "model": "gpt-4"}, 404),
         ("mistyped-model", "POST", completions, {**prompt, "model": 5}, 400),
     ]
-    unsupported = {"logprobs": 3, "top_logprobs": 2, "echo": True, "best_of": 2, "suffix": "x",
-                   "presence_penalty": 0.5, "frequency_penalty": 0.5, "logit_bias": {"1": 5},
-                   "tools": [{"type": "function"}], "functions": [{"name": "f"}], "tool_choice": "auto",
-                   "response_format": {"type": "json_object"}}
+    unsupported = {"best_of": 2, "suffix": "x", "functions": [{"name": "f"}]}
     cases += [(f"unsupported-{name}", "POST", completions, {**prompt, name: value}, 400)
               for name, value in unsupported.items()]
     invalid_fields = [
-        ("n-above-1", {"n": 2}), ("mistyped-n", {"n": "2"}), ("mistyped-stream", {"stream": "yes"}),
+        ("n-above-cap", {"n": 17}), ("presence-penalty-out-of-range", {"presence_penalty": 2.5}),
+        ("logit-bias-out-of-range", {"logit_bias": {"1": -101}}), ("mistyped-n", {"n": "2"}), ("mistyped-stream", {"stream": "yes"}),
         ("stream-options-without-stream", {"stream_options": {"include_usage": True}}),
         ("mistyped-stream-options", {"stream": True, "stream_options": 1}),
         ("mistyped-include-usage", {"stream": True, "stream_options": {"include_usage": "yes"}}),
@@ -269,7 +267,12 @@ def _error_cases() -> list:
         ("negative-stop-token-ids", {"stop_token_ids": [-1]}), ("mistyped-stop-token-ids", {"stop_token_ids": 3}),
         ("mistyped-ignore-eos", {"ignore_eos": "no"}), ("mistyped-session-id", {"session_id": 12}),
         ("mistyped-prompt", {"prompt": 5}),
-        ("batched-prompts", {"prompt": ["a", "b"]}), ("negative-token-id", {"prompt": [5, -1]}),
+        ("mixed-batched-prompts", {"prompt": ["a", [1]]}), ("negative-token-id", {"prompt": [5, -1]}),
+        ("logprobs-above-5", {"logprobs": 6}), ("bool-logprobs", {"logprobs": True}),
+        ("mistyped-echo", {"echo": "yes"}),
+        ("unknown-response-format", {"response_format": {"type": "xml"}}),
+        ("unenforceable-json-schema", {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "array", "uniqueItems": True}}}}),
         ("empty-prompt", {"prompt": ""}), ("empty-token-prompt", {"prompt": []}),
         ("token-out-of-vocabulary", {"prompt": [10 ** 9]}),
         ("prompt-fills-context", {"prompt": [17] * 100_000}),
@@ -284,6 +287,13 @@ def _error_cases() -> list:
         ("image-content", {"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "http://x"}}]}]}),
         ("zero-max-completion-tokens", {"messages": MESSAGES, "max_completion_tokens": 0}),
+        ("top-logprobs-above-20", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}),
+        ("top-logprobs-without-logprobs", {"messages": MESSAGES, "top_logprobs": 2}),
+        ("echo-on-chat", {"messages": MESSAGES, "echo": True}),
+        ("tool-choice-without-tools", {"messages": MESSAGES, "tool_choice": "required"}),
+        ("tool-without-function", {"messages": MESSAGES, "tools": [{"type": "function"}]}),
+        ("auto-tools-without-template-support", {"messages": MESSAGES, "tools": [
+            {"type": "function", "function": {"name": "f"}}]}),
         ("prompt-fills-context", {"messages": [{"role": "user", "content": "word " * 40_000}]}),
         ("max-completion-tokens-exceeds-context", {"messages": MESSAGES, "max_completion_tokens": 10 ** 7}),
     ]

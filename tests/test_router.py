@@ -1,32 +1,85 @@
-"""The gateway's router on hand-built worker views: only healthy workers, degraded ones
-as a last resort, none left is a 503 with Retry-After, least-load by default, and any
-injected policy sees the views it needs (mirrors included)."""
+"""The gateway's router on hand-built worker views and mirrors (no model, no torch):
+only healthy workers, degraded ones as a last resort, none left is a 503 with
+Retry-After; each policy's choice by hand-computed expectation (least-load, session,
+prompt-tree, cost = MemServe eqs. 1-2 with its pull flipping exactly at the predicted
+break-even); the load-imbalance guard; the queued-work ledger; the /metrics export."""
 
 from __future__ import annotations
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
+from memserve.gateway.cost_model import (
+    AttentionCost,
+    BandwidthCost,
+    CostKey,
+    CostModel,
+    DecodeCost,
+    OperatorCost,
+)
 from memserve.gateway.engine_protocol import EngineUnavailable
-from memserve.gateway.router import LeastLoad, RouteRequest, Router, WorkerView
+from memserve.gateway.queued_work import QueuedWork
+from memserve.gateway.route_types import (
+    Balance,
+    Candidate,
+    RouteDecision,
+    RoutingContext,
+)
+from memserve.gateway.router import LeastLoad, Router, RouteRequest, WorkerView
+from memserve.gateway.routing_metrics import RouterStatsCollector
+from memserve.kvcache.events import STORED, KVEvent
+from memserve.kvcache.hashing import block_hashes
 from memserve.kvcache.mirror import PromptTreeMirror
 
+BS = 4  # tokens per block
+PROMPT = list(range(100, 164))  # 64 tokens = 16 blocks
 REQ = RouteRequest("r1", [1, 2, 3, 4])
 
 
-def view(i: int, state: str = "ok", in_flight: int = 0) -> WorkerView:
-    return WorkerView(i, state, in_flight, {}, PromptTreeMirror(i, 4))
+def mirror(i: int, *cached: list[int]) -> PromptTreeMirror:
+    """The mirror of worker ``i`` after it cached the full blocks of each prompt."""
+    m = PromptTreeMirror(i, BS)
+    for tokens in cached:
+        hashes = block_hashes(tokens, BS)
+        known = m.index.known_prefix(hashes)
+        if known < len(hashes):
+            addrs = [(i << 40) + 1000 * len(m.entries()) + k for k in range(known, len(hashes))]
+            m.apply_event(KVEvent(STORED, hashes[known:], hashes[known - 1] if known else None, addrs))
+    return m
 
 
+def view(i: int, state: str = "ok", in_flight: int = 0, cached: list[int] | None = None) -> WorkerView:
+    return WorkerView(i, state, in_flight, {}, mirror(i, cached) if cached else PromptTreeMirror(i, BS))
+
+
+def linear_cost(transfer_bytes_per_s: float = 1.0, decode_per_step: float = 0.0,
+                transfer_latency_s: float = 0.0) -> CostModel:
+    """exec(x, y) = x * (1 - y) seconds; transfer of n bytes = latency + n / bandwidth (1
+    byte per token); decode steps cost ``decode_per_step``: every figure below is exact."""
+    return CostModel(CostKey("toy", "float32", "paper"), BS, kv_bytes_per_token=1,
+                     operators={"gemm": OperatorCost(per_token=1.0)}, attention=AttentionCost(0, 0, 0, 0),
+                     decode=DecodeCost(decode_per_step, 0.0, 0.0), copy=BandwidthCost(0.0, 1.0),
+                     transfer=BandwidthCost(transfer_latency_s, transfer_bytes_per_s))
+
+
+# ------------------------------------------------------------------ mechanics
 def test_least_load_picks_the_fewest_in_flight_then_the_lowest_id():
     router = Router(LeastLoad())
-    assert router.route(REQ, [view(0, in_flight=3), view(1, in_flight=1), view(2, in_flight=1)]) == 1
+    assert router.route(REQ, [view(0, in_flight=3), view(1, in_flight=1), view(2, in_flight=1)]).instance == 1
 
 
 def test_unhealthy_workers_are_skipped_and_degraded_ones_are_a_last_resort():
     router = Router.named("least-load")
     workers = [view(0, "dead"), view(1, "degraded"), view(2, "ok", in_flight=9), view(3, "starting")]
-    assert router.route(REQ, workers) == 2
-    assert router.route(REQ, [view(0, "dead"), view(1, "degraded", in_flight=4)]) == 1
+    assert router.route(REQ, workers).instance == 2
+    assert router.route(REQ, [view(0, "dead"), view(1, "degraded", in_flight=4)]).instance == 1
+
+
+def test_decode_only_workers_never_take_a_new_prompt():
+    """Prefill side of disaggregation: the longest prefix on a decode worker does not count."""
+    workers = [view(0, in_flight=3), view(1, cached=PROMPT), view(2, in_flight=1)]
+    workers[1].role = "decode"
+    assert Router.named("prompt-tree").route(RouteRequest("r", PROMPT), workers) == RouteDecision(2, "load")
 
 
 def test_no_live_worker_is_unavailable_with_a_retry_hint():
@@ -40,15 +93,161 @@ def test_an_injected_policy_chooses_among_healthy_workers_only():
 
     class Last:
         name = "last"
+        uses_cache = False
 
-        def choose(self, request: RouteRequest, workers: list[WorkerView]) -> int:
-            seen.append([w.instance_id for w in workers])
-            return workers[-1].instance_id
+        def choose(self, request: RouteRequest, candidates: list[Candidate], ctx: RoutingContext) -> RouteDecision:
+            seen.append([c.instance_id for c in candidates])
+            return RouteDecision(candidates[-1].instance_id, "load")
 
-    assert Router(Last()).route(REQ, [view(0), view(1, "dead"), view(2)]) == 2
+    assert Router(Last()).route(REQ, [view(0), view(1, "dead"), view(2)]).instance == 2
     assert seen == [[0, 2]]
 
 
-def test_unknown_router_names_are_refused():
+def test_unknown_router_names_are_refused_and_cost_needs_a_cost_model():
     with pytest.raises(ValueError, match="least-load"):
         Router.named("random")
+    with pytest.raises(ValueError, match="cost model"):
+        Router.named("cost")
+
+
+# ------------------------------------------------------------------ session
+def test_session_sticks_to_its_first_worker_and_moves_only_when_it_is_gone():
+    router = Router.named("session")
+    a = RouteRequest("a1", PROMPT, session_id="alice")
+    assert router.route(a, [view(0, in_flight=2), view(1), view(2, in_flight=1)]).instance == 1  # unknown: least load
+    busy_home = [view(0), view(1, in_flight=5), view(2)]
+    assert router.route(RouteRequest("a2", PROMPT, session_id="alice"), busy_home) == RouteDecision(1, "cache_hit")
+    home_dead = [view(0, in_flight=1), view(1, "dead"), view(2)]
+    assert router.route(RouteRequest("a3", PROMPT, session_id="alice"), home_dead).instance == 2
+    assert router.route(RouteRequest("a4", PROMPT, session_id="alice"), [view(0), view(1), view(2, in_flight=3)]).instance == 2
+    # No session: plain least-load, remembered nowhere.
+    assert router.route(RouteRequest("b", PROMPT), [view(0, in_flight=1), view(1), view(2)]).instance == 1
+
+
+# ------------------------------------------------------------------ prompt tree
+def test_prompt_tree_picks_the_longest_cached_prefix():
+    router = Router.named("prompt-tree")
+    workers = [view(0, cached=PROMPT[:8]), view(1, in_flight=3, cached=PROMPT[:40]), view(2, cached=[7] * 64)]
+    assert router.route(RouteRequest("r", PROMPT), workers) == RouteDecision(1, "cache_hit")
+
+
+def test_prompt_tree_ties_and_no_prefix_go_to_the_least_loaded():
+    router = Router.named("prompt-tree")
+    tie = [view(0, in_flight=2, cached=PROMPT[:32]), view(1, in_flight=1, cached=PROMPT[:32]), view(2)]
+    assert router.route(RouteRequest("r", PROMPT), tie) == RouteDecision(1, "cache_hit")
+    cold = [view(0, in_flight=2), view(1, in_flight=1, cached=[9] * 16), view(2, in_flight=1)]
+    assert router.route(RouteRequest("r", PROMPT), cold) == RouteDecision(1, "load")
+
+
+def test_prompt_tree_ignores_prefixes_below_the_cache_threshold():
+    """A short prefix every prompt shares (a template's system prompt) is not followed:
+    28 of 64 tokens cached is under half, 32 is not."""
+    router = Router.named("prompt-tree")
+    short = [view(0, in_flight=1, cached=PROMPT[:28]), view(1)]
+    assert router.route(RouteRequest("r", PROMPT), short) == RouteDecision(1, "load")
+    half = [view(0, in_flight=1, cached=PROMPT[:32]), view(1)]
+    assert router.route(RouteRequest("r", PROMPT), half) == RouteDecision(0, "cache_hit")
+
+
+def test_stale_trees_do_not_attract_traffic():
+    """A dead worker is never chosen however much it holds; a degraded one (heartbeats
+    late) is a last resort whose tree is ignored."""
+    router = Router.named("prompt-tree")
+    assert router.route(RouteRequest("r", PROMPT), [view(0, "dead", cached=PROMPT), view(1, in_flight=4)]).instance == 1
+    degraded = [view(0, "degraded", in_flight=3, cached=PROMPT), view(1, "degraded", in_flight=1)]
+    assert router.route(RouteRequest("r", PROMPT), degraded) == RouteDecision(1, "load")
+
+
+def test_the_imbalance_guard_overrides_a_hot_prefix():
+    router = Router.named("prompt-tree", balance=Balance(abs_threshold=4, rel_threshold=2.0))
+    hot = [view(0, in_flight=7, cached=PROMPT), view(1, in_flight=2), view(2, in_flight=3)]
+    assert router.route(RouteRequest("r", PROMPT), hot) == RouteDecision(1, "fallback")  # 7-2 > 4 and 7 > 2*2
+    warm = [view(0, in_flight=6, cached=PROMPT), view(1, in_flight=2), view(2, in_flight=3)]
+    assert router.route(RouteRequest("r", PROMPT), warm) == RouteDecision(0, "cache_hit")  # 6-2 = 4: not more
+
+
+# ------------------------------------------------------------------ cost (eqs. 1-2)
+def test_cost_prefers_the_cached_worker_when_its_queue_allows():
+    # exec(64, 0.5) = 32 on worker 0 beats exec(64, 0) = 64 on worker 1; pulling to 1 costs 32 + 32 = 64.
+    router = Router.named("cost", cost=linear_cost())
+    assert router.route(RouteRequest("r", PROMPT), [view(0, cached=PROMPT[:32]), view(1)]) == RouteDecision(0, "cache_hit")
+
+
+def _queued_behind_4_then_36_tokens(router: Router) -> None:
+    """Worker 0 has exec(4, 0) + exec(36, 0) = 40 s to prefill; its current step is the first, 4 s."""
+    router.ledger.admit("first", 0, 4, 0, max_tokens=8)
+    router.ledger.admit("second", 0, 36, 0, max_tokens=8)
+
+
+@pytest.mark.parametrize("latency, expected", [
+    (12.0, RouteDecision(1, "pull", pull_from=0, pull_blocks=8)),  # 4 + 12 + 16 = 32 = 64 - 32: pull
+    (12.5, RouteDecision(1, "load")),  # 32.5 > 32: recompute on the idle worker
+])
+def test_cost_pulls_exactly_when_eq2_holds(latency: float, expected: RouteDecision):
+    """Worker 0 holds 8 blocks (32 tokens) but has 40 s queued: eq. 1 gives it 40 + 32 =
+    72 against worker 1's 64, so the request goes to 1, which pulls the 8 blocks (32
+    bytes at 2 bytes/s: 16 s, after worker 0's current 4 s step and the link latency)
+    when 4 + latency + 16 <= exec(64, 0) - exec(64, 0.5) = 32 (eq. 2): the decision
+    flips at a latency of 12 s."""
+    router = Router.named("cost", cost=linear_cost(2.0, transfer_latency_s=latency))
+    _queued_behind_4_then_36_tokens(router)
+    assert router.route(RouteRequest("r", PROMPT), [view(0, cached=PROMPT[:32]), view(1)]) == expected
+
+
+def test_cost_queued_work_flips_the_choice_at_its_break_even():
+    """Without a pull (transfer too slow), worker 0 (32 cached) wins while its queue is
+    under exec(64, 0) - exec(64, 0.5) = 32 s and loses past it."""
+    for queued, winner in ((31, 0), (33, 1)):
+        router = Router.named("cost", cost=linear_cost(transfer_bytes_per_s=1e-3))
+        router.ledger.admit("queued", 0, queued, 0, max_tokens=8)
+        assert router.route(RouteRequest("r", PROMPT), [view(0, cached=PROMPT[:32]), view(1)]).instance == winner
+
+
+# ------------------------------------------------------------------ ledger and metrics
+def test_the_current_step_is_the_oldest_waiting_prefill_with_the_decode_batch():
+    cost = linear_cost(decode_per_step=0.5)
+    ledger = QueuedWork(cost, lambda: 0.0)
+    ledger.admit("decoding", 0, 10, 0, max_tokens=4)
+    ledger.observe("decoding", 1)
+    ledger.admit("first", 0, 6, 0, max_tokens=4)
+    ledger.admit("second", 0, 30, 0, max_tokens=4)
+    assert ledger.step_s(0) == 6 + 0.5
+    assert ledger.step_s(1) == 0.0
+
+
+def test_queued_work_counts_prefills_and_the_running_decode_batch():
+    now = [0.0]
+    cost = linear_cost(decode_per_step=0.5)
+    ledger = QueuedWork(cost, lambda: now[0])
+    ledger.admit("waiting", 0, 20, 8, max_tokens=4, predicted_ttft_s=11.0)  # exec(20, 0.4) = 12
+    ledger.admit("decoding", 0, 10, 0, max_tokens=4)
+    ledger.admit("elsewhere", 1, 99, 0, max_tokens=4)
+    assert ledger.work_s(0) == 12 + 10  # both wait; nothing is decoding yet
+    now[0] = 3.0
+    assert ledger.observe("decoding", 1) is None  # no prediction was made for it
+    assert ledger.work_s(0) == 12 + 2 * 0.5  # one prefill left, behind a decode batch of one
+    ledger.observe("decoding", 3)  # its 4 expected tokens are out: no longer decoding
+    sample = ledger.observe("waiting", 2, at=12.5)
+    assert (sample.predicted_s, sample.actual_s) == (11.0, 12.5)
+    ledger.release("waiting")
+    assert ledger.work_s(0) == 0.0 and len(ledger) == 2
+
+
+def test_decisions_pulls_and_ttft_error_are_exported():
+    now = [0.0]
+    router = Router.named("cost", cost=linear_cost(2.0, transfer_latency_s=12.0), clock=lambda: now[0])
+    _queued_behind_4_then_36_tokens(router)
+    router.route(RouteRequest("r", PROMPT), [view(0, cached=PROMPT[:32]), view(1)])  # pull: 4 + 28 + 32 = 64
+    router.pull_done(True)
+    now[0] = 80.0
+    router.observe("r", 1)  # actual 80: error (64 - 80) / 80 = -0.2
+    registry = CollectorRegistry()
+    registry.register(RouterStatsCollector(lambda: {"router": router.stats()}))
+    text = generate_latest(registry).decode()
+    assert 'memserve_router_decisions_total{policy="cost",reason="pull"} 1.0' in text
+    assert 'memserve_router_routed_requests_total{instance="1"} 1.0' in text
+    assert 'memserve_router_prefix_pulls_total{outcome="ok"} 1.0' in text
+    assert 'memserve_router_ttft_relative_error_bucket{le="-0.25"} 0.0' in text
+    assert 'memserve_router_ttft_relative_error_bucket{le="-0.1"} 1.0' in text
+    assert "memserve_router_ttft_predicted_seconds_total 64.0" in text
+    assert "memserve_router_ttft_actual_seconds_total 80.0" in text

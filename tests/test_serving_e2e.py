@@ -155,7 +155,7 @@ def test_bad_input_gets_openai_errors_and_server_stays_up(client, memserve_serve
         (json.dumps({"model": model, "prompt": "hi", "max_tokens": 0}).encode(), 400),
         (json.dumps({"model": model, "prompt": "hi", "max_tokens": "ten"}).encode(), 400),
         (json.dumps({"model": model, "prompt": too_long, "max_tokens": 4}).encode(), 400),
-        (json.dumps({"model": model, "prompt": "hi", "n": 3}).encode(), 400),
+        (json.dumps({"model": model, "prompt": "hi", "n": 17}).encode(), 400),
         (json.dumps({"model": "no-such-model", "prompt": "hi"}).encode(), 404),
         (b'{"model": "x", "prompt": "' + b"a" * (5 * 1024 * 1024) + b'"}', 413),
     ]

@@ -152,6 +152,8 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
                     help="random/shared-prefix prompt tokens: N, uniform:LO:HI, normal:MEAN:STD or exp:MEAN")
     wl.add_argument("--output-len", type=_length, default=LengthDist("fixed", 128),
                     help="synthetic workloads' target output tokens (used with --fixed-output-len)")
+    wl.add_argument("--share-ratio", type=_positive_int, default=1,
+                    help="replay every session this many times as distinct sessions (MemServe Fig. 15)")
     wl.add_argument("--seed", type=int, default=0)
 
 
@@ -206,6 +208,7 @@ def workload_spec(args: argparse.Namespace, parts: int) -> WorkloadSpec:
         input_len=args.input_len,
         output_len=args.output_len,
         parts=parts,
+        share_ratio=args.share_ratio,
     )
 
 

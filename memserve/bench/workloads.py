@@ -96,6 +96,7 @@ class WorkloadSpec:
     input_len: LengthDist = field(default_factory=lambda: LengthDist("fixed", 128))
     output_len: LengthDist = field(default_factory=lambda: LengthDist("fixed", 128))
     parts: int = 1  # disjoint copies sharing no text (one per sweep point, so caches stay cold)
+    share_ratio: int = 1  # every session replayed this many times, as distinct sessions (MemServe Fig. 15)
 
     @property
     def total_sessions(self) -> int:
@@ -121,7 +122,20 @@ def build_workload(
     else:
         sessions = random_sessions(spec, corpus, rng)
     n = spec.num_sessions
-    return [sessions[p * n : (p + 1) * n] for p in range(spec.parts)]
+    return [shared(sessions[p * n : (p + 1) * n], spec.share_ratio, spec.seed) for p in range(spec.parts)]
+
+
+def shared(sessions: list[Session], share_ratio: int, seed: int) -> list[Session]:
+    """Each session ``share_ratio`` times (copy j > 0 named ``<id>~j``, so session-ID
+    routing sees different sessions with identical prompts), in a seeded shuffled order."""
+    if share_ratio < 1:
+        raise ValueError("the share ratio must be >= 1")
+    if share_ratio == 1:
+        return sessions
+    copies = [s if j == 0 else Session(f"{s.session_id}~{j}", s.turns, s.system)
+              for s in sessions for j in range(share_ratio)]
+    random.Random(f"share:{seed}:{share_ratio}").shuffle(copies)
+    return copies
 
 
 def sharegpt_sessions(

@@ -27,6 +27,7 @@ import math
 import time
 import uuid
 from contextlib import aclosing
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable
 
 import orjson
@@ -35,17 +36,23 @@ from aiohttp import web
 from memserve.gateway.detokenizer import IncrementalDetokenizer
 from memserve.gateway.engine_protocol import EngineClient, EngineUnavailable, RequestRejected
 from memserve.gateway.errors import APIError, bad_request
+from memserve.gateway.logprobs import LoggedToken, TokenLog, TokenStrings
 from memserve.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, GatewayMetrics
+from memserve.gateway.parallel_choices import choice_engines
 from memserve.gateway.prompt_encoder import DEFAULT_PROCESSES, PromptEncoder
 from memserve.gateway.protocol import (
     GenerationRequest,
+    check_logit_bias,
     check_prompt_ids,
     parse_chat_request,
     parse_completion_request,
     resolve_max_tokens,
 )
-from memserve.gateway.responses import ChatFormat, CompletionFormat, ResponseFormat, Usage
+from memserve.gateway.responses import CompletionFormat, LogprobsRenderer, ResponseFormat, Usage
+from memserve.gateway.tokenize_api import parse_detokenize_request, parse_tokenize_request
 from memserve.gateway.tokenizer import ChatTemplateError, Tokenizer
+from memserve.gateway.tool_calls import chat_format, template_inputs
+from memserve.ipc.messages import RequestOutput
 
 log = logging.getLogger("memserve.gateway")
 
@@ -105,17 +112,43 @@ class _Generation:
     usage and metrics, and aborts the engine request if it ends before the engine did."""
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, metrics: GatewayMetrics, request_id: str,
-                 prompt_ids: list[int], request: GenerationRequest, max_tokens: int, arrival: float) -> None:
+                 prompt_ids: list[int], request: GenerationRequest, max_tokens: int, arrival: float,
+                 echo: str | None = None) -> None:
         self._engine = engine
         self._tokenizer = tokenizer
         self._metrics = metrics
         self._request_id = request_id
         self._prompt_ids = prompt_ids
         self._request = request
-        self._params = request.sampling_params(max_tokens, tokenizer.eos_token_ids)
+        # max_tokens 0 (echo only) scores the prompt: one token is generated and dropped, as vLLM.
+        self._drop_output = max_tokens == 0
+        self._params = request.sampling_params(max(max_tokens, 1), tokenizer.eos_token_ids)
         self._arrival = arrival
+        self._echo = echo  # the prompt text that leads the output, until it is sent
+        self._log = TokenLog()
         self.usage = Usage(prompt_tokens=len(prompt_ids))
         self.finish_reason: str | None = None
+
+    def take_logged(self) -> list[LoggedToken]:
+        """The tokens (with logprobs) of the text deltas returned since the last call;
+        empty unless logprobs were asked for."""
+        return self._log.take()
+
+    def _text_of(self, out: RequestOutput, detokenizer: IncrementalDetokenizer) -> str:
+        """One engine output's text delta (the echoed prompt leads the first), logging
+        its consumed tokens' logprobs when they came."""
+        text = ""
+        if self._echo is not None:
+            text, self._echo = self._echo, None
+            if out.prompt_logprobs is not None:
+                self._log.add_prompt(self._prompt_ids, out.prompt_logprobs)
+        if self._drop_output:
+            return text
+        consumed = detokenizer.num_tokens
+        text += detokenizer.add_tokens(out.new_token_ids)
+        if out.logprobs is not None:
+            self._log.add(out.new_token_ids[:detokenizer.num_tokens - consumed], out.logprobs)
+        return text
 
     async def text_deltas(self) -> AsyncIterator[str]:
         """One text delta (possibly empty) per engine output; ``finish_reason`` is set
@@ -135,12 +168,12 @@ class _Generation:
                     if out.new_token_ids and first_token_at is None:
                         first_token_at = time.monotonic()
                         self._metrics.observe_first_token(first_token_at - self._arrival)
-                    text = detokenizer.add_tokens(out.new_token_ids)
+                    text = self._text_of(out, detokenizer)
                     if detokenizer.stopped:
                         self.finish_reason = "stop"
                     elif out.finished:
                         text += detokenizer.flush()
-                        self.finish_reason = out.finish_reason
+                        self.finish_reason = "length" if self._drop_output else out.finish_reason
                     yield text
                     if self.finish_reason is not None:
                         break
@@ -166,6 +199,88 @@ class _Generation:
                                                self.usage.completion_tokens)
 
 
+@dataclass
+class _Choice:
+    """One choice of a response: its index, the generation behind it, and the renderer
+    of its logprobs (None when the request asked for none)."""
+
+    index: int
+    generation: _Generation
+    render_logprobs: LogprobsRenderer | None
+    logged: list[LoggedToken] = field(default_factory=list)  # received, not rendered yet
+
+    def take_logprobs(self, whole: bool = False) -> dict | None:
+        """The ``logprobs`` of the tokens logged since the last call: None when none
+        were asked for, or (unless ``whole``: a complete response always has them) when
+        no token came since."""
+        if self.render_logprobs is None or not (self.logged or whole):
+            return None
+        logged, self.logged = self.logged, []
+        return self.render_logprobs(logged)
+
+
+# (choice, text delta or None once the choice is done, the delta's logged tokens)
+_Event = tuple[_Choice, str | None, list[LoggedToken]]
+
+
+class _ChoiceEvents:
+    """The text deltas of several choices, merged in arrival order (``next``). A failure
+    of any choice is raised to the reader; leaving the context stops them all (aborting
+    their engine requests)."""
+
+    def __init__(self, choices: list[_Choice]) -> None:
+        self._choices = choices
+        self._queue: asyncio.Queue[tuple[_Choice, str | None, list[LoggedToken], Exception | None]] = \
+            asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        self._running = len(choices)
+
+    @property
+    def all_done(self) -> bool:
+        return self._running == 0
+
+    async def __aenter__(self) -> _ChoiceEvents:
+        self._tasks = [asyncio.create_task(self._pump(choice)) for choice in self._choices]
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _pump(self, choice: _Choice) -> None:
+        try:
+            async with aclosing(choice.generation.text_deltas()) as deltas:
+                async for text in deltas:  # a delta's tokens travel with it: the reader may lag
+                    self._queue.put_nowait((choice, text, choice.generation.take_logged(), None))
+        except Exception as e:  # APIError from the generation; anything else becomes a 500 upstream
+            self._queue.put_nowait((choice, None, [], e))
+        else:
+            self._queue.put_nowait((choice, None, [], None))
+
+    async def next(self) -> _Event:
+        choice, text, logged, error = await self._queue.get()
+        if error is not None:
+            raise error
+        if text is None:
+            self._running -= 1
+        return choice, text, logged
+
+
+async def _chain(early: list[_Event], events: _ChoiceEvents) -> AsyncIterator[_Event]:
+    for event in early:
+        yield event
+    while not events.all_done:
+        yield await events.next()
+
+
+def _total_usage(choices: list[_Choice]) -> Usage:
+    usages = [choice.generation.usage for choice in choices]
+    return Usage(prompt_tokens=sum(u.prompt_tokens for u in usages),
+                 completion_tokens=sum(u.completion_tokens for u in usages),
+                 cached_tokens=sum(u.cached_tokens for u in usages))
+
+
 async def _send_event(response: web.StreamResponse, obj: object) -> None:
     await response.write(b"data: " + orjson.dumps(obj) + b"\n\n")
 
@@ -180,6 +295,7 @@ class _OpenAIServer:
         self._metrics = metrics
         self._body_timeout_s = body_timeout_s
         self._created = int(time.time())
+        self._token_strings = TokenStrings(tokenizer)
 
     def _check_model(self, model: str | None) -> None:
         """A missing ``model`` means the served one (as vLLM)."""
@@ -187,76 +303,132 @@ class _OpenAIServer:
             raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        """Each prompt of a batch is its own engine request and its own choice, in order."""
         arrival = time.monotonic()
         req = parse_completion_request(await _read_json(request, self._body_timeout_s))
         self._check_model(req.model)
-        if isinstance(req.prompt, str):
-            prompt_ids = await self._encoder.encode(req.prompt, self._engine.max_model_len)
-        else:
-            prompt_ids = req.prompt
-        return await self._generate(request, CompletionFormat, req, prompt_ids, "prompt", arrival)
+        prompts = []
+        for prompt in req.prompts:
+            if isinstance(prompt, str):
+                prompts.append(await self._encoder.encode(prompt, self._engine.max_model_len))
+            else:
+                prompts.append(prompt)
+        echoes = None
+        if req.echo:
+            echoes = [p if isinstance(p, str) else self._tokenizer.decode(ids, skip_special_tokens=False)
+                      for p, ids in zip(req.prompts, prompts)]
+        return await self._generate(request, CompletionFormat, req, prompts, "prompt", arrival, echoes)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         arrival = time.monotonic()
         req = parse_chat_request(await _read_json(request, self._body_timeout_s))
         self._check_model(req.model)
+        messages, tools = template_inputs(req.messages, req.tool_choice, self._tokenizer.supports_tools)
         try:
-            prompt_ids = await self._encoder.encode_chat(req.messages, self._engine.max_model_len)
+            prompt_ids = await self._encoder.encode_chat(messages, self._engine.max_model_len, tools)
         except ChatTemplateError as e:
             raise bad_request(str(e), "messages") from None
-        return await self._generate(request, ChatFormat, req, prompt_ids, "messages", arrival)
+        return await self._generate(request, chat_format(req.tool_choice), req, [prompt_ids], "messages", arrival)
 
     async def _generate(self, request: web.Request, format_cls: type[ResponseFormat], req: GenerationRequest,
-                        prompt_ids: list[int], prompt_param: str, arrival: float) -> web.StreamResponse:
-        check_prompt_ids(prompt_ids, self._tokenizer.vocab_size, prompt_param)
-        max_tokens = resolve_max_tokens(req.max_tokens, len(prompt_ids), self._engine.max_model_len, prompt_param)
+                        prompts: list[list[int]], prompt_param: str, arrival: float,
+                        echoes: list[str] | None = None) -> web.StreamResponse:
+        for prompt_ids in prompts:
+            check_prompt_ids(prompt_ids, self._tokenizer.vocab_size, prompt_param)
+        check_logit_bias(req.logit_bias, self._tokenizer.vocab_size)
+        # A session names itself in the body (``session_id``) or, for clients that cannot add
+        # body fields, in the ``x-session-id`` header; the session router keys on it.
+        req.session_id = req.session_id or request.headers.get("x-session-id") or None
+        budgets = [resolve_max_tokens(req.max_tokens, len(ids), self._engine.max_model_len, prompt_param)
+                   for ids in prompts]
         fmt = format_cls(format_cls.id_prefix + uuid.uuid4().hex, self._model_name, int(time.time()))
-        generation = _Generation(self._engine, self._tokenizer, self._metrics, fmt.id, prompt_ids, req, max_tokens,
-                                 arrival)
+        choices = []
+        for i, (prompt_ids, max_tokens) in enumerate(zip(prompts, budgets)):
+            request_id = fmt.id if len(prompts) == 1 else f"{fmt.id}-{i}"
+            # n > 1: one engine request per prompt, its choices indexed prompt-major as OpenAI.
+            for j, engine in enumerate(choice_engines(self._engine, req.n)):
+                generation = _Generation(engine, self._tokenizer, self._metrics, request_id, prompt_ids, req,
+                                         max_tokens, arrival, echoes[i] if echoes else None)
+                if j:
+                    generation.usage.prompt_tokens = 0  # the prompt counts once, as OpenAI's usage does
+                renderer = fmt.logprobs_renderer(self._token_strings) if req.logprobs is not None else None
+                choices.append(_Choice(i * req.n + j, generation, renderer))
         if req.stream:
-            return await self._stream(request, fmt, generation, req.include_usage)
-        return await self._complete(request, fmt, generation)
+            return await self._stream(request, fmt, choices, req.include_usage)
+        return await self._complete(request, fmt, choices)
 
-    async def _complete(self, request: web.Request, fmt: ResponseFormat, generation: _Generation) -> web.Response:
-        parts = []
-        async with aclosing(generation.text_deltas()) as deltas:
-            async for text in deltas:
-                parts.append(text)
+    async def _complete(self, request: web.Request, fmt: ResponseFormat, choices: list[_Choice]) -> web.Response:
+        texts: list[list[str]] = [[] for _ in choices]
+        async with _ChoiceEvents(choices) as events:
+            while not events.all_done:
+                choice, text, logged = await events.next()
+                choice.logged += logged
+                if text is not None:
+                    texts[choice.index].append(text)
                 if _client_gone(request):
                     return web.Response(status=CLIENT_CLOSED_REQUEST, reason="Client Closed Request")
-        return _json(fmt.response("".join(parts), generation.finish_reason, generation.usage))
+        body = [fmt.choice(c.index, "".join(texts[c.index]), c.generation.finish_reason, c.take_logprobs(True))
+                for c in choices]
+        return _json(fmt.response(body, _total_usage(choices)))
 
-    async def _stream(self, request: web.Request, fmt: ResponseFormat, generation: _Generation,
+    async def _stream(self, request: web.Request, fmt: ResponseFormat, choices: list[_Choice],
                       include_usage: bool) -> web.StreamResponse:
-        """Headers go out only after the engine's first output, so a request the engine
-        refuses still gets a plain HTTP error status."""
-        async with aclosing(generation.text_deltas()) as deltas:
-            first = await anext(deltas)
+        """Headers go out only after every choice's first engine output, so a request the
+        engine refuses still gets a plain HTTP error status."""
+        async with _ChoiceEvents(choices) as events:
+            early = []
+            while len({event[0].index for event in early}) < len(choices):
+                early.append(await events.next())
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await response.prepare(request)
             try:
-                await self._write_events(response, fmt, generation, first, deltas, include_usage)
+                await self._write_events(response, fmt, choices, early, events, include_usage)
             except ConnectionResetError:
-                log.info("client disconnected from %s", fmt.id)  # leaving aclosing aborts the engine request
+                log.info("client disconnected from %s", fmt.id)  # leaving _ChoiceEvents aborts the engine requests
         return response
 
-    async def _write_events(self, response: web.StreamResponse, fmt: ResponseFormat, generation: _Generation,
-                            first: str, deltas: AsyncIterator[str], include_usage: bool) -> None:
-        opening = fmt.opening_chunk()
-        if opening is not None:
-            await _send_event(response, opening)
+    async def _write_events(self, response: web.StreamResponse, fmt: ResponseFormat, choices: list[_Choice],
+                            early: list[_Event], events: _ChoiceEvents,
+                            include_usage: bool) -> None:
+        for choice in choices:
+            opening = fmt.opening_chunk(choice.index)
+            if opening is not None:
+                await _send_event(response, opening)
         try:
-            if first:
-                await _send_event(response, fmt.chunk(first, None))
-            async for text in deltas:
-                if text:
-                    await _send_event(response, fmt.chunk(text, None))
-            await _send_event(response, fmt.chunk("", generation.finish_reason))
+            async for choice, text, logged in _chain(early, events):
+                choice.logged += logged
+                if text is None:  # the choice is done: its last chunk carries its finish_reason
+                    chunk = fmt.chunk("", choice.generation.finish_reason, choice.take_logprobs(), choice.index)
+                elif text:
+                    chunk = fmt.chunk(text, None, choice.take_logprobs(), choice.index)
+                else:
+                    continue
+                await _send_event(response, chunk)
             if include_usage:
-                await _send_event(response, fmt.usage_chunk(generation.usage))
+                await _send_event(response, fmt.usage_chunk(_total_usage(choices)))
         except APIError as e:
             await _send_event(response, e.body())
         await response.write(b"data: [DONE]\n\n")
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        req = parse_tokenize_request(await _read_json(request, self._body_timeout_s))
+        self._check_model(req.model)
+        try:
+            if req.prompt is not None:
+                tokens = await self._encoder.encode(req.prompt, self._engine.max_model_len, req.add_special_tokens)
+            else:
+                tokens = await self._encoder.encode_chat(req.messages, self._engine.max_model_len)
+        except ChatTemplateError as e:
+            raise bad_request(str(e), "messages") from None
+        body = {"count": len(tokens), "max_model_len": self._engine.max_model_len, "tokens": tokens}
+        if req.return_token_strs:
+            body["token_strs"] = [self._token_strings.text(t) for t in tokens]
+        return _json(body)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        req = parse_detokenize_request(await _read_json(request, self._body_timeout_s), self._tokenizer.vocab_size)
+        self._check_model(req.model)
+        return _json({"prompt": self._tokenizer.decode(req.tokens, skip_special_tokens=False)})
 
     async def models(self, request: web.Request) -> web.Response:
         return _json({"object": "list", "data": [{
@@ -336,6 +508,8 @@ def create_app(engine: EngineClient, tokenizer: Tokenizer, model_name: str, max_
         web.post("/v1/completions", server.completions),
         web.post("/v1/chat/completions", server.chat_completions),
         web.get("/v1/models", server.models),
+        web.post("/tokenize", server.tokenize),
+        web.post("/detokenize", server.detokenize),
         web.get("/health", server.health),
         web.get("/metrics", server.metrics),
     ])

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from memserve.gateway.cluster import Cluster, WorkerHandle
-from memserve.gateway.router import LeastLoad, RouteRequest, Router, WorkerView
+from memserve.gateway.router import LeastLoad, RouteDecision, RouteRequest, Router, WorkerView
 from memserve.ipc.channel import GatewayChannel
 from memserve.ipc.messages import (
     AbortRequest,
@@ -31,11 +31,15 @@ from memserve.ipc.messages import (
     TransferPrefix,
     WorkerError,
     WorkerReady,
+    choice_request_id,
 )
 from memserve.kvcache.events import KVEvents
 from memserve.kvcache.mirror import PromptTreeMirror
 
 log = logging.getLogger("memserve.gateway")
+
+# Seconds a prefix pull may take before the request is sent on to recompute instead.
+PULL_TIMEOUT_S = 10.0
 
 
 class WorkerStartError(RuntimeError):
@@ -119,14 +123,19 @@ class ZmqEngineClient:
         """Stream a request's token deltas; ``instance`` pins it to one worker. A request
         whose worker dies before it produced a token is sent again to a live worker
         (nothing reached the client yet, so that is safe); with none left it raises
-        ``EngineUnavailable``."""
+        ``EngineUnavailable``. With ``params.n > 1`` the outputs of all choices come here,
+        each with its ``index``, until every choice finished (or one failed)."""
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id}")
-        route = RouteRequest(request_id, prompt_token_ids, session_id, slo or {})
-        stream = _Stream(self._pick_worker(route) if instance is None else instance, pinned=instance is not None)
+        route = RouteRequest(request_id, prompt_token_ids, session_id, slo or {}, params.max_tokens, params.n)
+        decision = self._pick_worker(route) if instance is None else None
+        stream = _Stream(instance if decision is None else decision.instance, pinned=instance is not None)
         self._streams[request_id] = stream
         finished = False
+        unfinished = params.n
         try:
+            if decision is not None and decision.pull_from is not None:
+                await self._pull_prefix(decision.pull_from, decision.instance, prompt_token_ids)
             slo = slo or {}
             add = AddRequest(request_id, list(prompt_token_ids), params, session_id, time.time(),
                              slo.get("priority", 0), slo.get("ttft_ms"), slo.get("tbt_ms"))
@@ -134,15 +143,18 @@ class ZmqEngineClient:
             while not finished:
                 out = await stream.queue.get()
                 if out is _RETRY:
-                    stream.worker = self._pick_worker(route)
+                    stream.worker = self._pick_worker(route).instance
                     log.warning("request %s: its worker died before the first token; retrying on worker %d",
                                 request_id, stream.worker)
                     await self.channel.send(stream.worker, add)
                     continue
-                finished = out.finished
+                if out.finished:
+                    unfinished -= 1
+                finished = unfinished == 0 or out.finish_reason == "error"
                 yield out
         finally:
             self._streams.pop(request_id, None)
+            self.router.release(request_id)
             if not finished:
                 await self._send_abort(stream.worker, request_id)
 
@@ -151,6 +163,12 @@ class ZmqEngineClient:
         if stream is not None:
             await self._send_abort(stream.worker, request_id)
             stream.queue.put_nowait(RequestOutput(request_id, [], True, "abort"))
+
+    async def abort_choice(self, request_id: str, index: int) -> None:
+        """Stop one choice of an n > 1 request; the request goes on with the others."""
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            await self._send_abort(stream.worker, choice_request_id(request_id, index))
 
     async def transfer_prefix(self, src: int, dst: int, token_ids: list[int], timeout_s: float = 60.0) -> int:
         """Have worker ``src`` push its cached prefix of ``token_ids`` to worker ``dst``;
@@ -179,11 +197,21 @@ class ZmqEngineClient:
         except Exception:  # the worker is gone; its requests are failed by the watcher
             pass
 
-    def _pick_worker(self, request: RouteRequest) -> int:
+    async def _pull_prefix(self, src: int, dst: int, token_ids: list[int]) -> None:
+        """MemServe eq. 2: the router found it cheaper to move ``src``'s longer cached
+        prefix to ``dst`` than to recompute it there. A failed pull only means recompute."""
+        try:
+            await self.transfer_prefix(src, dst, token_ids, PULL_TIMEOUT_S)
+            self.router.pull_done(True)
+        except Exception as exc:  # the worker died, timed out or refused: compute instead
+            log.warning("prefix pull %d -> %d failed (%s); the prompt is recomputed", src, dst, exc)
+            self.router.pull_done(False)
+
+    def _pick_worker(self, request: RouteRequest) -> RouteDecision:
         """The router's choice among the workers as they are now."""
         in_flight = Counter(stream.worker for stream in self._streams.values())
         states = self.cluster.states()
-        views = [WorkerView(i, states[i], in_flight[i], h.stats, self.mirrors[i])
+        views = [WorkerView(i, states[i], in_flight[i], h.stats, self.mirrors[i], h.config.role)
                  for i, h in self.cluster.workers.items()]
         return self.router.route(request, views)
 
@@ -205,14 +233,18 @@ class ZmqEngineClient:
                 "num_waiting": s.get("num_waiting", 0),
                 "num_preemptions": s.get("num_preemptions", 0),
                 # Allocatable blocks per tier: free plus cached-but-evictable.
-                "free_blocks": {t: v["free"] + v["evictable"] for t, v in mp.items() if isinstance(v, dict)},
+                "free_blocks": {t: v["free"] + v["evictable"] for t, v in mp.items()
+                                if isinstance(v, dict) and "free" in v},
+                # Per tier: bytes used, blocks matched, bytes read and written, blocks being saved down.
+                "kv_tiers": mp.get("tier_io", {}),
+                "kv_save_queue": mp.get("save_queue", 0),
                 "cache_hit_rate": s.get("cache_hit_rate", 0.0),
                 "cached_tokens_total": s.get("cached_tokens_total", 0),
                 "prompt_tokens_total": s.get("prompt_tokens_total", 0),
                 "mirror_blocks": len(self.mirrors[h.instance_id].entries()),
             })
         return {"workers": workers, "spare_workers": self.cluster.spare_states(),
-                "num_requests_in_flight": len(self._streams)}
+                "num_requests_in_flight": len(self._streams), "router": self.router.stats()}
 
     # ------------------------------------------------------------------ loops
     async def _recv_loop(self) -> None:
@@ -230,6 +262,7 @@ class ZmqEngineClient:
             for out in msg.outputs:
                 stream = self._streams.get(out.request_id)
                 if stream is not None and stream.worker == instance_id:
+                    self.router.observe(out.request_id, len(out.new_token_ids))
                     stream.started = stream.started or bool(out.new_token_ids)
                     stream.queue.put_nowait(out)
         elif isinstance(msg, KVEvents):

@@ -28,6 +28,10 @@ class EngineClient(Protocol):
         """Stop a request; must be harmless for unknown or already finished ids."""
         ...
 
+    async def abort_choice(self, request_id: str, index: int) -> None:
+        """Stop choice ``index`` of an n > 1 request alone (its other choices go on)."""
+        ...
+
     def stats(self) -> dict:
         """``{"workers": [{"instance_id", "alive", "num_running", "num_waiting",
         "free_blocks": {tier: n}, "cache_hit_rate", "cached_tokens_total"}, ...]}``."""

@@ -13,6 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from memserve.gateway.routing_metrics import RouterStatsCollector
+
 log = logging.getLogger("memserve.gateway")
 
 # generate_latest writes the classic text format.
@@ -50,6 +52,19 @@ class EngineStatsCollector(Collector):
                                      labels=["instance"])
         cached = CounterMetricFamily("memserve_cached_tokens", "Prompt tokens served from the KV cache",
                                      labels=["instance"])
+        tier_labels = ["instance", "tier"]
+        tier_bytes = GaugeMetricFamily("memserve_kv_tier_bytes_used", "Bytes of KV blocks allocated per tier",
+                                       labels=tier_labels)
+        tier_hits = CounterMetricFamily("memserve_kv_tier_hit_blocks", "Cached KV blocks matched per tier",
+                                        labels=tier_labels)
+        tier_read = CounterMetricFamily("memserve_kv_tier_read_bytes", "KV bytes read from each tier (loads, saves)",
+                                        labels=tier_labels)
+        tier_write = CounterMetricFamily("memserve_kv_tier_write_bytes", "KV bytes written to each tier",
+                                         labels=tier_labels)
+        tier_saving = GaugeMetricFamily("memserve_kv_tier_saving_blocks",
+                                        "Cached blocks being saved down from each tier", labels=tier_labels)
+        save_queue = GaugeMetricFamily("memserve_kv_save_queue", "KV save jobs not yet committed",
+                                       labels=["instance"])
         for worker in workers:
             instance = str(worker.get("instance_id"))
             alive.add_metric([instance], 1.0 if worker.get("alive") else 0.0)
@@ -59,7 +74,15 @@ class EngineStatsCollector(Collector):
                 free_blocks.add_metric([instance, tier], count)
             hit_rate.add_metric([instance], worker.get("cache_hit_rate", 0.0))
             cached.add_metric([instance], worker.get("cached_tokens_total", 0))
-        yield from (alive, running, waiting, free_blocks, hit_rate, cached)
+            for tier, io in worker.get("kv_tiers", {}).items():
+                tier_bytes.add_metric([instance, tier], io["bytes_used"])
+                tier_hits.add_metric([instance, tier], io["hits"])
+                tier_read.add_metric([instance, tier], io["read_bytes"])
+                tier_write.add_metric([instance, tier], io["write_bytes"])
+                tier_saving.add_metric([instance, tier], io["saving"])
+            save_queue.add_metric([instance], worker.get("kv_save_queue", 0))
+        yield from (alive, running, waiting, free_blocks, hit_rate, cached, tier_bytes, tier_hits, tier_read,
+                    tier_write, tier_saving, save_queue)
 
 
 class GatewayMetrics:
@@ -78,6 +101,7 @@ class GatewayMetrics:
         self.e2e = Histogram("memserve_e2e_request_latency_seconds", "Arrival to last output token",
                              buckets=_E2E_BUCKETS, registry=self.registry)
         self.registry.register(EngineStatsCollector(engine_stats))
+        self.registry.register(RouterStatsCollector(engine_stats))
 
     def count_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()

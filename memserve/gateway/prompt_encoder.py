@@ -22,6 +22,8 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Callable, TypeVar
 
+import orjson
+
 from memserve.gateway.errors import APIError
 from memserve.gateway.tokenizer import Tokenizer
 
@@ -42,13 +44,13 @@ class PromptTooLong(ValueError):
         self.num_chars = num_chars
 
 
-def _encode(tokenizer: Tokenizer, text: str) -> list[int]:
-    return tokenizer.encode(text)
+def _encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens)
 
 
-def _encode_chat(tokenizer: Tokenizer, messages: list[dict], max_chars: int) -> list[int]:
+def _encode_chat(tokenizer: Tokenizer, messages: list[dict], max_chars: int, tools: list[dict] | None) -> list[int]:
     """The rendered conversation is bounded like a completion prompt, before tokenising."""
-    text = tokenizer.apply_chat_template(messages)
+    text = tokenizer.apply_chat_template(messages, tools=tools)
     if len(text) > max_chars:
         raise PromptTooLong(len(text))
     return tokenizer.encode(text, add_special_tokens=False)
@@ -90,19 +92,20 @@ class PromptEncoder:
     def max_prompt_chars(self, max_model_len: int) -> int:
         return max_model_len * self._max_chars_per_token
 
-    async def encode(self, text: str, max_model_len: int) -> list[int]:
+    async def encode(self, text: str, max_model_len: int, add_special_tokens: bool = True) -> list[int]:
         try:
             if len(text) > self.max_prompt_chars(max_model_len):
                 raise PromptTooLong(len(text))
-            return await self._run(len(text), _encode, text)
+            return await self._run(len(text), _encode, text, add_special_tokens)
         except PromptTooLong as e:
             raise self._too_long(e, max_model_len, "prompt") from None
 
-    async def encode_chat(self, messages: list[dict], max_model_len: int) -> list[int]:
-        """Raises ``ChatTemplateError`` when the template refuses the conversation."""
-        cost = sum(len(m["content"]) + MESSAGE_COST_CHARS for m in messages)
+    async def encode_chat(self, messages: list[dict], max_model_len: int, tools: list[dict] | None = None) -> list[int]:
+        """Raises ``ChatTemplateError`` when the template refuses the conversation.
+        ``tools`` (function definitions) are rendered too, and cost as their JSON does."""
+        cost = sum(len(m["content"]) + MESSAGE_COST_CHARS for m in messages) + (len(orjson.dumps(tools)) if tools else 0)
         try:
-            return await self._run(cost, _encode_chat, messages, self.max_prompt_chars(max_model_len))
+            return await self._run(cost, _encode_chat, messages, self.max_prompt_chars(max_model_len), tools)
         except PromptTooLong as e:
             raise self._too_long(e, max_model_len, "messages") from None
 

@@ -2,7 +2,7 @@
 
 Validation is hand-written (no pydantic in the gateway's dependencies) and always names
 the offending field in ``param``. Fields that change what OpenAI would return and that
-memserve does not implement (logprobs, penalties, tools, n > 1, ...) are rejected with
+memserve does not implement (best_of, suffix, functions) are rejected with
 400 rather than silently ignored; unknown fields are ignored, like OpenAI does.
 
 Defaults follow vLLM: /v1/completions generates 16 tokens when ``max_tokens`` is absent
@@ -21,31 +21,33 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from memserve.gateway.errors import APIError, bad_request
+from memserve.gateway.structured_output import response_format_grammar
+from memserve.gateway.tool_calls import ToolChoice, parse_tool_choice
 from memserve.ipc.messages import SamplingParams
 
 COMPLETION_MAX_TOKENS_DEFAULT = 16
+# OpenAI's ranges: top log-probabilities per token on each endpoint.
+MAX_COMPLETION_LOGPROBS = 5
+MAX_CHAT_TOP_LOGPROBS = 20
+# Prompts in one /v1/completions request (OpenAI: 2048); each is a request to the engine.
+MAX_BATCHED_PROMPTS = 2048
 # Every output token is checked against each of these, so their number is capped
 # (OpenAI allows 4 stop strings; vLLM does not cap either).
 MAX_STOP_STRINGS = 64
 MAX_STOP_TOKEN_IDS = 1024
+# Sequences per request (each holds its own KV tail and decodes every step).
+MAX_N = 16
+# Entries of logit_bias, as OpenAI caps it.
+MAX_LOGIT_BIAS = 300
 
 _TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
                dict: "an object"}
 
 # Accepted only at their "off" value: field -> predicate that the value is off.
 _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "logprobs": lambda v: v in (None, False, 0),
-    "top_logprobs": lambda v: v in (None, 0),
-    "echo": lambda v: v in (None, False),
     "best_of": lambda v: v in (None, 1),
     "suffix": lambda v: v in (None, ""),
-    "presence_penalty": lambda v: v in (None, 0),
-    "frequency_penalty": lambda v: v in (None, 0),
-    "logit_bias": lambda v: not v,
-    "tools": lambda v: not v,
-    "functions": lambda v: not v,
-    "tool_choice": lambda v: v in (None, "none"),
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    "functions": lambda v: not v,  # deprecated for tools
 }
 
 
@@ -97,6 +99,27 @@ def _stop_token_ids(body: dict) -> list[int]:
     return ids
 
 
+def _logit_bias(body: dict) -> dict[int, float]:
+    """OpenAI's map of token id (a decimal string) to a bias in [-100, 100]."""
+    bias = _get(body, "logit_bias", dict, {})
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise bad_request(f"'logit_bias' can hold at most {MAX_LOGIT_BIAS} entries, got {len(bias)}", "logit_bias")
+    out = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdecimal()) or isinstance(value, bool) or \
+                not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise bad_request(f"'logit_bias' maps token ids to numbers in [-100, 100]; got {key!r}: {value!r}",
+                              "logit_bias")
+        out[int(key)] = float(value)
+    return out
+
+
+def check_logit_bias(bias: dict[int, float], vocab_size: int) -> None:
+    bad = [t for t in bias if t >= vocab_size]
+    if bad:
+        raise bad_request(f"'logit_bias' token id {bad[0]} is out of the vocabulary (size {vocab_size})", "logit_bias")
+
+
 @dataclass
 class GenerationRequest:
     """What both endpoints share: model, streaming, sampling and memserve extensions."""
@@ -112,8 +135,17 @@ class GenerationRequest:
     stop: list[str]
     stop_token_ids: list[int]
     ignore_eos: bool
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: dict[int, float]
+    min_tokens: int
+    n: int
     session_id: str | None
     slo: dict | None  # {"ttft_ms", "tbt_ms", "priority"}, only the keys the client sent
+    logprobs: int | None  # top log-probabilities per generated token; None: no logprobs
+    prompt_logprobs: int | None  # the same per prompt token (completions' echo)
+    grammar: str | None  # what the output must match (response_format, forced tool calls)
 
     def sampling_params(self, max_tokens: int, eos_token_ids: list[int]) -> SamplingParams:
         """The model's end-of-sequence ids join the stop ids unless ``ignore_eos``, as
@@ -122,16 +154,21 @@ class GenerationRequest:
         if not self.ignore_eos:
             stop_ids += [t for t in eos_token_ids if t not in stop_ids]
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, seed=self.seed, stop_token_ids=stop_ids, ignore_eos=self.ignore_eos)
+                              top_k=self.top_k, seed=self.seed, stop_token_ids=stop_ids, ignore_eos=self.ignore_eos,
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                              repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
+                              min_tokens=self.min_tokens, n=self.n, logprobs=self.logprobs,
+                              prompt_logprobs=self.prompt_logprobs, grammar=self.grammar)
 
 
-def _parse_common(body: dict, max_tokens_names: tuple[str, ...], max_tokens_default: int | None) -> dict:
+def _parse_common(body: dict, max_tokens_names: tuple[str, ...], max_tokens_default: int | None,
+                  min_max_tokens: int = 1) -> dict:
     for name, is_off in _UNSUPPORTED.items():
         if not is_off(body.get(name)):
             raise bad_request(f"'{name}' is not supported by this server", name)
     n = _get(body, "n", int, 1)
-    if n != 1:
-        raise bad_request("only n=1 is supported", "n")
+    if not 1 <= n <= MAX_N:
+        raise bad_request(f"'n' must be in [1, {MAX_N}], got {n}", "n")
     stream = _get(body, "stream", bool, False)
     stream_options = _get(body, "stream_options", dict)
     if stream_options is not None and not stream:
@@ -143,8 +180,12 @@ def _parse_common(body: dict, max_tokens_names: tuple[str, ...], max_tokens_defa
     if given:  # the first one with a value wins; null only when none has one
         name = next((n for n in given if body[n] is not None), given[0])
         max_tokens = _get(body, name, int)
-        if max_tokens is not None and max_tokens <= 0:
-            raise bad_request(f"'{name}' must be at least 1, got {max_tokens}", name)
+        if max_tokens is not None and max_tokens < min_max_tokens:
+            raise bad_request(f"'{name}' must be at least {min_max_tokens}, got {max_tokens}", name)
+
+    min_tokens = _get(body, "min_tokens", int, 0)
+    if min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens):
+        raise bad_request(f"'min_tokens' must be in [0, max_tokens], got {min_tokens}", "min_tokens")
 
     top_k = _get(body, "top_k", int, 0)
     if top_k < -1:
@@ -170,35 +211,70 @@ def _parse_common(body: dict, max_tokens_names: tuple[str, ...], max_tokens_defa
         stop=_stop_strings(body),
         stop_token_ids=_stop_token_ids(body),
         ignore_eos=_get(body, "ignore_eos", bool, False),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, None, low_open=True),
+        logit_bias=_logit_bias(body),
+        min_tokens=min_tokens,
+        n=n,
         session_id=_get(body, "session_id", str),
         slo=slo or None,
+        grammar=_constrained(body, response_format_grammar(body), "response_format"),
     )
+
+
+def _constrained(body: dict, grammar: str | None, param: str) -> str | None:
+    """A grammar ends the output with an end-of-sequence token, which ``ignore_eos`` would
+    not stop at."""
+    if grammar is not None and _get(body, "ignore_eos", bool, False):
+        raise bad_request(f"'ignore_eos' cannot be combined with '{param}'", "ignore_eos")
+    return grammar
 
 
 @dataclass
 class CompletionRequest(GenerationRequest):
-    prompt: str | list[int]
+    prompts: list[str | list[int]]  # one choice (n choices) per prompt, in this order
+    echo: bool  # the prompt leads the text (and its logprobs lead the logprobs)
 
 
 @dataclass
 class ChatCompletionRequest(GenerationRequest):
     messages: list[dict]
+    tool_choice: ToolChoice | None  # None: no tools
 
 
-def parse_completion_request(body: dict) -> CompletionRequest:
-    """``prompt`` is a string or a list of token ids; a batch of several prompts is
-    rejected (one prompt per request), a batch of one is unwrapped."""
+def _prompts(body: dict) -> list[str | list[int]]:
+    """OpenAI's four forms of ``prompt``: a string, a list of token ids, or a non-empty
+    batch of either."""
     if "prompt" not in body:
         raise bad_request("'prompt' is required", "prompt")
     prompt = body["prompt"]
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) > 1:
-            raise bad_request("batched prompts are not supported; send one prompt per request", "prompt")
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        prompt = _token_ids(prompt, "prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        prompts = [_token_ids(p, "prompt") for p in prompt]
+    else:
+        return [_token_ids(prompt, "prompt")]
+    if len(prompts) > MAX_BATCHED_PROMPTS:
+        raise bad_request(f"'prompt' can hold at most {MAX_BATCHED_PROMPTS} prompts, got {len(prompts)}", "prompt")
+    return prompts
+
+
+def parse_completion_request(body: dict) -> CompletionRequest:
+    """``logprobs`` (0-5) asks for the chosen token's and the top tokens' logprobs;
+    with ``echo`` the prompt's come too, and ``max_tokens: 0`` then scores the prompt
+    without generating (lm-evaluation-harness does this)."""
+    prompts = _prompts(body)
+    echo = _get(body, "echo", bool, False)
+    logprobs = _get(body, "logprobs", int)
+    if logprobs is not None and not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise bad_request(f"'logprobs' must be in [0, {MAX_COMPLETION_LOGPROBS}], got {logprobs}", "logprobs")
     max_tokens_default = COMPLETION_MAX_TOKENS_DEFAULT if "max_tokens" not in body else None
-    return CompletionRequest(**_parse_common(body, ("max_tokens",), max_tokens_default), prompt=prompt)
+    common = _parse_common(body, ("max_tokens",), max_tokens_default, min_max_tokens=0 if echo else 1)
+    return CompletionRequest(**common, logprobs=logprobs, prompt_logprobs=logprobs if echo else None,
+                             prompts=prompts, echo=echo)
 
 
 def _message_content(content: Any, index: int) -> str:
@@ -255,14 +331,36 @@ def _message(message: Any, index: int) -> dict:
     return cleaned
 
 
-def parse_chat_request(body: dict) -> ChatCompletionRequest:
-    """``max_completion_tokens`` takes precedence over the deprecated ``max_tokens``."""
+def parse_messages(body: dict) -> list[dict]:
+    """``messages``, as the chat template may see them."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty array", "messages")
-    cleaned = [_message(message, i) for i, message in enumerate(messages)]
+    return [_message(message, i) for i, message in enumerate(messages)]
+
+
+def parse_chat_request(body: dict) -> ChatCompletionRequest:
+    """``max_completion_tokens`` takes precedence over the deprecated ``max_tokens``."""
+    cleaned = parse_messages(body)
+    if body.get("echo") not in (None, False):
+        raise bad_request("'echo' is only supported on /v1/completions", "echo")
+    logprobs = _get(body, "logprobs", bool, False)
+    top_logprobs = _get(body, "top_logprobs", int)
+    if top_logprobs is not None:
+        if not 0 <= top_logprobs <= MAX_CHAT_TOP_LOGPROBS:
+            raise bad_request(f"'top_logprobs' must be in [0, {MAX_CHAT_TOP_LOGPROBS}], got {top_logprobs}",
+                              "top_logprobs")
+        if not logprobs:
+            raise bad_request("'logprobs' must be true when 'top_logprobs' is used", "top_logprobs")
     common = _parse_common(body, ("max_completion_tokens", "max_tokens"), None)
-    return ChatCompletionRequest(**common, messages=cleaned)
+    tool_choice = parse_tool_choice(body)
+    if tool_choice is not None and tool_choice.grammar is not None:
+        if common["grammar"] is not None:
+            raise bad_request(f"'response_format' cannot be combined with tool_choice '{tool_choice.mode}'",
+                              "response_format")
+        common["grammar"] = _constrained(body, tool_choice.grammar, "tool_choice")
+    return ChatCompletionRequest(**common, logprobs=(top_logprobs or 0) if logprobs else None, prompt_logprobs=None,
+                                 messages=cleaned, tool_choice=tool_choice)
 
 
 def check_prompt_ids(token_ids: list[int], vocab_size: int, param: str) -> None:

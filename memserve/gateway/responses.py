@@ -5,6 +5,12 @@ responses, stream chunks and usage, as OpenAI's published schemas define them
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
+
+from memserve.gateway.logprobs import CompletionLogprobs, LoggedToken, TokenStrings, chat_logprobs
+
+# Renders one choice's logged tokens as its ``logprobs`` object (stateful per choice).
+LogprobsRenderer = Callable[[list[LoggedToken]], dict]
 
 
 @dataclass
@@ -36,22 +42,30 @@ class ResponseFormat:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def response(self, text: str, finish_reason: str | None, usage: Usage) -> dict:
-        body = self._envelope(self.object_name, [self._full_choice(text, finish_reason)])
+    def response(self, choices: list[dict], usage: Usage) -> dict:
+        """A whole response of ``choice(...)`` objects."""
+        body = self._envelope(self.object_name, choices)
         body["usage"] = usage.to_dict()
         return body
 
-    def chunk(self, text: str, finish_reason: str | None) -> dict:
-        return self._envelope(self.chunk_object_name, [self._chunk_choice(text, finish_reason)])
+    def choice(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+        return {"index": index, **self._full_choice(text, finish_reason), "logprobs": logprobs}
+
+    def chunk(self, text: str, finish_reason: str | None, logprobs: dict | None = None, index: int = 0) -> dict:
+        choice = {"index": index, **self._chunk_choice(text, finish_reason), "logprobs": logprobs}
+        return self._envelope(self.chunk_object_name, [choice])
 
     def usage_chunk(self, usage: Usage) -> dict:
         body = self._envelope(self.chunk_object_name, [])
         body["usage"] = usage.to_dict()
         return body
 
-    def opening_chunk(self) -> dict | None:
-        """Sent before any text (chat announces the assistant role)."""
+    def opening_chunk(self, index: int = 0) -> dict | None:
+        """Sent before any text of a choice (chat announces the assistant role)."""
         return None
+
+    def logprobs_renderer(self, strings: TokenStrings) -> LogprobsRenderer:
+        raise NotImplementedError
 
     def _full_choice(self, text: str, finish_reason: str | None) -> dict:
         raise NotImplementedError
@@ -65,8 +79,11 @@ class CompletionFormat(ResponseFormat):
     object_name = "text_completion"
     chunk_object_name = "text_completion"
 
+    def logprobs_renderer(self, strings: TokenStrings) -> LogprobsRenderer:
+        return CompletionLogprobs(strings).render
+
     def _full_choice(self, text: str, finish_reason: str | None) -> dict:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {"text": text, "finish_reason": finish_reason}
 
     _chunk_choice = _full_choice
 
@@ -76,14 +93,16 @@ class ChatFormat(ResponseFormat):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
+    def logprobs_renderer(self, strings: TokenStrings) -> LogprobsRenderer:
+        return lambda tokens: chat_logprobs(tokens, strings)
+
     def _full_choice(self, text: str, finish_reason: str | None) -> dict:
-        return {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None}, "logprobs": None,
-                "finish_reason": finish_reason}
+        return {"message": {"role": "assistant", "content": text, "refusal": None}, "finish_reason": finish_reason}
 
     def _chunk_choice(self, text: str, finish_reason: str | None) -> dict:
         delta = {"content": text} if text else {}
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"delta": delta, "finish_reason": finish_reason}
 
-    def opening_chunk(self) -> dict:
-        return self._envelope(self.chunk_object_name, [{"index": 0, "delta": {"role": "assistant", "content": ""},
+    def opening_chunk(self, index: int = 0) -> dict:
+        return self._envelope(self.chunk_object_name, [{"index": index, "delta": {"role": "assistant", "content": ""},
                                                         "logprobs": None, "finish_reason": None}])

@@ -17,7 +17,7 @@ from memserve.gateway.app import create_app
 from memserve.gateway.cluster import Cluster, plan_workers
 from memserve.gateway.connection import GatewayRunner
 from memserve.gateway.engine_client import ZmqEngineClient
-from memserve.gateway.router import Router
+from memserve.gateway.router_setup import build_router
 from memserve.gateway.tokenizer import Tokenizer
 from memserve.ipc.channel import GatewayChannel
 from memserve.models.gguf_convert import ensure_model_dir
@@ -38,6 +38,7 @@ def served_model_name(cfg: ServeConfig) -> str:
 
 async def serve(cfg: ServeConfig) -> None:
     name = served_model_name(cfg)
+    router = build_router(cfg, name)
     model_dir = await asyncio.to_thread(ensure_model_dir, cfg.engine.model)
     cfg.engine.model = str(model_dir)  # workers load the prepared folder directly
     tokenizer = Tokenizer.from_folder(model_dir)
@@ -46,7 +47,7 @@ async def serve(cfg: ServeConfig) -> None:
     channel = GatewayChannel(f"ipc://{runtime_dir}/gateway")
     cluster = Cluster(plan_workers(cfg.engine, channel.address, cfg.cpu_workers, cfg.gpus, runtime_dir=runtime_dir),
                       cfg.heartbeat_timeout_s, cfg.spare_workers)
-    client = ZmqEngineClient(channel, cluster, cfg.engine.block_size, router=Router.named(cfg.router))
+    client = ZmqEngineClient(channel, cluster, cfg.engine.block_size, router=router)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -16,10 +16,11 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import Tokenizer as HFTokenizer, decoders
 
 # The named special tokens HF passes to every chat template (its SPECIAL_TOKENS_ATTRIBUTES).
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -183,7 +184,31 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    @cached_property
+    def _byte_level(self) -> bool:
+        return isinstance(self._backend.decoder, decoders.ByteLevel)
+
+    @cached_property
+    def _added_token_ids(self) -> set[int]:
+        return set(self._backend.get_added_tokens_decoder())
+
+    def byte_level_piece(self, token_id: int) -> str | None:
+        """The vocabulary entry of a byte-level BPE token (one character per byte, GPT-2's
+        alphabet), or None for an added token or another tokenizer family."""
+        if not self._byte_level or token_id in self._added_token_ids:
+            return None
+        return self._backend.id_to_token(token_id)
+
+    @cached_property
+    def supports_tools(self) -> bool:
+        """Whether the chat template reads ``tools`` (describes them to the model)."""
+        if self.chat_template is None:
+            return False
+        return "tools" in jinja2.meta.find_undeclared_variables(self._compiled_template.environment.parse(
+            self.chat_template))
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
         """Render like HF: keys whose value is None are dropped from each message, and
         the named special tokens are template variables."""
         if self._compiled_template is None:
@@ -191,12 +216,13 @@ class Tokenizer:
         cleaned = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
             return self._compiled_template.render(
-                messages=cleaned, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+                messages=cleaned, tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
                 **self.special_tokens,
             )
         except jinja2.exceptions.TemplateError as e:
             raise ChatTemplateError(f"chat template error: {e}") from e
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
         """Token ids of a conversation, equal to HF's ``apply_chat_template(tokenize=True)``."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools), add_special_tokens=False)

@@ -21,6 +21,10 @@ PROTOCOL_VERSION = 1
 # that rounds to zero in float32 would turn them into inf and NaN.
 GREEDY_TEMPERATURE = 1e-5
 
+# One position's log-probabilities: (the chosen token's, the top token ids, their
+# log-probabilities), plain lists so that msgpack carries them as they are.
+TokenLogprobs = tuple[float, list[int], list[float]]
+
 
 @dataclass
 class SamplingParams:
@@ -34,6 +38,21 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # Log-probabilities of the raw logits: None = off, k = the chosen token plus the k
+    # most likely ones, for each sampled token (logprobs) or prompt token (prompt_logprobs).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    # Logit adjustments (workers/model/penalties.py); these defaults leave logits as they are.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    # Sequences sampled from the prompt (they share its KV blocks: workers/parallel_sampling.py).
+    n: int = 1
+    # An llguidance grammar the output must match (structured output, forced tool calls:
+    # workers/model/grammar.py); None leaves the output free.
+    grammar: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -51,6 +70,12 @@ class AddRequest:
     priority: int = 0
     slo_ttft_ms: float | None = None
     slo_tbt_ms: float | None = None
+
+
+def choice_request_id(request_id: str, index: int) -> str:
+    """The worker's name of choice ``index`` of an n > 1 request: an ``AbortRequest`` for
+    it stops that choice alone (one for ``request_id`` stops them all)."""
+    return f"{request_id}#{index}"
 
 
 @dataclass
@@ -144,6 +169,10 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    index: int = 0  # the choice these tokens belong to (n > 1)
+    # One TokenLogprobs per new token / per prompt token after the first (when asked).
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass

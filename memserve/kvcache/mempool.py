@@ -11,12 +11,23 @@ node's ``lock``). ``insert`` turns private blocks into indexed ones, moving thei
 references along; an indexed block nobody holds is cached: it stays in the tier until
 eviction needs the room.
 
-Tiers. Pools exist for the tiers given in ``num_blocks``. When a tier runs short,
-``alloc_mem`` evicts cached blocks in the order of the injected eviction policy (LRU by
-default): with a slower tier and a mover they are demoted there (device -> host ->
-disk), otherwise dropped. A cached block's children never sit in a faster tier than the
+Tiers. Pools exist for the tiers given in ``num_blocks``; cached blocks cascade device
+-> host -> disk -> dropped, driven by capacity, in the order of the injected eviction
+policy (LRU by default). A cached block's children never sit in a faster tier than the
 block itself, so a tier always gives up the deep end of a prompt first and a prompt's
 cached prefix reads device blocks first, then host, then disk.
+
+Saving down (``tiering.py``). With an asynchronous ``Saver`` the engine calls
+``kick_saves`` after each step: each tier with a slower one keeps a watermark of its
+blocks free or being saved (``save_watermark`` of the tier, at least ``step_blocks``). A block being saved is pinned (one index reference): it
+stays readable and matchable on its source tier, cannot be evicted or deleted, and its
+source block is freed only once its copy is written (``poll_saves``). ``alloc_mem``
+never copies and never waits: short of free blocks it drops idle ones, and pinned blocks
+are not idle. With the synchronous ``InlineSaver`` (the default) ``alloc_mem`` demotes on
+demand instead. The disk tier (``DiskStore``) holds one checksummed file per block; the
+blocks an earlier run left there are indexed at construction (STORED events), and a
+disk block found missing or corrupt on loading is a miss (``commit_swap_in``), then
+forgotten (REMOVED events).
 
 Pure Python: the data moves through a ``BlockMover`` that the model runner implements.
 The class is split by concern: memory, index and state here, tier moves in
@@ -26,6 +37,7 @@ The class is split by concern: memory, index and state here, tier moves in
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from enum import IntFlag
@@ -42,14 +54,15 @@ from memserve.kvcache.address import (
     make_addrs,
 )
 from memserve.kvcache.blocks import BlockPool, MemPoolError, OutOfBlocks
-from memserve.kvcache.eviction import EvictionPolicy
+from memserve.kvcache.disk_store import DiskStore
 from memserve.kvcache.events import REMOVED, STORED, KVEvent
+from memserve.kvcache.eviction import EvictionPolicy
 from memserve.kvcache.hashing import block_hashes
 from memserve.kvcache.mover import BlockMover, TransferEndpoint
 from memserve.kvcache.radix import RadixIndex, RadixNode
+from memserve.kvcache.saver import InlineSaver, Saver
 from memserve.kvcache.tiering import TierMoves
 from memserve.kvcache.transfer_api import TransferAPI
-
 
 __all__ = ["BlockMover", "KVFlags", "MemPool", "MemPoolError", "OutOfBlocks", "Tier"]
 
@@ -83,6 +96,10 @@ class MemPool(TierMoves, TransferAPI):
         mover: BlockMover | None = None,
         clock: Callable[[], float] | None = None,
         eviction: EvictionPolicy | None = None,
+        saver: Saver | None = None,
+        disk: DiskStore | None = None,
+        save_watermark: float = 0.1,
+        step_blocks: int = 0,
     ) -> None:
         self.instance_id = instance_id
         self.block_size = block_size
@@ -102,6 +119,22 @@ class MemPool(TierMoves, TransferAPI):
         self._hit_tokens = 0
         self._query_tokens = 0
         self._transfer: TransferEndpoint | None = None
+        self.saver: Saver = saver if saver is not None else InlineSaver(mover)  # type: ignore[arg-type]
+        self.disk = disk
+        # Per tier: blocks ``kick_saves`` keeps free or being saved down: a fraction of the
+        # tier, and at least what one engine step allocates (``step_blocks``), so that a
+        # step finds free blocks instead of dropping cached ones.
+        self._watermark = [min(p.num_blocks, max(1, math.ceil(save_watermark * p.num_blocks), step_blocks))
+                           if p else 0 for p in self._pools]
+        self._saving = [0] * len(Tier)  # per tier: cached blocks being saved out of it (pinned)
+        self._incoming = [0] * len(Tier)  # per tier: blocks reserved for saves into it
+        self._io_bytes = [[0, 0] for _ in Tier]  # per tier: bytes read from it, written to it
+        self._hits = [0] * len(Tier)  # per tier: blocks matched there
+        self._corrupt: list[RadixNode] = []  # disk blocks found bad, forgotten once idle
+        if disk is not None:
+            if self._pools[Tier.DISK] is None or self._pools[Tier.DISK].num_blocks != disk.num_blocks:
+                raise ValueError("a disk store needs a DISK tier of as many blocks")
+            self._adopt_disk(disk.scan(instance_id))
 
     # ---------------------------------------------------------------- memory
 
@@ -235,6 +268,9 @@ class MemPool(TierMoves, TransferAPI):
             self.index.lock(nodes)
             self._query_tokens += len(tokens)
             self._hit_tokens += len(nodes) * self.block_size
+            hits = self._hits
+            for n in nodes:
+                hits[(n.addr >> TIER_SHIFT) & TIER_MASK] += 1
         return [n.addr for n in nodes]
 
     def delete(self, tokens: Sequence[int]) -> int:
@@ -252,22 +288,47 @@ class MemPool(TierMoves, TransferAPI):
         return events
 
     def stats(self) -> dict[str, Any]:
+        """Hit rate; per tier (``device``, ...) its block counts (``used``: held by
+        requests); under ``tier_io`` per tier: bytes in use, blocks matched there, bytes
+        read from and written to it, blocks being saved out of it; ``save_queue``: save
+        jobs not yet committed."""
         out: dict[str, Any] = {
             "hit_tokens": self._hit_tokens,
             "query_tokens": self._query_tokens,
             "hit_rate": self._hit_tokens / self._query_tokens if self._query_tokens else 0.0,
+            "save_queue": self.saver.pending(),
         }
+        io: dict[str, dict[str, int]] = {}
+        nbytes = self.mover.block_nbytes if self.mover is not None else 0
         for tier in self.tiers:
             pool = self._pools[tier]
             evictable = self.index.idle_count(tier)
-            out[tier.name.lower()] = {
+            allocated = pool.num_blocks - pool.num_free  # type: ignore[union-attr]
+            name = tier.name.lower()
+            out[name] = {
                 "total": pool.num_blocks,  # type: ignore[union-attr]
                 "free": pool.num_free,  # type: ignore[union-attr]
                 "cached": self.index.cached_count(tier),
                 "evictable": evictable,
-                "used": pool.num_blocks - pool.num_free - evictable,  # type: ignore[union-attr]
+                "used": allocated - evictable - self._saving[tier] - self._incoming[tier],
             }
+            io[name] = {
+                "bytes_used": allocated * nbytes,
+                "hits": self._hits[tier],
+                "read_bytes": self._io_bytes[tier][0],
+                "write_bytes": self._io_bytes[tier][1],
+                "saving": self._saving[tier],
+            }
+        out["tier_io"] = io
         return out
+
+    def close(self) -> None:
+        """Finish and commit the saves in flight, save what the faster tiers cache to the
+        disk tier (``persist``), then stop the saver."""
+        self.flush_saves()
+        if self.disk is not None:
+            self.persist()
+        self.saver.close()
 
     # -------------------------------------------------------------- internals
 

@@ -318,16 +318,18 @@ class RadixIndex:
                     self._became_busy(parent)  # type: ignore[arg-type]
             node.lock += 1
 
-    def unlock(self, nodes: Sequence[RadixNode]) -> None:
-        """Drop one reference on each node; all or nothing."""
-        now = self._clock()
+    def unlock(self, nodes: Sequence[RadixNode], touch: bool = True) -> None:
+        """Drop one reference on each node; all or nothing. ``touch=False`` leaves the
+        last-access times alone (a tier move's pin is no use of the block)."""
+        now = self._clock() if touch else None
         k = 0
         for k, node in enumerate(nodes):  # noqa: B007 - k is read below
             lock = node.lock
             if lock <= 0:
                 break
             node.lock = lock - 1
-            node.last_access = now
+            if now is not None:
+                node.last_access = now
             if lock == 1 and not node.busy_children:
                 self._became_idle(node, now)
         else:
@@ -348,16 +350,17 @@ class RadixIndex:
             if node.busy_children > 1 or node.lock:
                 return
 
-    def _became_idle(self, node: RadixNode, now: float) -> None:
+    def _became_idle(self, node: RadixNode, now: float | None) -> None:
         """``node`` just lost its last lock and has no busy child; ancestors kept busy
-        only by it become idle too."""
+        only by it become idle too (and are stamped ``now`` unless it is None)."""
         idle = self._idle
         shift, mask = TIER_SHIFT, TIER_MASK
         child_tier = -1  # tier of the child we came up from
         while True:
             tier = (node.addr >> shift) & mask
             idle[tier] += 1
-            node.last_access = now
+            if now is not None:
+                node.last_access = now
             # A child in this tier that just went idle means: not a frontier node.
             if tier != child_tier and self._frontier(node, tier):
                 self._push(tier, node)

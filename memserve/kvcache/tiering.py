@@ -1,42 +1,218 @@
-"""Moving cached blocks between a MemPool's tiers (device -> host -> disk): demotion
-when a tier runs short, ``swap_out``, and ``swap_in`` whole or in two halves around an
-asynchronous copy. A mixin of ``MemPool``: it works on the pool's block pools, index and
-mover (``mempool.py`` states the invariants)."""
+"""Moving cached blocks between a MemPool's tiers (device -> host -> disk -> dropped): the
+capacity-driven cascade, ``swap_out``, ``swap_in`` whole or in two halves around an
+asynchronous copy, and the disk tier's re-indexing at start-up. A mixin of ``MemPool``:
+it works on the pool's block pools, index, mover and saver (``mempool.py`` states the
+invariants).
+
+Saving down. With an asynchronous saver (``saver.ThreadSaver``) a tier is demoted ahead
+of need: ``kick_saves`` (after every engine step) keeps each tier that has a slower one
+at ``watermark`` blocks free or on their way out, by starting saves of its least
+valuable idle blocks. A block being saved is *pinned* (one index reference, no use of
+the block): it stays readable and matchable on its source tier and cannot be evicted;
+``poll_saves`` moves it to its copy once the copy is written, unless it was used
+meanwhile (then the copy is given back and the block stays where it is hot). So
+``alloc_mem`` never copies: when it finds too few free blocks it drops idle ones, and
+blocks being saved are not idle. With a synchronous saver (``saver.InlineSaver``, the
+baseline and the simulator's choice) ``alloc_mem`` demotes on demand instead, copying
+inside the call."""
 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 
-from memserve.kvcache.address import BLOCK_MASK, TIER_MASK, TIER_SHIFT, Tier, addr_str
+from memserve.kvcache.address import (
+    BLOCK_MASK,
+    TIER_MASK,
+    TIER_SHIFT,
+    Tier,
+    addr_str,
+    make_addrs,
+)
 from memserve.kvcache.blocks import MemPoolError
-from memserve.kvcache.events import MOVED, KVEvent
+from memserve.kvcache.events import MOVED, STORED, KVEvent
 from memserve.kvcache.radix import RadixNode
+from memserve.kvcache.saver import SaveJob
+
+log = logging.getLogger("memserve.kvcache")
 
 
 class TierMoves:
+    # ------------------------------------------------------------- saving down
+
+    def kick_saves(self) -> None:
+        """Commit the saves that finished, then start demotions so that every tier with
+        a slower one has ``watermark`` blocks free or being saved (slowest tier first:
+        its saves make room for the faster tier's). Never waits for a copy."""
+        self.poll_saves()
+        if self.saver.inline:
+            return  # a synchronous saver demotes on demand, in alloc_mem
+        for tier in reversed(self.tiers):
+            nxt = self._next_tier(tier)
+            if nxt is None:
+                continue
+            want = self._watermark[tier] - self._pools[tier].num_free - self._saving[tier]  # type: ignore[union-attr]
+            n = min(want, self.index.idle_count(tier), self._room(nxt))
+            if n > 0:
+                self._save(self.index.select_evictable(tier, n), nxt)
+
+    def poll_saves(self) -> None:
+        """Move the blocks whose saves finished to their copies; forget corrupt disk
+        blocks nobody holds any more. Cheap and I/O-free: call it before scheduling."""
+        self._finish_saves()
+        self._drop_corrupt()
+
+    def flush_saves(self) -> None:
+        """Wait for every save in flight and commit it (tests, shutdown)."""
+        self.saver.wait()
+        self.poll_saves()
+
+    def persist(self) -> None:
+        """Save every idle cached block of the faster tiers to the disk tier, as far as
+        it holds them (a graceful shutdown: the next run re-indexes them). Slower tiers
+        go first, so a block never lands below a child of a faster tier."""
+        if self._pools[Tier.DISK] is None or self.mover is None:
+            return
+        self.flush_saves()
+        for tier in (Tier.HOST, Tier.DEVICE):
+            if self._pools[tier] is None:
+                continue
+            if tier == Tier.DEVICE and self._pools[Tier.HOST] is not None and self.index.cached_count(Tier.HOST):
+                return  # a device block could end up on disk above a child left on the host
+            n = min(self.index.idle_count(tier), self._room(Tier.DISK))
+            if n > 0:
+                self._save(self.index.select_evictable(tier, n), Tier.DISK)
+                self.flush_saves()
+
     def swap_out(self, n: int) -> list[tuple[int, int]]:
-        """Move up to ``n`` least recently used cached device blocks to the host tier;
-        returns ``(old, new)`` addresses. Fewer move when fewer are idle or the host is
-        full of blocks in use."""
+        """Move up to ``n`` least recently used cached device blocks to the host tier,
+        waiting for the copies; returns ``(old, new)`` addresses. Fewer move when fewer
+        are idle or the host is full of blocks in use."""
         host = self._pool(Tier.HOST, "swap_out")
         self._need_mover("swap_out")
         room = host.num_free + self.index.idle_count(Tier.HOST)
         n = min(n, self.index.idle_count(Tier.DEVICE), room)
         if n <= 0:
             return []
-        return self._move(self.index.select_evictable(Tier.DEVICE, n), Tier.HOST)
+        job = self._save(self.index.select_evictable(Tier.DEVICE, n), Tier.HOST)
+        self.saver.wait()
+        mine = {addr for _, addr, _ in job.owner}
+        return [pair for pair in self._finish_saves() if pair[0] in mine]
+
+    def _evict(self, tier: int, n: int) -> None:
+        """Free ``n`` blocks of ``tier`` now by giving up its least valuable idle blocks:
+        with a synchronous saver, demote them to the next slower tier while it can take
+        them; drop the rest (with an asynchronous saver, all of them: the watermark
+        saves ahead so that this is rare)."""
+        victims = self.index.select_evictable(tier, n)
+        nxt = self._next_tier(tier)
+        keep = 0
+        if nxt is not None and self.saver.inline:
+            keep = min(len(victims), self._pools[nxt].num_free + self.index.idle_count(nxt))  # type: ignore[union-attr]
+        # Drop the oldest: victims come deepest first, so none of them is an ancestor of a
+        # demoted one. A dropped block's slower descendants go with it.
+        dropped = victims[: len(victims) - keep]
+        if dropped:
+            self._forget([gone for v in dropped for gone in self.index.remove_subtree(v)])
+        if keep:
+            self._save(victims[len(victims) - keep :], nxt)  # type: ignore[arg-type]
+            self._finish_saves()
+
+    def _room(self, tier: Tier) -> int:
+        """Blocks a save into ``tier`` can get without waiting: free ones, plus idle ones
+        when ``tier`` is the last (they are dropped; a middle tier saves its own down)."""
+        room = self._pools[tier].num_free  # type: ignore[union-attr]
+        if self._next_tier(tier) is None:
+            room += self.index.idle_count(tier)
+        return room
+
+    def _save(self, nodes: list[RadixNode], dst: Tier) -> SaveJob:
+        """Start copying idle indexed blocks of one tier to new blocks of ``dst``: the
+        copies are parked, the sources pinned until ``_finish_saves``."""
+        src = nodes[0].tier
+        dst_pool = self._pools[dst]
+        short = len(nodes) - dst_pool.num_free  # type: ignore[union-attr]
+        if short > 0:
+            self._evict(dst, short)
+        dst_blocks = dst_pool.alloc(len(nodes))  # type: ignore[union-attr]
+        dst_pool.park(dst_blocks)  # type: ignore[union-attr]
+        self.index.lock(nodes)
+        if dst == Tier.DISK and self.disk is not None:
+            for node, slot in zip(nodes, dst_blocks):
+                self.disk.name(slot, node.hash, node.parent.hash)  # type: ignore[union-attr,arg-type]
+        self._saving[src] += len(nodes)
+        self._incoming[dst] += len(nodes)
+        job = SaveJob(src, [n.addr & BLOCK_MASK for n in nodes], dst, dst_blocks,
+                      owner=[(n, n.addr, n.last_access) for n in nodes])
+        self.saver.submit(job)
+        return job
+
+    def _finish_saves(self) -> list[tuple[int, int]]:
+        """Commit every finished save; returns the ``(old, new)`` addresses moved."""
+        pairs: list[tuple[int, int]] = []
+        for job in self.saver.completed():
+            pairs += self._finish_save(job)
+        return pairs
+
+    def _finish_save(self, job: SaveJob) -> list[tuple[int, int]]:
+        src, dst = job.src_tier, job.dst_tier
+        n = len(job.src_blocks)
+        self._saving[src] -= n
+        self._incoming[dst] -= n
+        src_pool, dst_pool = self._pools[src], self._pools[dst]
+        moved: list[tuple[RadixNode, int, int]] = []
+        unpin: list[RadixNode] = []
+        unused: list[int] = []
+        for (node, addr, stamp), sb, db in zip(job.owner, job.src_blocks, job.dst_blocks):
+            if node.addr != addr:  # swapped in meantime: the pin went with the old block, now private
+                src_pool.free([sb])  # type: ignore[union-attr]
+                unused.append(db)
+            elif job.error is None and node.lock == 1 and node.last_access == stamp:
+                moved.append((node, sb, db))
+            else:  # used while saving (or the copy failed): it stays where it is
+                unpin.append(node)
+                unused.append(db)
+        if job.error is not None:
+            log.warning("saving %d blocks %s -> %s failed: %r", n, Tier(src).name, Tier(dst).name, job.error)
+        else:
+            self._io_bytes[src][0] += n * self.mover.block_nbytes  # type: ignore[union-attr]
+            self._io_bytes[dst][1] += n * self.mover.block_nbytes  # type: ignore[union-attr]
+        dst_pool.release(unused)  # type: ignore[union-attr]
+        if unpin:
+            self.index.unlock(unpin, touch=False)
+        if not moved:
+            return []
+        src_owner, dst_owner = self._node_of[src], self._node_of[dst]
+        pairs = []
+        for node, sb, db in moved:
+            new = self._addr(dst, db)
+            pairs.append((node.addr, new))
+            self.index.move(node, new)
+            src_owner[sb] = None
+            dst_owner[db] = node
+        src_pool.release([sb for _, sb, _ in moved])  # type: ignore[union-attr]
+        nodes = [node for node, _, _ in moved]
+        self.index.unlock(nodes, touch=False)
+        self._events.append(KVEvent(MOVED, [node.hash for node in nodes], None, [new for _, new in pairs]))  # type: ignore[misc]
+        return pairs
+
+    # -------------------------------------------------------------- loading up
 
     def swap_in(self, addrs: Sequence[int]) -> list[int]:
         """Copy held blocks of slower tiers to new device blocks; returns the device
         addresses, each held once by the caller. The caller keeps its references to the
         old addresses (free them as usual). An indexed block is re-pointed to its device
-        copy; pass a prompt's blocks parent first."""
+        copy; pass a prompt's blocks parent first. Raises when a disk block was missing or
+        corrupt (the blocks before it are swapped in)."""
         device_addrs = self.prepare_swap_in(addrs)
         mover = self._need_mover("swap_in")
         for tier, src, dst in self.swap_in_copies(addrs, device_addrs):
             mover.copy_blocks(tier, src, Tier.DEVICE, dst)
-        self.commit_swap_in(addrs, device_addrs)
+        intact = self.commit_swap_in(addrs, device_addrs)
+        if intact < len(addrs):
+            self.free_mem(device_addrs)
+            raise MemPoolError(f"swap_in: {addr_str(addrs[intact])} could not be read (missing or corrupt)")
         return device_addrs
 
     def prepare_swap_in(self, addrs: Sequence[int]) -> list[int]:
@@ -65,16 +241,24 @@ class TierMoves:
         return [(Tier(tier), [p[1] for p in run], [p[2] for p in run])
                 for tier, run in ((t, list(g)) for t, g in itertools.groupby(pairs, key=lambda p: p[0]))]
 
-    def commit_swap_in(self, addrs: Sequence[int], device_addrs: Sequence[int]) -> None:
+    def commit_swap_in(self, addrs: Sequence[int], device_addrs: Sequence[int]) -> int:
         """Second half of an asynchronous ``swap_in``, once the copies are done: indexed
         sources are re-pointed to their device copies. A source another swap-in already
-        promoted keeps that copy; this one's stays private to the caller."""
+        promoted keeps that copy; this one's stays private to the caller. Returns how
+        many leading blocks arrived: a disk block whose file was missing or corrupt, and
+        every block after it, are not committed (their device blocks stay private to the
+        caller, to recompute) and the bad blocks are forgotten once nobody holds them."""
+        entries = self._held(addrs, "swap_in")
+        intact = self._intact_prefix(entries)
+        for e in entries[:intact]:
+            self._io_bytes[e.tier][0] += self.mover.block_nbytes  # type: ignore[union-attr]
+        self._io_bytes[Tier.DEVICE][1] += intact * self.mover.block_nbytes  # type: ignore[union-attr]
         moved = []
-        for e, d in zip(self._held(addrs, "swap_in"), device_addrs):
+        for e, d in zip(entries[:intact], device_addrs):
             if e.node is not None and e.node.addr == e.addr:
                 moved.append((e, d & BLOCK_MASK))
         if not moved:
-            return
+            return intact
         self._pools[Tier.DEVICE].park([b for _, b in moved])  # type: ignore[union-attr]
         device_owner = self._node_of[Tier.DEVICE]
         for e, b in moved:
@@ -85,46 +269,62 @@ class TierMoves:
             self._pools[e.tier].unpark([e.block], [holders])  # type: ignore[union-attr]
         nodes = [e.node for e, _ in moved]
         self._events.append(KVEvent(MOVED, [n.hash for n in nodes], None, [n.addr for n in nodes]))  # type: ignore[misc,union-attr]
+        return intact
 
-    def _evict(self, tier: int, n: int) -> None:
-        """Free ``n`` blocks of ``tier`` by giving up its LRU cached blocks: demote them
-        to the next slower tier while it can take them, drop the rest."""
-        victims = self.index.select_evictable(tier, n)
-        nxt = self._next_tier(tier)
-        room = 0
-        if nxt is not None:
-            room = self._pools[nxt].num_free + self.index.idle_count(nxt)  # type: ignore[union-attr]
-        keep = min(len(victims), room)
-        # Drop the oldest: victims come deepest first, so none of them is an ancestor of a
-        # demoted one. A dropped block's slower descendants go with it.
-        dropped = victims[: len(victims) - keep]
-        if dropped:
-            self._forget([gone for v in dropped for gone in self.index.remove_subtree(v)])
-        if keep:
-            self._move(victims[len(victims) - keep :], nxt)  # type: ignore[arg-type]
+    def _intact_prefix(self, entries: list) -> int:
+        """How many leading entries' bytes a load delivered (all but disk misses)."""
+        if self.disk is None:
+            return len(entries)
+        bad = self.disk.failed(e.block for e in entries if e.tier == Tier.DISK)
+        if not bad:
+            return len(entries)
+        first = len(entries)
+        for i, e in enumerate(entries):
+            if e.tier == Tier.DISK and e.block in bad:
+                first = min(first, i)
+                if e.node is not None and e.node.addr == e.addr:
+                    self._corrupt.append(e.node)
+        return first
 
-    def _move(self, nodes: list[RadixNode], dst: Tier) -> list[tuple[int, int]]:
-        """Relocate idle indexed blocks of one tier to tier ``dst``."""
-        src = nodes[0].tier
-        dst_pool = self._pools[dst]
-        short = len(nodes) - dst_pool.num_free  # type: ignore[union-attr]
-        if short > 0:
-            self._evict(dst, short)
-        dst_blocks = dst_pool.alloc(len(nodes))  # type: ignore[union-attr]
-        dst_pool.park(dst_blocks)  # type: ignore[union-attr]
-        src_blocks = [n.addr & BLOCK_MASK for n in nodes]
-        self.mover.copy_blocks(src, src_blocks, dst, dst_blocks)  # type: ignore[union-attr]
-        src_owner, dst_owner = self._node_of[src], self._node_of[dst]
-        pairs = []
-        for node, sb, db in zip(nodes, src_blocks, dst_blocks):
-            new = self._addr(dst, db)
-            pairs.append((node.addr, new))
-            self.index.move(node, new)
-            src_owner[sb] = None
-            dst_owner[db] = node
-        self._pools[src].release(src_blocks)  # type: ignore[union-attr]
-        self._events.append(KVEvent(MOVED, [n.hash for n in nodes], None, [new for _, new in pairs]))  # type: ignore[misc]
-        return pairs
+    def _drop_corrupt(self) -> None:
+        """Forget disk blocks whose file was found bad (and their descendants) once no
+        request holds them: a later request then misses instead of failing again."""
+        if not self._corrupt:
+            return
+        waiting = []
+        for node in self._corrupt:
+            if node.parent is None or node.tier != Tier.DISK:
+                continue  # already gone
+            if node.idle:
+                self._forget(self.index.remove_subtree(node))
+            else:
+                waiting.append(node)
+        self._corrupt = waiting
+
+    # --------------------------------------------------------------- start-up
+
+    def _adopt_disk(self, entries: list[tuple[int, int | None]]) -> None:
+        """Index the valid blocks an earlier run left on disk (``DiskStore.scan``: parents
+        first, entry i in slot i) as cached disk blocks, one STORED event per chain run."""
+        if not entries:
+            return
+        pool = self._pools[Tier.DISK]
+        slots = pool.alloc(len(entries))  # type: ignore[union-attr]
+        if slots != list(range(len(entries))):
+            raise MemPoolError("the disk tier must be adopted before any allocation")
+        pool.park(slots)  # type: ignore[union-attr]
+        owners = self._node_of[Tier.DISK]
+        i = 0
+        while i < len(entries):
+            j = i + 1
+            while j < len(entries) and entries[j][1] == entries[j - 1][0]:
+                j += 1
+            hashes = [h for h, _ in entries[i:j]]
+            addrs = make_addrs(self.instance_id, Tier.DISK, slots[i:j])
+            for slot, node in zip(slots[i:j], self.index.add_chain(entries[i][1], hashes, addrs)):
+                owners[slot] = node
+            self._events.append(KVEvent(STORED, hashes, entries[i][1], addrs))
+            i = j
 
     def _next_tier(self, tier: int) -> Tier | None:
         if self.mover is None:

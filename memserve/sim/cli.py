@@ -27,7 +27,7 @@ from memserve.bench.report import RunPoint, print_run
 from memserve.bench.runner import ReplayResult
 from memserve.config import EngineConfig
 from memserve.gateway.cost_model import CostModel
-from memserve.gateway.router import ROUTING_POLICIES, Router
+from memserve.gateway.router import ROUTING_POLICIES, Balance, Router
 from memserve.kvcache.eviction import EVICTION_POLICIES
 from memserve.sim.simulator import Simulation
 from memserve.sim.tokens import HFTokenizer, SyntheticTokenizer
@@ -43,6 +43,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     sim.add_argument("--cost-model", required=True, help="a cost-model JSON (memserve profile) or a preset name")
     sim.add_argument("--instances", type=int, default=1, help="colocated instances")
     sim.add_argument("--router", default="least-load", choices=sorted(ROUTING_POLICIES))
+    sim.add_argument("--router-balance-abs", type=int, default=Balance.abs_threshold,
+                     help="load-imbalance guard of prompt-tree/cost (as memserve up)")
+    sim.add_argument("--router-balance-rel", type=float, default=Balance.rel_threshold)
+    sim.add_argument("--router-cache-threshold", type=float, default=Balance.cache_threshold)
     sim.add_argument("--schedule-policy", default="fcfs", choices=sorted(SCHEDULE_POLICIES))
     sim.add_argument("--eviction-policy", default="lru", choices=sorted(EVICTION_POLICIES))
     sim.add_argument("--num-blocks", type=int, default=2048, help="device KV blocks per instance")
@@ -65,7 +69,8 @@ def run_simulate_command(args: argparse.Namespace) -> int:
         rate = args.rate or args.request_rate or math.inf
         spec, parts, dataset = build_sessions(args, 1)
         tokenizer = HFTokenizer(args.tokenizer) if args.tokenizer else SyntheticTokenizer()
-        router = Router.named(args.router)
+        router = Router.named(args.router, cost, Balance(args.router_balance_abs, args.router_balance_rel,
+                                                                    args.router_cache_threshold))
     except (ValueError, FileNotFoundError, OSError, KeyError) as e:
         return fail(str(e), EXIT_USAGE)
     engine_cfg = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks,

@@ -31,6 +31,7 @@ from memserve.config import EngineConfig
 from memserve.gateway.cost_model import CostModel
 from memserve.gateway.router import RouteRequest, Router, WorkerView
 from memserve.ipc.messages import AddRequest, SamplingParams
+from memserve.kvcache.blocks import OutOfBlocks
 from memserve.kvcache.events import KVEvents
 from memserve.kvcache.mirror import PromptTreeMirror
 from memserve.sim.runner import SimulatedRunner
@@ -47,6 +48,7 @@ class _Instance:
     runner: SimulatedRunner
     mirror: PromptTreeMirror
     busy: bool = False  # a step event is scheduled
+    step_end: float = 0.0  # when its latest step ends (a prefix push waits for it)
 
 
 @dataclass
@@ -69,6 +71,7 @@ class Simulation:
         self.router = router
         self.tokenizer = tokenizer
         self.options = options
+        router.ledger.clock = self.clock  # queued work and TTFT samples on the virtual clock
         self.instances: list[_Instance] = []
         for i in range(num_instances):
             runner = SimulatedRunner(cost, engine_cfg.num_blocks, engine_cfg.block_size,
@@ -97,6 +100,8 @@ class Simulation:
             self.now, _, kind, data = heapq.heappop(self._events)
             if kind == "arrive":
                 self._arrive(*data)
+            elif kind == "admit":
+                self._admit(*data)
             else:
                 self._step(*data)
         return self.now
@@ -117,18 +122,48 @@ class Simulation:
         rid = f"{session.session_id}:{k + 1}"
         slo = {key: v for key, v in (("ttft_ms", self.options.slo_ttft_ms), ("tbt_ms", self.options.slo_tbt_ms))
                if v is not None}
-        instance = self.router.route(RouteRequest(rid, prompt, session.session_id, slo), self._views())
+        decision = self.router.route(RouteRequest(rid, prompt, session.session_id, slo, max_tokens), self._views())
         record = RequestRecord(session.session_id, k + 1, self.now, prompt_tokens=len(prompt),
                                slo_ttft_ms=self.options.slo_ttft_ms, slo_tbt_ms=self.options.slo_tbt_ms)
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         add = AddRequest(rid, prompt, params, session.session_id, 0.0, 0, slo.get("ttft_ms"), slo.get("tbt_ms"))
-        refused = self.instances[instance].engine.add_request(add, self.now)
+        turn = _Turn(record, s, k, decision.instance, messages)
+        if decision.pull_from is None:
+            self._admit(add, turn)
+        else:
+            self._push(self.now + self._pull(decision.pull_from, decision.instance, prompt), "admit", (add, turn))
+
+    def _admit(self, add: AddRequest, turn: _Turn) -> None:
+        refused = self.instances[turn.instance].engine.add_request(add, self.now)
         if refused is not None:
-            record.end, record.status, record.error = self.now, "400", refused.error
-            self.records.append(record)
+            self.router.release(add.request_id)
+            turn.record.end, turn.record.status, turn.record.error = self.now, "400", refused.error
+            self.records.append(turn.record)
             return
-        self._in_flight[rid] = _Turn(record, s, k, instance, messages)
-        self._wake(instance, self.now)
+        self._in_flight[add.request_id] = turn
+        self._wake(turn.instance, self.now)
+
+    def _pull(self, src: int, dst: int, prompt: list[int]) -> float:
+        """MemServe eq. 2 on the cost-model clock, as the gateway's prefix pull: ``src``'s
+        cached prefix is inserted into ``dst``'s MemPool now and the request reaches
+        ``dst`` once ``src`` ended its current step (workers serve pushes between steps)
+        and every block was sent. Returns that delay (0 when the pull fails: the prefix
+        was evicted meanwhile, or ``dst`` has no room)."""
+        source, target = self.instances[src].engine.mempool, self.instances[dst].engine.mempool
+        n = len(source.match(prompt, take_ref=False))
+        have = target.match(prompt, take_ref=True)  # held: making room must not evict them
+        try:
+            new = target.alloc_mem(n - len(have)) if n > len(have) else []
+        except OutOfBlocks:
+            new = None
+        if new is not None:
+            target.insert(prompt[: n * target.block_size], have + new)
+        target.free_mem(have + (new or []))
+        self.router.pull_done(new is not None and n > 0)
+        if new is None or n == 0:
+            return 0.0
+        wait = max(0.0, self.instances[src].step_end - self.now)
+        return wait + self.cost.transfer_s(n * target.block_size * self.cost.kv_bytes_per_token)
 
     def _views(self) -> list[WorkerView]:
         in_flight = [0] * len(self.instances)
@@ -147,7 +182,7 @@ class Simulation:
         inst.busy = False
         inst.runner.last_step_s = 0.0
         outputs = inst.engine.step()
-        done_at = self.now + inst.runner.last_step_s
+        done_at = inst.step_end = self.now + inst.runner.last_step_s
         self.num_steps += inst.runner.last_step_s > 0
         events = inst.engine.drain_kv_events()
         if events:
@@ -158,6 +193,7 @@ class Simulation:
                 continue
             rec = turn.record
             rec.cached_tokens = out.num_cached_tokens
+            self.router.observe(out.request_id, len(out.new_token_ids), done_at)
             if out.new_token_ids:
                 rec.chunk_times.append(done_at)
                 rec.chunk_tokens.append(len(out.new_token_ids))
@@ -173,6 +209,7 @@ class Simulation:
 
     def _finish(self, rid: str, turn: _Turn, at: float, error: str | None) -> None:
         del self._in_flight[rid]
+        self.router.release(rid)
         rec = turn.record
         rec.end = at
         rec.completion_tokens = len(turn.output)

@@ -21,6 +21,7 @@ from memserve.kvcache.events import KVEvent
 from memserve.kvcache.eviction import make_eviction_policy
 from memserve.kvcache.mempool import MemPool
 from memserve.workers.kv_manager import KVCacheManager
+from memserve.workers.parallel_sampling import name_first_choice
 from memserve.workers.policies import make_schedule_policy
 from memserve.workers.runner import Runner
 from memserve.workers.scheduler import Scheduler, SchedulerConfig
@@ -60,8 +61,15 @@ class Engine:
         tiers = {Tier.DEVICE: runner.num_blocks}
         if cfg.num_host_blocks:
             tiers[Tier.HOST] = cfg.num_host_blocks
+        # The real runner brings a disk tier (``--disk-cache-dir``) and a background saver;
+        # without them (simulator, scripted runners) saves are synchronous and exact.
+        disk = getattr(runner.mover, "disk", None)
+        if disk is not None:
+            tiers[Tier.DISK] = disk.num_blocks
         self.mempool = MemPool(instance_id, tiers, cfg.block_size, enable_caching=cfg.enable_prefix_caching,
-                               mover=runner.mover, clock=clock, eviction=make_eviction_policy(cfg.eviction_policy))
+                               mover=runner.mover, clock=clock, eviction=make_eviction_policy(cfg.eviction_policy),
+                               saver=getattr(runner, "saver", None), disk=disk, save_watermark=cfg.save_watermark,
+                               step_blocks=-(-cfg.max_num_batched_tokens // cfg.block_size))
         self.scheduler = self.make_scheduler(self.mempool, cfg.enable_prefix_caching)
         self.num_steps = 0
 
@@ -79,24 +87,29 @@ class Engine:
         seq = Sequence(req.request_id, list(req.prompt_token_ids), req.params,
                        self.clock() if arrival_time is None else arrival_time, req.session_id,
                        priority=req.priority, slo_ttft_ms=req.slo_ttft_ms, slo_tbt_ms=req.slo_tbt_ms)
+        name_first_choice(seq)
         return self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         seq = self.scheduler.abort(request_id)
         if seq is None:
             return None
-        return RequestOutput(request_id, [], True, "abort", seq.num_prompt_tokens, seq.num_cached_tokens)
+        return RequestOutput(seq.choice_of or request_id, [], True, "abort", seq.num_prompt_tokens,
+                             seq.num_cached_tokens, index=seq.choice_index)
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        """Requests to step, or saves in flight to commit (their blocks free up then)."""
+        return self.scheduler.has_work or self.mempool.saver.pending() > 0
 
     def step(self) -> list[RequestOutput]:
+        self.mempool.poll_saves()  # finished saves free their source blocks for this step
         loaded = self.runner.finished_loads()
         if loaded:
             self.scheduler.finish_loads(loaded)
         plan = self.scheduler.schedule()
         if not (plan.chunks or plan.loads or plan.finished_ids):
+            self.mempool.kick_saves()
             return []
         failed: list[RequestOutput] = []
         try:
@@ -106,7 +119,9 @@ class Engine:
             plan, result, failed = self._isolate_failures(plan)
         if plan.chunks:
             self.num_steps += 1
-        return self.scheduler.update(plan, result) + failed
+        outputs = self.scheduler.update(plan, result) + failed
+        self.mempool.kick_saves()  # demote ahead of need, off this thread: never waits for a copy
+        return outputs
 
     def _isolate_failures(self, plan: StepPlan) -> tuple[StepPlan, StepResult, list[RequestOutput]]:
         """Re-run a failed step one request at a time, so that one request's bad input
@@ -117,7 +132,7 @@ class Engine:
         failed: list[RequestOutput] = []
         for chunk in plan.chunks:
             try:
-                result.sampled.update(self.runner.execute(plan.only(chunk)).sampled)
+                result.merge(self.runner.execute(plan.only(chunk)))
                 kept.chunks.append(chunk)
             except Exception as exc:
                 log.error("request %s fails the engine step on its own: %r", chunk.request_id, exc)
@@ -128,6 +143,10 @@ class Engine:
 
     def drain_kv_events(self) -> list[KVEvent]:
         return self.mempool.drain_events()
+
+    def close(self) -> None:
+        """Let the saves in flight finish (a block file is whole or absent), then stop."""
+        self.mempool.close()
 
     def stats(self) -> dict:
         return {**self.scheduler.stats(), "mempool": self.mempool.stats(), "num_steps": self.num_steps}

@@ -37,6 +37,7 @@ class _RequestBlocks:
     num_indexed: int = 0  # leading full blocks offered to the index
     loading: list[int] = field(default_factory=list)  # slow-tier sources of a load in flight
     loading_dst: list[int] = field(default_factory=list)  # the device blocks they are copied to
+    loading_seq: Sequence | None = None  # the request loading (its prefix shrinks if a block is lost)
 
 
 class KVCacheManager:
@@ -54,8 +55,10 @@ class KVCacheManager:
     # ----------------------------------------------------------------- prefix
     def get_computed_blocks(self, seq: Sequence) -> ComputedPrefix:
         """The cached prefix of the request's tokens, one reference taken on each block.
-        At least one token is always left to compute: its logits give the next token."""
-        if not self.enable_caching:
+        At least one token is always left to compute: its logits give the next token.
+        A request that wants prompt logprobs computes its whole prompt (as vLLM does):
+        they need the logits at every prompt position."""
+        if not self.enable_caching or seq.params.prompt_logprobs is not None:
             return ComputedPrefix()
         tokens = seq.all_token_ids[:-1]
         hashes = seq.full_block_hashes(self.block_size, len(tokens) // self.block_size)
@@ -77,7 +80,7 @@ class KVCacheManager:
             dst = self.mempool.prepare_swap_in(prefix.slow)
             blocks.addrs += dst
             blocks.ids += [addr_block(a) for a in dst]
-            blocks.loading, blocks.loading_dst = list(prefix.slow), dst
+            blocks.loading, blocks.loading_dst, blocks.loading_seq = list(prefix.slow), dst, seq
             copies = [(int(t), src, dst_ids) for t, src, dst_ids in self.mempool.swap_in_copies(prefix.slow, dst)]
             self._pending_loads.append(KVLoad(seq.request_id, copies))
             loading = True
@@ -93,19 +96,23 @@ class KVCacheManager:
 
     def finish_load(self, request_id: str) -> bool:
         """The runner copied the request's slow-tier prefix: index the device copies and
-        drop the references on the sources. False when the request left meanwhile (its
-        blocks are freed now)."""
+        drop the references on the sources. A block that could not be read (a missing or
+        corrupt disk file) ends the computed prefix there: the rest is recomputed in the
+        blocks already reserved. False when the request left meanwhile (its blocks are
+        freed now)."""
         abandoned = self._abandoned.pop(request_id, None)
         if abandoned is not None:
             self.mempool.free_mem(abandoned.loading + abandoned.addrs)
             return False
         blocks = self._blocks[request_id]
         src = blocks.loading
-        self.mempool.commit_swap_in(src, blocks.loading_dst)
+        intact = self.mempool.commit_swap_in(src, blocks.loading_dst)
         self.mempool.free_mem(src)
-        blocks.num_indexed += len(src)  # the index holds these blocks now (ours, or another copy)
-        blocks.loading, blocks.loading_dst = [], []
-        self.num_loaded_blocks += len(src)
+        blocks.num_indexed += intact  # the index holds these blocks now (ours, or another copy)
+        if intact < len(src):
+            blocks.loading_seq.num_computed_tokens = blocks.num_indexed * self.block_size  # type: ignore[union-attr]
+        blocks.loading, blocks.loading_dst, blocks.loading_seq = [], [], None
+        self.num_loaded_blocks += intact
         return True
 
     # ----------------------------------------------------------------- slots
@@ -123,6 +130,29 @@ class KVCacheManager:
         addrs = self.mempool.alloc_mem(need)
         blocks.addrs += addrs
         blocks.ids += [addr_block(a) for a in addrs]
+        return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
+        """Give ``child`` (``parent``'s prompt, which ``parent`` has computed) that prompt's
+        KV up to its last token, so the child computes that one token only: the full
+        blocks are shared (references through the index, like a prefix-cache hit), the
+        rest is copied into the child's own blocks (copy-on-write of the partly filled
+        block; without caching, every block). False, holding nothing, when the pool
+        cannot provide the child's blocks now."""
+        prefix = self.get_computed_blocks(child)
+        if prefix.slow:
+            self.mempool.free_mem(prefix.slow)  # a faster copy is made below
+        self.admit(child, ComputedPrefix(prefix.device))
+        shared = len(prefix.device)
+        child.num_computed_tokens = child.num_prompt_tokens - 1
+        if not self.allocate_slots(child, 1):
+            self.free(child)
+            child.num_computed_tokens = 0
+            return False
+        own = self._blocks[child.request_id].ids
+        src = self._blocks[parent.request_id].ids[shared:len(own)]
+        if src:
+            self.mempool.mover.copy_blocks(Tier.DEVICE, src, Tier.DEVICE, own[shared:])  # type: ignore[union-attr]
         return True
 
     def block_ids(self, request_id: str) -> list[int]:

@@ -61,7 +61,11 @@ class KVPools:
         dim = 0 if self.layout == "aggregated" else 2
         src_idx = torch.tensor(src_blocks, device=src.device)
         dst_idx = torch.tensor(dst_blocks, device=dst.device)
-        dst.index_copy_(dim, dst_idx, src.index_select(dim, src_idx).to(dst.device, non_blocking=True))
+        # Into host memory the copy must be complete on return (a save frees its source
+        # next, and a CUDA->CPU non_blocking copy would still be in flight); copies to the
+        # device stay asynchronous, in stream order.
+        moved = src.index_select(dim, src_idx).to(dst.device, non_blocking=dst.device.type != "cpu")
+        dst.index_copy_(dim, dst_idx, moved)
 
     def read_blocks(self, tier: Tier, blocks: list[int]) -> list[memoryview]:
         """One host buffer per contiguous run of blocks (zero-copy on CPU, aggregated)."""

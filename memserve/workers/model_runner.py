@@ -7,7 +7,8 @@ it as finished; it never sees the scheduler's objects.
 KV loads (a slower tier's cached prefix) are copied by one background thread: torch
 releases the GIL in its copy kernels, so the copy overlaps the steps of other requests.
 The scheduler never schedules a request whose load is running, and no block being copied
-into is handed to anyone else, so steps and loads touch disjoint blocks."""
+into is handed to anyone else, so steps and loads touch disjoint blocks. Saves of cached
+KV down the tiers run on another thread (``saver``); the MemPool pins what they read."""
 
 from __future__ import annotations
 
@@ -19,11 +20,19 @@ import torch
 from memserve.config import EngineConfig
 from memserve.ipc.messages import SamplingParams
 from memserve.kvcache.address import Tier
+from memserve.workers.engine import eos_token_ids
+from memserve.kvcache.mover import BlockMover
+from memserve.kvcache.saver import InlineSaver, Saver, ThreadSaver
+from memserve.kvcache.tiered_mover import TieredMover
+from memserve.workers.kv_disk import open_disk_store
 from memserve.workers.kv_pools import KVPools
 from memserve.workers.model.attention import AttentionMetadata
 from memserve.workers.model.dtype import resolve_dtype
+from memserve.workers.model.grammar import GrammarMatchers
 from memserve.workers.model.layer_hooks import NO_HOOKS, LayerHooks
 from memserve.workers.model.loader import load_model
+from memserve.workers.model.logprobs import PromptLogprobs, log_softmax_rows, sampled_logprobs
+from memserve.workers.model.penalties import TokenHistories
 from memserve.workers.model.sampler import Sampler
 from memserve.workers.step_plan import KVLoad, StepPlan, StepResult
 
@@ -40,11 +49,19 @@ class ModelRunner:
         self.block_size = cfg.block_size
         self.layout = cfg.kv_layout
         self.pools = KVPools.create(self.model_config, cfg, self.dtype, self.device)
-        self.mover = self.pools
+        self.mover: BlockMover = self.pools
+        if cfg.disk_cache_dir:
+            self.mover = TieredMover(self.pools, open_disk_store(cfg, model_dir, self.dtype, self.pools.block_nbytes))
+        # Saves down the tiers run on their own thread, like loads, unless asked inline. On
+        # CUDA, a saver whose thread copies on a stream of its own plugs in here.
+        self.saver: Saver = ThreadSaver(self.mover) if cfg.async_save else InlineSaver(self.mover)
         self.hooks = hooks
         self.sampler = Sampler()
+        self.prompt_logprobs = PromptLogprobs(self.model.compute_logits)
         self._params: dict[str, SamplingParams] = {}
         self._generators: dict[str, torch.Generator] = {}
+        self._histories = TokenHistories(eos_token_ids(model_dir))
+        self._grammars = GrammarMatchers(model_dir, self.vocab_size, eos_token_ids(model_dir))
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-load")
         self._loads: dict[str, Future] = {}
 
@@ -59,8 +76,13 @@ class ModelRunner:
         for rid in plan.finished_ids:
             self._params.pop(rid, None)
             self._generators.pop(rid, None)
+            self._histories.forget(rid)
+            self._grammars.forget(rid)
+            self.prompt_logprobs.forget(rid)
         for new in plan.new_requests:
             self._params[new.request_id] = new.params
+            self._histories.start(new.request_id, new.params, new.prompt_token_ids)
+            self._grammars.start(new.request_id, new.params.grammar)
             if new.params.seed is not None and new.request_id not in self._generators:
                 self._generators[new.request_id] = torch.Generator(self.device).manual_seed(new.params.seed)
         if plan.loads:
@@ -79,6 +101,7 @@ class ModelRunner:
         for chunk in plan.chunks:
             start, end = chunk.start_pos, chunk.start_pos + len(chunk.token_ids)
             table = chunk.block_ids
+            self._histories.observe(chunk.request_id, start, chunk.token_ids)
             input_ids += chunk.token_ids
             positions += range(start, end)
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
@@ -104,12 +127,17 @@ class ModelRunner:
             meta,
             self.hooks,
         )
+        prompt_logprobs = self.prompt_logprobs.step(plan.chunks, query_start_loc, hidden, self._params)
         if not sample_ids:
             return StepResult()
         logits = self.model.compute_logits(hidden[sample_rows])
-        tokens = self.sampler.sample(logits, [self._params[r] for r in sample_ids],
-                                     [self._generators.get(r) for r in sample_ids])
-        return StepResult(dict(zip(sample_ids, tokens)))
+        params = [self._params[r] for r in sample_ids]
+        logprob_rows, log_probs = log_softmax_rows(logits, params)  # raw logits, before the sampler
+        tokens = self.sampler.sample(logits, params, [self._generators.get(r) for r in sample_ids],
+                                     self._histories.rows(sample_ids), self._grammars.rows(sample_ids))
+        self._grammars.accept(sample_ids, tokens)
+        return StepResult(dict(zip(sample_ids, tokens)),
+                          sampled_logprobs(logprob_rows, log_probs, tokens, params, sample_ids), prompt_logprobs)
 
     # ------------------------------------------------------------------ loads
     def start_loads(self, loads: list[KVLoad]) -> None:
@@ -118,7 +146,7 @@ class ModelRunner:
 
     def _copy(self, load: KVLoad) -> None:
         for tier, src, dst in load.copies:
-            self.pools.copy_blocks(Tier(tier), src, Tier.DEVICE, dst)
+            self.mover.copy_blocks(Tier(tier), src, Tier.DEVICE, dst)
 
     def finished_loads(self) -> list[str]:
         done = [rid for rid, f in self._loads.items() if f.done()]

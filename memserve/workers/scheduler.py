@@ -25,6 +25,7 @@ from typing import Callable
 
 from memserve.ipc.messages import RequestOutput
 from memserve.workers.kv_manager import KVCacheManager
+from memserve.workers.parallel_sampling import fork_choices
 from memserve.workers.policies import SchedulePolicy
 from memserve.workers.sequence import Sequence, SequenceStatus
 from memserve.workers.step_plan import NewRequestData, ScheduledChunk, StepPlan, StepResult
@@ -67,17 +68,23 @@ class Scheduler:
         return None
 
     def abort(self, request_id: str) -> Sequence | None:
+        """Abort a request with all its choices (n > 1), or one choice by its own id."""
+        for choice in [s for s in self._requests.values() if s.choice_of == request_id]:
+            self._abort(choice)
         seq = self._requests.get(request_id)
         if seq is None:
             return None
+        self._abort(seq)
+        return seq
+
+    def _abort(self, seq: Sequence) -> None:
         if seq.status is SequenceStatus.WAITING:
             self.policy.remove(seq)
         elif seq.status is SequenceStatus.WAITING_FOR_KV:
-            del self.loading[request_id]
+            del self.loading[seq.request_id]
         else:
             self.running.remove(seq)
         self._finish(seq, "abort")
-        return seq
 
     def request_ids(self) -> list[str]:
         """Every request not finished, in any state."""
@@ -125,7 +132,8 @@ class Scheduler:
             self._admit(plan, budget)
         plan.loads = self.kv.take_loads()
         if self._unseen:
-            plan.new_requests = [NewRequestData(c.request_id, self._requests[c.request_id].params)
+            plan.new_requests = [NewRequestData(c.request_id, self._requests[c.request_id].params,
+                                                self._requests[c.request_id].prompt_token_ids)
                                  for c in plan.chunks if c.request_id in self._unseen]
             self._unseen.difference_update([r.request_id for r in plan.new_requests])
         plan.finished_ids, self._finished_ids = self._finished_ids, []
@@ -193,12 +201,28 @@ class Scheduler:
                 seq.output_token_ids.append(token)
                 self._check_stop(seq, token)
             cache_full_blocks(seq)
+            if token is not None and seq.params.n > 1:
+                self._fork(seq)
             if seq.status is SequenceStatus.FINISHED:
                 self.running.remove(seq)
                 self._release(seq)
             if token is not None:
                 outputs.append(self._output(seq, [token]))
+                outputs[-1].logprobs, outputs[-1].prompt_logprobs = result.logprobs_of(chunk.request_id)
         return outputs
+
+    def _fork(self, parent: Sequence) -> None:
+        """Start choices 1..n-1 of a request whose prompt was just computed, on that
+        prompt's KV (``parallel_sampling.py``); a choice the pool or the batch has no room
+        for now waits, and is admitted like any request."""
+        for child in fork_choices(parent):
+            self._requests[child.request_id] = child
+            if len(self.running) < self.config.max_num_seqs and self.kv.fork(parent, child):
+                child.status = SequenceStatus.RUNNING
+                self.running.append(child)
+                self._unseen.add(child.request_id)
+            else:
+                self.policy.push(child)
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.params
@@ -230,7 +254,8 @@ class Scheduler:
     @staticmethod
     def _output(seq: Sequence, tokens: list[int]) -> RequestOutput:
         return RequestOutput(
-            request_id=seq.request_id,
+            request_id=seq.choice_of or seq.request_id,
+            index=seq.choice_index,
             new_token_ids=tokens,
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,

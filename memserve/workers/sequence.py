@@ -38,6 +38,10 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    # A choice forked from another request (n > 1, workers/parallel_sampling.py): that
+    # request's id and this choice's index; its outputs go out under that id.
+    choice_of: str | None = None
+    choice_index: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:

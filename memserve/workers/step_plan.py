@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from memserve.ipc.messages import SamplingParams
+from memserve.ipc.messages import SamplingParams, TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -19,6 +19,7 @@ class NewRequestData:
 
     request_id: str
     params: SamplingParams
+    prompt_token_ids: list[int] = field(default_factory=list)  # penalties look at the prompt
 
 
 @dataclass(slots=True)
@@ -59,3 +60,18 @@ class StepPlan:
 @dataclass
 class StepResult:
     sampled: dict[str, int] = field(default_factory=dict)  # request id -> next token
+    # For requests that asked: the sampled token's log-probabilities, and those of the
+    # whole prompt (given once, in the step that samples the first token).
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+    def logprobs_of(self, request_id: str) -> tuple[list[TokenLogprobs] | None, list[TokenLogprobs] | None]:
+        """What a request's output of this step carries: its sampled token's and its
+        prompt's log-probabilities, each None when not asked for (or not due)."""
+        sampled = self.logprobs.get(request_id)
+        return (None if sampled is None else [sampled]), self.prompt_logprobs.get(request_id)
+
+    def merge(self, other: StepResult) -> None:
+        self.sampled.update(other.sampled)
+        self.logprobs.update(other.logprobs)
+        self.prompt_logprobs.update(other.prompt_logprobs)

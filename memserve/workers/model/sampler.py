@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 
 from memserve.ipc.messages import SamplingParams
+from memserve.workers.model.grammar import GrammarBatch, apply_grammar_masks
+from memserve.workers.model.penalties import TokenHistory, apply_adjustments
 
 # Candidate-set widths tried for filtered rows before a full sort.
 CANDIDATE_WIDTHS = (256, 4096)
@@ -27,9 +29,14 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        histories: list[TokenHistory | None] | None = None,
+        grammars: GrammarBatch | None = None,
     ) -> list[int]:
         """logits [B, V] (float32), one SamplingParams and one optional seeded generator
-        (on the logits' device) per row -> B token ids."""
+        (on the logits' device) per row -> B token ids. Penalties and biases (``histories``:
+        the tokens each row has seen) apply to greedy rows too, as in vLLM."""
+        logits = apply_adjustments(logits, params, histories)
+        logits = apply_grammar_masks(logits, grammars)  # tokens a row's grammar forbids: -inf
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if not sampled:
             return logits.argmax(dim=-1).tolist()

@@ -1,0 +1,109 @@
+"""MemServe Fig. 15 on real workers: for each routing policy, start `memserve up` with 3
+CPU workers (one thread each, OMP_NUM_THREADS=1, so they share a small machine fairly),
+replay long-doc-qa and ShareGPT with a share ratio (every session replayed k times as
+distinct sessions) with `memserve bench`, and stop it. Prints P99/mean TTFT, mean JCT
+and the cached-token ratio per policy, and writes the results files and a summary.
+
+The ``cost`` policy needs this machine's cost model: ``memserve profile --quick
+--threads 1 --dtype float32 --output cpu-1t.json`` then ``--cost-model cpu-1t.json``.
+
+    python benchmarks/global_scheduler_real.py --out /tmp/gs-real --cost-model cpu-1t.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+POLICIES = ("least-load", "session", "prompt-tree", "cost")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(args: argparse.Namespace, policy: str, log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "memserve.cli", "up", "--port", str(port), "--cpu-workers", "3",
+           "--dtype", "float32", "--num-blocks", str(args.num_blocks), "--router", policy]
+    if args.cost_model:
+        cmd += ["--cost-model", args.cost_model]
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"memserve up exited: see {log}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(0.5)
+    proc.terminate()
+    raise RuntimeError(f"memserve up not healthy: see {log}")
+
+
+def bench(args: argparse.Namespace, url: str, workload: str, out: Path) -> dict:
+    flags = {"long-doc-qa": ["--doc-len", str(args.doc_len), "--questions-per-doc", "3"],
+             "sharegpt": ["--max-turns", "3", "--max-session-tokens", "1500"]}[workload]
+    cmd = [sys.executable, "-m", "memserve.cli", "bench", "--base-url", url, "--workload", workload,
+           "--num-sessions", str(args.num_sessions), "--share-ratio", str(args.share_ratio), "--rate", str(args.rate),
+           "--max-tokens", str(args.max_tokens), "--no-progress", "--output", str(out), *flags]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    r = json.loads(out.read_text())
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as m:  # the router's counters so far
+        router = [line for line in m.read().decode().splitlines() if line.startswith("memserve_router_")
+                  and "_bucket" not in line]
+    return {"ttft_p99_ms": r["ttft_ms"]["p99"], "ttft_mean_ms": r["ttft_ms"]["mean"], "jct_mean_ms": r["jct_ms"]["mean"],
+            "cached_token_ratio": r["cached_token_ratio"], "requests": r["num_requests"]["ok"], "router": router}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("global-scheduler-real"))
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--workloads", default="long-doc-qa,sharegpt")
+    p.add_argument("--cost-model", help="required by the cost policy (see above)")
+    p.add_argument("--num-sessions", type=int, default=8, help="sessions before sharing")
+    p.add_argument("--share-ratio", type=int, default=2)
+    p.add_argument("--rate", type=float, default=0.5, help="session starts per second")
+    p.add_argument("--doc-len", type=int, default=768)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=512, help="KV blocks per worker")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary: dict = {}
+    for policy in args.policies.split(","):
+        proc, url = start(args, policy, args.out / f"server-{policy}.log")
+        try:
+            for workload in args.workloads.split(","):  # each workload's text is its own: caches do not carry over
+                m = summary.setdefault(workload, {})[policy] = bench(args, url, workload,
+                                                                      args.out / f"{workload}-{policy}.json")
+                print(f"{workload:12s} share {args.share_ratio}  {policy:11s}  P99 TTFT {m['ttft_p99_ms']:8.1f} ms  "
+                      f"mean TTFT {m['ttft_mean_ms']:7.1f} ms  JCT {m['jct_mean_ms']:7.0f} ms  "
+                      f"cached {m['cached_token_ratio']:.3f}  ({m['requests']} requests)", flush=True)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    for workload, row in summary.items():
+        if "session" in row and "prompt-tree" in row:
+            print(f"{workload}: prompt-tree P99 TTFT {1 - row['prompt-tree']['ttft_p99_ms'] / row['session']['ttft_p99_ms']:+.0%}"
+                  " lower than session" + (f"; cost/prompt-tree P99 {row['cost']['ttft_p99_ms'] / row['prompt-tree']['ttft_p99_ms']:.2f}"
+                                           if "cost" in row else ""))
+    (args.out / "summary.json").write_text(json.dumps({"config": {k: str(v) for k, v in vars(args).items()},
+                                                       "results": summary}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""The gateway's routing policies (MemServe Table 6 and §5.3), chosen with ``--router``:
+
+- ``least-load``: fewest requests in flight; locality-blind.
+- ``session``: a session (``session_id`` field or ``x-session-id`` header) sticks to the
+  worker its first request went to; caching within a session only.
+- ``prompt-tree``: the longest cached prefix in the mirrored worker trees, ties broken by
+  load; caching across sessions.
+- ``cost``: MemServe eq. 1, the worker minimising its queued predicted work plus
+  ``exec(x, y_p)``, with eq. 2 folded in: a worker may pull a longer prefix from another
+  first when the transfer costs less than the recompute it saves.
+
+``prompt-tree`` and ``cost`` yield to the load-imbalance guard (``Balance``)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from memserve.gateway.cost_model import CostModel
+from memserve.gateway.route_types import (
+    CACHE_HIT,
+    FALLBACK,
+    LOAD,
+    PULL,
+    Candidate,
+    RouteDecision,
+    RouteRequest,
+    RoutingContext,
+)
+
+# Sessions the session policy remembers; the least recently routed are forgotten first.
+MAX_SESSIONS = 100_000
+
+
+def least_loaded(candidates: list[Candidate]) -> Candidate:
+    """Fewest requests in flight, then least queued work, then the lowest id."""
+    return min(candidates, key=lambda c: (c.in_flight, c.queued_s, c.instance_id))
+
+
+class LeastLoad:
+    name = "least-load"
+    uses_cache = False
+
+    def choose(self, request: RouteRequest, candidates: list[Candidate], ctx: RoutingContext) -> RouteDecision:
+        return RouteDecision(least_loaded(candidates).instance_id, LOAD)
+
+
+class SessionAffinity:
+    """Session-ID routing: an unknown session goes to the least loaded worker and stays
+    there while that worker is a candidate; requests without a session are least-load."""
+
+    name = "session"
+    uses_cache = False
+
+    def __init__(self) -> None:
+        self._home: OrderedDict[str, int] = OrderedDict()
+
+    def choose(self, request: RouteRequest, candidates: list[Candidate], ctx: RoutingContext) -> RouteDecision:
+        sid = request.session_id
+        home = self._home.get(sid) if sid is not None else None
+        if home is not None and any(c.instance_id == home for c in candidates):
+            self._home.move_to_end(sid)  # type: ignore[arg-type]
+            return RouteDecision(home, CACHE_HIT)
+        chosen = least_loaded(candidates).instance_id
+        if sid is not None:
+            self._home[sid] = chosen
+            self._home.move_to_end(sid)
+            while len(self._home) > MAX_SESSIONS:
+                self._home.popitem(last=False)
+        return RouteDecision(chosen, LOAD)
+
+
+class PromptTree:
+    """The longest cached prefix, ties broken by load; the least loaded worker when no
+    prefix covers ``cache_threshold`` of the prompt."""
+
+    name = "prompt-tree"
+    uses_cache = True
+
+    def choose(self, request: RouteRequest, candidates: list[Candidate], ctx: RoutingContext) -> RouteDecision:
+        best = min(candidates, key=lambda c: (-c.cached_blocks, c.in_flight, c.queued_s, c.instance_id))
+        x = len(request.prompt_token_ids)
+        if not best.cached_blocks or best.cached_blocks * ctx.block_size < ctx.balance.cache_threshold * x:
+            return RouteDecision(least_loaded(candidates).instance_id, LOAD)
+        if ctx.balance.overloaded(best, candidates):
+            return RouteDecision(least_loaded(candidates).instance_id, FALLBACK)
+        return RouteDecision(best.instance_id, CACHE_HIT)
+
+
+class CostAware:
+    """MemServe eqs. 1-2 on the cost model: for each worker p, its queued work plus the
+    cheaper of recomputing with its own cached ratio y_p and pulling the longest prefix
+    held elsewhere (ratio y_p') then computing the rest. The pull is taken exactly when
+    eq. 2 holds: ``transfer <= exec(x, y_p) - exec(x, y_p')``. The transfer is priced
+    at every block the source holds, since a prefix push moves all of them, and starts
+    when the source's current step ends (workers serve pushes between steps)."""
+
+    name = "cost"
+    uses_cache = True
+    needs_cost = True
+
+    def choose(self, request: RouteRequest, candidates: list[Candidate], ctx: RoutingContext) -> RouteDecision:
+        cost = ctx.cost
+        assert cost is not None, "the Router refuses the cost policy without a cost model"
+        x = len(request.prompt_token_ids)
+        source = min((c for c in candidates if c.view.state == "ok"),
+                     key=lambda c: (-c.cached_blocks, c.in_flight, c.instance_id), default=None)
+        best: tuple[float, int, int] | None = None
+        decision: RouteDecision | None = None
+        for c in candidates:
+            own = exec_s(cost, x, c.cached_blocks, ctx.block_size)
+            exec_here, pull = own, None
+            if source is not None and source.cached_blocks > c.cached_blocks and c.view.state == "ok":
+                pulled = exec_s(cost, x, source.cached_blocks, ctx.block_size)
+                transfer = source.step_s + cost.transfer_s(source.cached_blocks * ctx.block_size
+                                                           * cost.kv_bytes_per_token)
+                if transfer <= own - pulled:  # eq. 2
+                    exec_here, pull = transfer + pulled, source
+            key = (c.queued_s + exec_here, c.in_flight, c.instance_id)  # eq. 1
+            if best is None or key < best:
+                best = key
+                if pull is not None:
+                    decision = RouteDecision(c.instance_id, PULL, pull.instance_id, pull.cached_blocks)
+                else:
+                    decision = RouteDecision(c.instance_id, CACHE_HIT if c.cached_blocks else LOAD)
+        assert decision is not None
+        chosen = next(c for c in candidates if c.instance_id == decision.instance)
+        if ctx.balance.overloaded(chosen, candidates):
+            return RouteDecision(least_loaded(candidates).instance_id, FALLBACK)
+        return decision
+
+
+def cached_ratio(x: int, cached_blocks: int, block_size: int) -> float:
+    """MemServe's y: the share of an ``x``-token prompt served from cache. At least one
+    token is always computed (the engine needs its logits)."""
+    return min(cached_blocks * block_size, x - 1) / x if x > 1 else 0.0
+
+
+def exec_s(cost: CostModel, x: int, cached_blocks: int, block_size: int) -> float:
+    """exec(x, y) for a prompt with ``cached_blocks`` cached."""
+    return cost.prefill_s(x, cached_ratio(x, cached_blocks, block_size))
+
+
+ROUTING_POLICIES: dict[str, type] = {p.name: p for p in (LeastLoad, SessionAffinity, PromptTree, CostAware)}

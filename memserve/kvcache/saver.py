@@ -1,0 +1,136 @@
+"""Where the bytes of a demotion (a cached block saved to a slower tier) are copied.
+
+The MemPool decides what to save and keeps the bookkeeping; a ``Saver`` runs the copies
+through the ``BlockMover`` and reports which are done. ``InlineSaver`` copies inside
+``submit`` (synchronous saving: the copy sits on the caller's critical path, as in
+AttentionStore Fig. 8a); ``ThreadSaver`` copies on one background thread, so a step never
+waits for a save (Fig. 8b). On a GPU the thread is where a CUDA stream plugs in: the
+mover's device->host copy must be complete when ``copy_blocks`` returns, because a save
+is reported done (and its source block freed) right after.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from memserve.kvcache.address import Tier
+from memserve.kvcache.mover import BlockMover
+
+
+@dataclass(eq=False)
+class SaveJob:
+    """Copy ``src_blocks`` of ``src_tier`` to ``dst_blocks`` of ``dst_tier``. ``owner`` is
+    the MemPool's record of the save; ``error`` is set when the copy failed."""
+
+    src_tier: Tier
+    src_blocks: list[int]
+    dst_tier: Tier
+    dst_blocks: list[int]
+    owner: Any = None
+    error: BaseException | None = field(default=None, repr=False)
+
+
+class Saver(Protocol):
+    #: True when ``submit`` returns with the copy done (then eviction may demote in place).
+    inline: bool
+
+    def submit(self, job: SaveJob) -> None:
+        """Start the copy; it completes in submission order relative to other jobs."""
+
+    def completed(self) -> list[SaveJob]:
+        """Jobs finished since the last call, in submission order. Never blocks."""
+
+    def pending(self) -> int:
+        """Jobs submitted and not yet returned by ``completed``."""
+
+    def wait(self) -> None:
+        """Block until every submitted job has finished (shutdown, tests, ``swap_out``)."""
+
+    def close(self) -> None:
+        """Finish the queued jobs and stop."""
+
+
+def _run(mover: BlockMover, job: SaveJob) -> None:
+    try:
+        mover.copy_blocks(job.src_tier, job.src_blocks, job.dst_tier, job.dst_blocks)
+    except Exception as exc:  # noqa: BLE001 - reported to the MemPool, which abandons the save
+        job.error = exc
+
+
+class InlineSaver:
+    """Copies in ``submit``: synchronous saving, and deterministic for the simulator."""
+
+    inline = True
+
+    def __init__(self, mover: BlockMover) -> None:
+        self.mover = mover
+        self._done: list[SaveJob] = []
+
+    def submit(self, job: SaveJob) -> None:
+        _run(self.mover, job)
+        self._done.append(job)
+
+    def completed(self) -> list[SaveJob]:
+        done, self._done = self._done, []
+        return done
+
+    def pending(self) -> int:
+        return len(self._done)
+
+    def wait(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class ThreadSaver:
+    """Copies on one background thread, in submission order (torch and file I/O release
+    the GIL, so the copies overlap the engine's steps)."""
+
+    inline = False
+
+    def __init__(self, mover: BlockMover) -> None:
+        self.mover = mover
+        self._queue: queue.Queue[SaveJob | None] = queue.Queue()
+        self._done: list[SaveJob] = []
+        self._lock = threading.Lock()
+        self._submitted = 0
+        self._returned = 0
+        self._thread = threading.Thread(target=self._loop, name="kv-save", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                self._queue.task_done()
+                return
+            _run(self.mover, job)
+            with self._lock:
+                self._done.append(job)
+            self._queue.task_done()
+
+    def submit(self, job: SaveJob) -> None:
+        self._submitted += 1
+        self._queue.put(job)
+
+    def completed(self) -> list[SaveJob]:
+        with self._lock:
+            done, self._done = self._done, []
+        self._returned += len(done)
+        return done
+
+    def pending(self) -> int:
+        return self._submitted - self._returned
+
+    def wait(self) -> None:
+        self._queue.join()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()

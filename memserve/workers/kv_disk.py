@@ -1,0 +1,33 @@
+"""The disk tier of a model runner: a ``DiskStore`` under ``--disk-cache-dir`` whose
+fingerprint names everything that makes KV bytes reusable, so that files written by one
+model, dtype or KV layout are never read by another (a restart with the same ones, or an
+upgrade of memserve that keeps them, finds its blocks again)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from memserve.config import EngineConfig
+from memserve.kvcache.disk_store import DiskStore, fingerprint
+
+_SAMPLE_BYTES = 1 << 20  # of each weights file's head and tail, to tell fine-tunes apart
+
+
+def weights_identity(model_dir: Path) -> list[bytes]:
+    """config.json plus, per weights file, its name, size and first and last MiB."""
+    parts = [(model_dir / "config.json").read_bytes()]
+    for path in sorted(model_dir.glob("*.safetensors")):
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(_SAMPLE_BYTES)
+            f.seek(max(0, size - _SAMPLE_BYTES))
+            tail = f.read()
+        parts += [path.name.encode(), str(size).encode(), head, tail]
+    return parts
+
+
+def open_disk_store(cfg: EngineConfig, model_dir: Path, dtype: torch.dtype, block_nbytes: int) -> DiskStore:
+    key = fingerprint(*weights_identity(model_dir), str(dtype), cfg.kv_layout, str(cfg.block_size), str(block_nbytes))
+    return DiskStore(cfg.disk_cache_dir, int(cfg.disk_cache_gb * 2**30), block_nbytes, key)  # type: ignore[arg-type]
