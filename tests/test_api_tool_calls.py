@@ -141,7 +141,7 @@ def test_langchain_tool_round_trip(memserve_server: ServerHandle) -> None:
         return f"It is 21 degrees and sunny in {city}."
 
     llm = langchain_openai.ChatOpenAI(model=memserve_server.model, base_url=memserve_server.base_url + "/v1",
-                                      api_key="unused", temperature=0, max_tokens=24, max_retries=0)
+                                      api_key="unused", temperature=0, max_tokens=96, max_retries=0)
     messages = [HumanMessage("What is the weather in Paris?")]
     reply = llm.bind_tools([get_weather], tool_choice="get_weather").invoke(messages)
     assert [c["name"] for c in reply.tool_calls] == ["get_weather"], reply

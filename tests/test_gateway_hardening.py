@@ -35,6 +35,7 @@ from memserve.gateway.errors import APIError
 from memserve.gateway.prompt_encoder import INLINE_MAX_CHARS, PromptEncoder
 from memserve.gateway.protocol import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from memserve.gateway.tokenizer import Tokenizer
+from memserve.gateway.tool_calls import template_inputs
 from test_gateway_api import MESSAGES, MODEL, FakeEngine, async_test, post, serve
 
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -121,7 +122,9 @@ async def test_tool_call_history_with_null_content_is_rendered_as_empty(tokenize
         status, body = await post(client, "/v1/chat/completions", {"messages": messages})
     assert status == 200, body
     empty = [{**m, "content": m.get("content") or ""} for m in messages]
-    assert engine.requests[0]["prompt_token_ids"] == tokenizer.encode_chat(empty)
+    # A template without tool support sees earlier calls in their turn's content.
+    rendered, _ = template_inputs(empty, None, tokenizer.supports_tools)
+    assert engine.requests[0]["prompt_token_ids"] == tokenizer.encode_chat(rendered)
 
 
 def nested(depth: int) -> bytes:
@@ -167,7 +170,8 @@ async def test_template_sees_only_fixed_depth_message_fields(tokenizer_folder: P
     expected = [{"role": "user", "content": "hi", "name": "ann"},
                 {"role": "assistant", "content": "", "tool_calls": [TOOL_CALL | {"id": "c", "function": {
                     "name": "f", "arguments": "{}"}}]}]
-    assert engine.requests[0]["prompt_token_ids"] == dumping.encode_chat(expected)
+    rendered, _ = template_inputs(expected, None, dumping.supports_tools)
+    assert engine.requests[0]["prompt_token_ids"] == dumping.encode_chat(rendered)
 
 
 @pytest.mark.parametrize("field,value", [("stop", ["x"] * (MAX_STOP_STRINGS + 1)),
