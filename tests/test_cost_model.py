@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import random
@@ -31,7 +33,7 @@ HAND_BUILT = {
         },
         "attention": {"a": -1e-9, "b": 2e-9, "c": 1e-7, "d": 1e-5},
     },
-    "decode": {"per_step": 5e-3, "per_seq": 1e-4, "per_context_token": 1e-8},
+    "decode": {"per_step": 5e-3, "per_seq": 1e-4, "per_context_token": 1e-8, "padded": False},
     "copy": {"latency_s": 1e-5, "bytes_per_s": 1e10},
     "transfer": {"latency_s": 1e-4, "bytes_per_s": 1e9},
     "meta": {"source": "hand-built"},
@@ -60,6 +62,9 @@ def test_prefill_is_the_sum_of_operator_terms(toy: CostModel):
 def test_decode_copy_and_transfer(toy: CostModel):
     assert toy.decode_step_s(8, 8000) == pytest.approx(5e-3 + 8e-4 + 8e-5)
     assert toy.decode_step_s(0, 0) == 0.0
+    padded = dataclasses.replace(toy, decode=dataclasses.replace(toy.decode, padded=True))
+    assert toy.decode_step_s(8, 8000, 2000) == pytest.approx(5e-3 + 8e-4 + 8e-5)  # paged: each its own
+    assert padded.decode_step_s(8, 8000, 2000) == pytest.approx(5e-3 + 8e-4 + 16e-5)  # padded: 8 x longest
     assert toy.transfer_s(1e6) == pytest.approx(1e-4 + 1e-3)
     assert toy.copy_s(1e6) == pytest.approx(1e-5 + 1e-4)
     assert toy.transfer_s(0) == toy.copy_s(0) == 0.0

@@ -76,11 +76,15 @@ class AttentionCost:
 
 @dataclass(frozen=True)
 class DecodeCost:
-    """One decode step: weights are read once per step, KV once per context token."""
+    """One decode step: weights are read once per step, KV once per context token.
+    ``padded``: the engine's decode attention pads every sequence to the longest context
+    in the batch (memserve's SDPA path), so a step reads batch x longest context tokens of
+    KV; paged kernels read each sequence's own context."""
 
     per_step: float
     per_seq: float
     per_context_token: float
+    padded: bool = False
 
 
 @dataclass(frozen=True)
@@ -121,11 +125,15 @@ class CostModel:
         ops = sum(op(new_tokens, len(seqs)) for op in self.operators.values())
         return ops + sum(self.attention(x, y) for x, y in seqs)
 
-    def decode_step_s(self, batch_size: int, total_context_tokens: int) -> float:
-        """One decode step of ``batch_size`` sequences holding ``total_context_tokens`` in KV."""
+    def decode_step_s(self, batch_size: int, total_context_tokens: int, longest_context: int | None = None) -> float:
+        """One decode step of ``batch_size`` sequences holding ``total_context_tokens`` in KV,
+        the longest holding ``longest_context`` (when known: a padded decode reads it for
+        every sequence)."""
         if batch_size <= 0:
             return 0.0
         d = self.decode
+        if d.padded and longest_context is not None:
+            total_context_tokens = batch_size * longest_context
         return d.per_step + d.per_seq * batch_size + d.per_context_token * total_context_tokens
 
     def transfer_s(self, nbytes: float) -> float:

@@ -52,8 +52,9 @@ class SimulatedRunner:
         prefills = [(c.start_pos + len(c.token_ids), c.start_pos / (c.start_pos + len(c.token_ids)))
                     for c in plan.chunks if len(c.token_ids) > 1 or c.start_pos == 0]
         decodes = [c for c in plan.chunks if len(c.token_ids) == 1 and c.start_pos > 0]
+        contexts = [c.start_pos + 1 for c in decodes]
         self.last_step_s = self.cost.prefill_batch_s(prefills) + self.cost.decode_step_s(
-            len(decodes), sum(c.start_pos + 1 for c in decodes))
+            len(decodes), sum(contexts), max(contexts, default=0))
         return StepResult({c.request_id: 1 + zlib.crc32(f"{c.request_id}:{c.start_pos}".encode()) % (SIM_VOCAB - 2)
                            for c in plan.chunks if c.sample})
 

@@ -40,22 +40,41 @@ class SyntheticTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face ``tokenizer.json`` (a file or a model folder holding one)."""
+    """A Hugging Face ``tokenizer.json`` (a file or a model folder holding one). A model
+    folder with a chat template renders text conversations exactly as the gateway does
+    (its default system prompt included), so simulated prompts equal served ones."""
 
     def __init__(self, path: str) -> None:
         from pathlib import Path
 
         from tokenizers import Tokenizer
 
+        from memserve.gateway.tokenizer import Tokenizer as ChatTokenizer
+
         p = Path(path)
         self._tok = Tokenizer.from_file(str(p / "tokenizer.json" if p.is_dir() else p))
+        self._chat = ChatTokenizer.from_folder(p) if p.is_dir() else None
+        if self._chat is not None and self._chat.chat_template is None:
+            self._chat = None
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_chat(self, messages: list[tuple[str, str]]) -> list[int] | None:
+        """The served prompt of a text conversation; None without a chat template."""
+        if self._chat is None:
+            return None
+        return self._chat.encode_chat([{"role": role, "content": text} for role, text in messages])
+
 
 def chat_tokens(tokenizer: TextTokenizer, messages: list[tuple[str, list[int] | str]]) -> list[int]:
-    """Prompt ids of (role, text or ids) messages, ending with the assistant's opening."""
+    """Prompt ids of (role, text or ids) messages, ending with the assistant's opening:
+    the model's own chat template when the tokenizer has one and every message is text."""
+    encode_chat = getattr(tokenizer, "encode_chat", None)
+    if encode_chat is not None and all(isinstance(content, str) for _, content in messages):
+        served = encode_chat(messages)
+        if served is not None:
+            return served
     ids: list[int] = []
     for role, content in messages:
         ids += MESSAGE_MARKERS[role] + (tokenizer.encode(content) if isinstance(content, str) else content)

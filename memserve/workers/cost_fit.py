@@ -171,7 +171,8 @@ def predict_arch(coef: Sequence[float], x: float, y: float) -> float:
 def fit_decode(train: list[DecodeSample]) -> DecodeCost:
     coef = _fit([[1.0, s.batch_size, s.context_tokens] for s in train], [s.step_s for s in train],
                 [s.step_s for s in train])
-    return DecodeCost(per_step=float(coef[0]), per_seq=float(coef[1]), per_context_token=float(coef[2]))
+    # The profiled engine's decode attention pads to the longest context (attention.py).
+    return DecodeCost(per_step=float(coef[0]), per_seq=float(coef[1]), per_context_token=float(coef[2]), padded=True)
 
 
 def fit_bandwidth(train: list[BandwidthSample]) -> BandwidthCost:
