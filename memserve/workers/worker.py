@@ -247,6 +247,8 @@ def main(argv: list[str] | None = None) -> None:
             line = sys.stdin.readline().strip()
             if not line or worker.stopping:
                 return
+            # Nobody reads the pipe on stdout any more: a full pipe must never block a write.
+            os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
             worker.id = cfg.instance_id = int(line)
             _configure_logging(worker.id)
             worker.connect()
