@@ -33,11 +33,14 @@ from memserve.ipc.messages import (
     WorkerReady,
     choice_request_id,
 )
+from memserve.kvcache.address import Tier
 from memserve.kvcache.events import KVEvents
 from memserve.kvcache.mirror import PromptTreeMirror
 
 log = logging.getLogger("memserve.gateway")
 
+# The per-tier entries of a worker's MemPool stats (``device``, ``host``, ``disk``).
+TIER_NAMES = frozenset(t.name.lower() for t in Tier)
 # Seconds a prefix pull may take before the request is sent on to recompute instead.
 PULL_TIMEOUT_S = 10.0
 
@@ -233,8 +236,7 @@ class ZmqEngineClient:
                 "num_waiting": s.get("num_waiting", 0),
                 "num_preemptions": s.get("num_preemptions", 0),
                 # Allocatable blocks per tier: free plus cached-but-evictable.
-                "free_blocks": {t: v["free"] + v["evictable"] for t, v in mp.items()
-                                if isinstance(v, dict) and "free" in v},
+                "free_blocks": {t: v["free"] + v["evictable"] for t, v in mp.items() if t in TIER_NAMES},
                 # Per tier: bytes used, blocks matched, bytes read and written, blocks being saved down.
                 "kv_tiers": mp.get("tier_io", {}),
                 "kv_save_queue": mp.get("save_queue", 0),

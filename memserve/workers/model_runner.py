@@ -20,10 +20,10 @@ import torch
 from memserve.config import EngineConfig
 from memserve.ipc.messages import SamplingParams
 from memserve.kvcache.address import Tier
-from memserve.workers.engine import eos_token_ids
 from memserve.kvcache.mover import BlockMover
 from memserve.kvcache.saver import InlineSaver, Saver, ThreadSaver
 from memserve.kvcache.tiered_mover import TieredMover
+from memserve.workers.engine import eos_token_ids
 from memserve.workers.kv_disk import open_disk_store
 from memserve.workers.kv_pools import KVPools
 from memserve.workers.model.attention import AttentionMetadata
@@ -60,8 +60,9 @@ class ModelRunner:
         self.prompt_logprobs = PromptLogprobs(self.model.compute_logits)
         self._params: dict[str, SamplingParams] = {}
         self._generators: dict[str, torch.Generator] = {}
-        self._histories = TokenHistories(eos_token_ids(model_dir))
-        self._grammars = GrammarMatchers(model_dir, self.vocab_size, eos_token_ids(model_dir))
+        eos = eos_token_ids(model_dir)
+        self._histories = TokenHistories(eos)
+        self._grammars = GrammarMatchers(model_dir, self.vocab_size, eos)
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-load")
         self._loads: dict[str, Future] = {}
 
