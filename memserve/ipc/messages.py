@@ -70,6 +70,10 @@ class AddRequest:
     priority: int = 0
     slo_ttft_ms: float | None = None
     slo_tbt_ms: float | None = None
+    # The gateway predictor's output length for this request (padded upward by the
+    # Hoeffding bound), or None when no prediction was made; SLO-aware policies size
+    # KV allocations by it.
+    predicted_output_tokens: int | None = None
 
 
 def choice_request_id(request_id: str, index: int) -> str:

@@ -86,7 +86,8 @@ class Engine:
         """Queue a request; ``arrival_time`` on this engine's clock (default: now)."""
         seq = Sequence(req.request_id, list(req.prompt_token_ids), req.params,
                        self.clock() if arrival_time is None else arrival_time, req.session_id,
-                       priority=req.priority, slo_ttft_ms=req.slo_ttft_ms, slo_tbt_ms=req.slo_tbt_ms)
+                       priority=req.priority, slo_ttft_ms=req.slo_ttft_ms, slo_tbt_ms=req.slo_tbt_ms,
+                       predicted_output_tokens=req.predicted_output_tokens)
         name_first_choice(seq)
         return self.scheduler.add(seq)
 

@@ -28,6 +28,7 @@ class Sequence:
     priority: int = 0
     slo_ttft_ms: float | None = None
     slo_tbt_ms: float | None = None
+    predicted_output_tokens: int | None = None
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens whose K/V is in the cache (prefix-cache hits plus everything computed).
     num_computed_tokens: int = 0
