@@ -4,7 +4,8 @@ The gateway binds one ROUTER socket; every worker connects a DEALER whose identi
 instance id. A message is ``[header, *bulk]`` frames: the msgpack header from
 ``messages.encode`` and optional raw buffers sent without copying. On one machine the
 gateway binds an ``ipc://`` socket in its private runtime directory, so only the HTTP
-port listens on TCP; TCP on loopback remains for callers that give no address.
+port listens on TCP; TCP on loopback remains for callers that give no address. Sockets
+on TCP speak CurveZMQ when the gateway made cluster keys (``ipc/curve.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, Sequence
 import zmq
 import zmq.asyncio
 
+from memserve.ipc.curve import protect, release
 from memserve.ipc.messages import decode, encode
 
 Buffer = bytes | memoryview
@@ -37,6 +39,7 @@ class GatewayChannel:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        protect(self._sock, address, server=True)
         self._sock.bind(address)
         self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
@@ -49,6 +52,7 @@ class GatewayChannel:
 
     def close(self) -> None:
         self._sock.close(0)
+        release(self._ctx)
         self._ctx.term()
 
 
@@ -61,6 +65,7 @@ class WorkerChannel:
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.IDENTITY, _identity(instance_id))
         self._sock.setsockopt(zmq.LINGER, 1000)
+        protect(self._sock, address, server=False)
         self._sock.connect(address)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)

@@ -42,6 +42,7 @@ from typing import Any, ClassVar
 
 import zmq
 
+from memserve.ipc.curve import protect
 from memserve.ipc.messages import decode, encode, register
 from memserve.kvcache.address import Tier
 from memserve.kvcache.blocks import MemPoolError
@@ -147,6 +148,7 @@ class KVTransferEndpoint:
     @property
     def socket(self) -> zmq.Socket:
         """The serving socket, for the worker's poller: call ``serve()`` when readable."""
+        protect(self._server, bind, server=True)
         return self._server
 
     def connect(self, instance: int, address: str) -> None:
@@ -170,6 +172,7 @@ class KVTransferEndpoint:
             sock.close(linger=0)
         self._peers.clear()
 
+        protect(sock, address, server=False)
     def expect(self, ticket: str, src_instance: int, max_blocks: int, ttl_s: float | None = None) -> None:
         """Accept one transfer of at most ``max_blocks`` from ``src_instance`` under
         ``ticket`` within ``ttl_s`` (default: the endpoint's timeout)."""

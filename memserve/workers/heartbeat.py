@@ -17,6 +17,7 @@ from typing import Any
 import zmq
 
 from memserve.ipc.channel import heartbeat_identity
+from memserve.ipc.curve import protect
 from memserve.ipc.messages import Heartbeat, encode
 
 
@@ -30,6 +31,7 @@ class HeartbeatThread(threading.Thread):
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.IDENTITY, heartbeat_identity(instance_id))
         self._sock.setsockopt(zmq.LINGER, 0)
+        protect(self._sock, address, server=False)
         self._sock.connect(address)
         self._stats: dict[str, Any] = {}
         self._loop_at = time.monotonic()
