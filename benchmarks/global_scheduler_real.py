@@ -14,44 +14,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
+
+from serve_process import start_memserve
 
 POLICIES = ("least-load", "session", "prompt-tree", "cost")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(args: argparse.Namespace, policy: str, log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "memserve.cli", "up", "--port", str(port), "--cpu-workers", "3",
-           "--dtype", "float32", "--num-blocks", str(args.num_blocks), "--router", policy]
+    flags = ["--cpu-workers", "3", "--num-blocks", str(args.num_blocks), "--router", policy]
     if args.cost_model:
-        cmd += ["--cost-model", args.cost_model]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"memserve up exited: see {log}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(0.5)
-    proc.terminate()
-    raise RuntimeError(f"memserve up not healthy: see {log}")
+        flags += ["--cost-model", args.cost_model]
+    return start_memserve(flags, log)
 
 
 def bench(args: argparse.Namespace, url: str, workload: str, out: Path) -> dict:

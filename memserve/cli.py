@@ -9,9 +9,26 @@ import os
 import sys
 
 from memserve.config import EngineConfig, ServeConfig
+from memserve.gateway.admission import MODES as ADMISSION_MODES
+from memserve.gateway.pd_topology import PD_MODES, parse_instances
 from memserve.gateway.router import ROUTING_POLICIES
+from memserve.gateway.truncation import DEFAULT_TRUNCATION, TRUNCATION_MODES
 from memserve.kvcache.eviction import EVICTION_POLICIES
-from memserve.workers.policies import SCHEDULE_POLICIES
+from memserve.workers.policies import SCHEDULE_POLICIES, make_schedule_policy
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError("must be a positive number")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be >= 0")
+    return value
 
 
 def _add_up(sub: argparse._SubParsersAction) -> None:
@@ -22,7 +39,23 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--cpu-workers", type=int, default=1, help="worker processes on a machine without a GPU")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="compute threads per CPU worker (default: one per CPU of --cpu-threads-bind, else all)")
+    p.add_argument("--cpu-threads-bind", default=os.environ.get("MEMSERVE_CPU_THREADS_BIND"),
+                   help="pin each CPU worker's compute threads, one per CPU: CPU lists per worker separated "
+                        "by '|', e.g. '1' or '0-1|2-3'; the gateway moves to the CPUs left over "
+                        "(env MEMSERVE_CPU_THREADS_BIND)")
     p.add_argument("--gpus", default=None, help="comma-separated GPU ids, one worker each (e.g. 0,1)")
+    p.add_argument("--instances", default=None,
+                   help="one role per worker, colocated|prefill|decode: 'prefill,decode' (CPU workers) or "
+                        "'prefill:0,decode:1' (role:GPU); default: every worker colocated")
+    p.add_argument("--transfer-mode", default="by-request-agg", choices=["by-request-agg", "by-request"],
+                   help="framing of prefill-to-decode KV transfers (MemServe §5.2): one frame per run of "
+                        "aggregated blocks, or one per layer's K or V of each block")
+    p.add_argument("--pd-mode", default="pd-caching-3", choices=PD_MODES,
+                   help="disaggregated prefill/decode caching (MemServe Table 4): pd-basic (transfer only), "
+                        "pd-caching-1 (cache at prefill), pd-caching-2 (decode caches too: incremental "
+                        "transfers), pd-caching-3 (decode-phase KV returns to prefill)")
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker")
     kv.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache size per worker")
@@ -37,9 +70,16 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-prefix-cache", action="store_true", help="disable context caching (the baseline)")
     p.add_argument("--kv-layout", default="aggregated", choices=["aggregated", "layer-major"])
     p.add_argument("--schedule-policy", default="fcfs", choices=sorted(SCHEDULE_POLICIES),
-                   help="order of admission and choice of preemption victims in each worker")
+                   help="order of admission and choice of preemption victims in each worker; cacheopt: "
+                        "SLO-aware batching, KV allocation and preemption (CacheOpt §3)")
+    p.add_argument("--schedule-policy-options", default="",
+                   help="options of the schedule policy, e.g. cacheopt's 'disable=PA,GR;reserve=8;m=2;b=8'")
     p.add_argument("--eviction-policy", default="lru", choices=sorted(EVICTION_POLICIES),
-                   help="which cached KV blocks a tier gives up first")
+                   help="which cached KV blocks a tier gives up first (scheduler-aware: those the waiting "
+                        "queue needs go last, and its disk blocks are prefetched to the host tier)")
+    p.add_argument("--cache-ttl", type=float, default=None, metavar="SECONDS",
+                   help="drop cached conversations unused for this long from every tier (default: kept until "
+                        "capacity evicts them); a request may ask for longer with the body field cache_ttl_s")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--router", default="least-load", choices=sorted(ROUTING_POLICIES),
                    help="how the gateway picks a worker for each request")
@@ -53,16 +93,37 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
                    help="... and the ratio to the least loaded worker's requests it must also exceed")
     p.add_argument("--router-cache-threshold", type=float, default=0.5,
                    help="prompt-tree: follow a cached prefix only when it covers this share of the prompt")
+    p.add_argument("--slo-ttft-ms", type=_positive_float, default=None,
+                   help="TTFT SLO of requests that set none (body slo_ttft_ms or header x-slo-ttft-ms)")
+    p.add_argument("--slo-tbt-ms", type=_positive_float, default=None,
+                   help="TBT SLO of requests that set none (body slo_tbt_ms or header x-slo-tbt-ms)")
+    p.add_argument("--admission", default="reject", choices=ADMISSION_MODES,
+                   help="requests the cost model predicts to miss their TTFT SLO on every worker: reject "
+                        "(429 with Retry-After), queue (hold them until they fit), off (admit all); "
+                        "needs a cost model (--cost-model or `memserve profile`)")
+    p.add_argument("--admission-queue-size", type=_non_negative_int, default=256,
+                   help="--admission queue: requests held at most; one more is answered 429")
+    p.add_argument("--predictor", default="on", choices=["on", "off"],
+                   help="predict each request's output length in the gateway (learned online from finished "
+                        "requests, padded by the Hoeffding bound) for the cacheopt schedule policy")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0,
                    help="seconds of silence after which a worker is declared dead, failed and restarted")
     p.add_argument("--spare-workers", type=int, default=0,
                    help="CPU workers kept loaded and warmed up to replace one that dies within a second "
                         "(each holds the model and a KV pool in memory)")
+    p.add_argument("--internal-transport", default="ipc", choices=["ipc", "tcp"],
+                   help="gateway-worker and KV transfer sockets: ipc files in a private directory (one "
+                        "machine), or TCP on --internal-host encrypted and authenticated with CurveZMQ")
+    p.add_argument("--internal-host", default="127.0.0.1", help="address of the internal TCP sockets")
     p.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds a connection has to send a complete request head (from connect or the last response)")
     p.add_argument("--body-timeout", type=float, default=10.0, help="seconds a request body has to arrive (408)")
     p.add_argument("--max-connections", type=int, default=1024,
                    help="open HTTP connections; a new one past this is answered 503")
+    p.add_argument("--truncation", default=DEFAULT_TRUNCATION, choices=TRUNCATION_MODES,
+                   help="a chat over the context window: drop whole blocks of its oldest turns (keeping the "
+                        "system prompt) and reuse their successors' cached KV shifted (kv-shift) or recompute "
+                        "it (recompute); or refuse it with 400 (error)")
     p.add_argument("--log-level", default=os.environ.get("MEMSERVE_LOG_LEVEL", "INFO"))
     p.set_defaults(func=_run_up)
 
@@ -72,11 +133,21 @@ def _run_up(args: argparse.Namespace) -> int:
     from memserve.gateway.router_setup import RouterConfigError
     from memserve.gateway.server import serve
 
+    if args.cache_ttl is not None and args.cache_ttl <= 0:
+        print(f"memserve: --cache-ttl must be positive, got {args.cache_ttl}", file=sys.stderr)
+        return 2
+    try:  # a bad option fails here, not in every worker at start-up
+        make_schedule_policy(args.schedule_policy, args.schedule_policy_options)
+    except ValueError as exc:
+        print(f"memserve: --schedule-policy-options: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level, format="%(asctime)s gateway %(levelname)s %(message)s")
     os.environ["MEMSERVE_LOG_LEVEL"] = args.log_level
     engine = EngineConfig(
         model=args.model,
         dtype=args.dtype,
+        cpu_threads=args.cpu_threads,
+        cpu_threads_bind=args.cpu_threads_bind,
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         kv_cache_gb=args.kv_cache_gb,
@@ -88,8 +159,12 @@ def _run_up(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_cache,
         kv_layout=args.kv_layout,
+        transfer_mode=args.transfer_mode,
         schedule_policy=args.schedule_policy,
+        schedule_policy_options=args.schedule_policy_options,
+        cost_model=args.cost_model,
         eviction_policy=args.eviction_policy,
+        cache_ttl_s=args.cache_ttl,
         seed=args.seed,
     )
     cfg = ServeConfig(
@@ -98,18 +173,49 @@ def _run_up(args: argparse.Namespace) -> int:
         engine=engine,
         cpu_workers=args.cpu_workers,
         gpus=[int(g) for g in args.gpus.split(",")] if args.gpus else None,
+        pd_mode=args.pd_mode,
         served_model_name=args.served_model_name,
         heartbeat_timeout_s=args.heartbeat_timeout,
         spare_workers=args.spare_workers,
+        internal_transport=args.internal_transport,
+        internal_host=args.internal_host,
         header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout,
         max_connections=args.max_connections,
+        truncation=args.truncation,
         router=args.router,
         cost_model=args.cost_model,
         router_balance_abs=args.router_balance_abs,
         router_balance_rel=args.router_balance_rel,
         router_cache_threshold=args.router_cache_threshold,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tbt_ms=args.slo_tbt_ms,
+        admission=args.admission,
+        admission_queue_size=args.admission_queue_size,
+        predictor=args.predictor,
     )
+    if args.instances:
+        try:
+            cfg.roles, gpus = parse_instances(args.instances)
+        except ValueError as exc:
+            print(f"memserve: {exc}", file=sys.stderr)
+            return 2
+        cfg.gpus = gpus or cfg.gpus
+        if not gpus and args.cpu_workers not in (1, len(cfg.roles)):
+            print(f"memserve: --instances names {len(cfg.roles)} workers, --cpu-workers {args.cpu_workers}",
+                  file=sys.stderr)
+            return 2
+        cfg.cpu_workers = len(cfg.roles)
+    if args.cpu_threads_bind and not cfg.gpus:
+        from memserve.workers.cpu_threads import gateway_cpus, worker_cpu_lists
+
+        try:
+            left = gateway_cpus(worker_cpu_lists(args.cpu_threads_bind, cfg.cpu_workers))
+        except ValueError as exc:
+            print(f"memserve: {exc}", file=sys.stderr)
+            return 2
+        if left:  # workers pin themselves; the gateway keeps off their CPUs where it can
+            os.sched_setaffinity(0, left)
     try:
         from uvloop import run
     except ImportError:

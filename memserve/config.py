@@ -13,6 +13,8 @@ class EngineConfig:
     model: str | None = None  # HF folder or .gguf path; None means the embedded SmolLM2
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "cpu"  # "cpu" or "cuda:N"
+    cpu_threads: int | None = None  # a CPU worker's compute threads (default: one per bound CPU, else torch's)
+    cpu_threads_bind: str | None = None  # CPUs of each CPU worker, "0-1|2-3" (workers/cpu_threads.py)
     block_size: int = 16
     num_blocks: int | None = None  # overrides kv_cache_gb
     kv_cache_gb: float = 1.0
@@ -26,8 +28,12 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's context window
     enable_prefix_caching: bool = True
     kv_layout: str = "aggregated"  # aggregated | layer-major
+    transfer_mode: str = "by-request-agg"  # PD handoffs' framing: by-request-agg | by-request (workers/pd_sender.py)
     schedule_policy: str = "fcfs"  # workers/policies.py
+    schedule_policy_options: str = ""  # e.g. cacheopt's "disable=PA,GR;reserve=8" (workers/cacheopt_options.py)
+    cost_model: str | None = None  # JSON or preset: cacheopt weighs swap against recompute by it
     eviction_policy: str = "lru"  # kvcache/eviction.py
+    cache_ttl_s: float | None = None  # cached blocks unused this long are dropped (kvcache/retention.py)
     seed: int = 0
 
 
@@ -38,7 +44,8 @@ class WorkerConfig:
     engine: EngineConfig
     gateway_addr: str  # ZeroMQ address of the gateway's ROUTER socket
     heartbeat_s: float = 1.0
-    runtime_dir: str = ""  # private directory for ipc:// sockets ("" = TCP on loopback)
+    runtime_dir: str = ""  # private directory for ipc:// sockets ("" = TCP on internal_host)
+    internal_host: str = "127.0.0.1"  # where the KV transfer socket listens when on TCP
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -57,6 +64,8 @@ class ServeConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     cpu_workers: int = 1
     gpus: list[int] | None = None
+    roles: list[str] | None = None  # one per worker (--instances); None: all colocated
+    pd_mode: str = "pd-caching-3"  # disaggregated caching milestone (gateway/pd_topology.py)
     served_model_name: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
     router: str = "least-load"  # gateway/router.py
@@ -64,8 +73,16 @@ class ServeConfig:
     router_balance_abs: int = 16  # load-imbalance guard (gateway/route_types.Balance)
     router_balance_rel: float = 1.5
     router_cache_threshold: float = 0.5  # prompt-tree follows prefixes covering at least this share
+    slo_ttft_ms: float | None = None  # default SLOs of requests that name none (body field or header)
+    slo_tbt_ms: float | None = None
+    admission: str = "reject"  # off | reject | queue (gateway/admission.py); needs a cost model
+    admission_queue_size: int = 256  # requests held at most by --admission queue; 429 beyond
+    predictor: str = "on"  # on | off: gateway output-length prediction for AddRequest (memserve/predictor/)
     heartbeat_timeout_s: float = 5.0  # a worker silent this long is declared dead and restarted
     spare_workers: int = 0  # CPU workers loaded and warmed up ahead, to replace one that dies
+    internal_transport: str = "ipc"  # ipc: sockets in a private directory | tcp: CurveZMQ on internal_host
+    internal_host: str = "127.0.0.1"  # the address internal TCP sockets listen on
     header_timeout_s: float = 10.0  # a request head must arrive this soon after connect / the last response
     body_timeout_s: float = 10.0  # a request body must arrive within this
     max_connections: int = 1024  # open HTTP connections; past it a new one is answered 503
+    truncation: str = "kv-shift"  # a chat over the context window: kv-shift | recompute | error (gateway/truncation.py)

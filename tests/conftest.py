@@ -82,6 +82,14 @@ def stop_server(handle: ServerHandle, timeout_s: float = 20.0) -> int:
     return handle.process.returncode
 
 
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    """The embedded SmolLM2 as a Hugging Face folder (converted once, then cached)."""
+    from memserve.models.gguf_convert import ensure_model_dir
+
+    return ensure_model_dir(None)
+
+
 @pytest.fixture(scope="module")
 def tokenizer_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2's tokenizer files alone (no weights), for gateway tests on a fake engine."""

@@ -18,14 +18,8 @@ from memserve.ipc.messages import AddRequest, SamplingParams, decode, encode
 from memserve.kvcache.events import REMOVED, KVEvents
 from memserve.kvcache.mirror import PromptTreeMirror
 from memserve.workers.engine import Engine, build_engine
-from memserve.models.gguf_convert import ensure_model_dir
 
 MAX_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return ensure_model_dir(None)
 
 
 @pytest.fixture(scope="module")

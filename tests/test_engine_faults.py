@@ -3,20 +3,13 @@ warm-up leaves no trace, and the served context never exceeds what the KV pool h
 
 from __future__ import annotations
 
-import pytest
 
 from memserve.config import EngineConfig
 from memserve.ipc.messages import AddRequest, SamplingParams
 from memserve.workers.engine import Engine, build_engine
-from memserve.models.gguf_convert import ensure_model_dir
 from memserve.workers.warmup import warm_up
 
 PROMPT = [1, 504, 3458, 282, 4649, 314]  # a few in-vocabulary token ids
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return ensure_model_dir(None)
 
 
 def make_engine(model_dir, num_blocks: int = 64, **kw) -> Engine:

@@ -13,7 +13,6 @@ import torch
 
 from memserve.workers.model.attention import AttentionMetadata, allocate_kv_cache
 from memserve.models.default_model import default_gguf_path
-from memserve.models.gguf_convert import ensure_model_dir
 from memserve.workers.model.llama import LlamaForCausalLM
 from memserve.workers.model.loader import load_model
 from memserve.workers.model.model_config import ModelConfig
@@ -105,11 +104,6 @@ def one_intra_op_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return ensure_model_dir(None)
 
 
 @pytest.fixture(scope="module")

@@ -9,16 +9,10 @@ import pytest
 
 from memserve.config import EngineConfig
 from memserve.ipc.messages import AddRequest, SamplingParams
-from memserve.models.gguf_convert import ensure_model_dir
 from memserve.workers.engine import Engine, build_engine
 
 BLOCK_SIZE = 16
 PROMPT = list(range(100, 140))  # 2 full blocks and 8 tokens
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return ensure_model_dir(None)
 
 
 def make_engine(model_dir, **kw) -> Engine:

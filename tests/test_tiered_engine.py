@@ -62,11 +62,6 @@ def tokens_of(results) -> list[dict[int, list[int]]]:
 
 
 @pytest.fixture(scope="module")
-def model_dir():
-    return ensure_model_dir(None)
-
-
-@pytest.fixture(scope="module")
 def tokenizer(model_dir):
     return Tokenizer.from_folder(model_dir)
 

@@ -79,6 +79,16 @@ def _rates(text: str) -> list[float]:
     return rates
 
 
+def _scale_range(text: str) -> tuple[float, float]:
+    try:
+        lo, hi = (float(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected LO:HI, e.g. 0.5:2.5") from None
+    if not 0 < lo <= hi < math.inf:
+        raise argparse.ArgumentTypeError("expected 0 < LO <= HI")
+    return lo, hi
+
+
 def _json_object(text: str) -> dict:
     try:
         value = json.loads(text)
@@ -176,6 +186,9 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
     load.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     load.add_argument("--slo-ttft-ms", type=float, help="per-request TTFT SLO (sent and scored)")
     load.add_argument("--slo-tbt-ms", type=float, help="per-request TBT SLO (sent and scored)")
+    load.add_argument("--slo-scale", type=_scale_range, metavar="LO:HI",
+                      help="scale each request's SLOs by a factor drawn uniformly from [LO, HI] "
+                           "(CacheOpt §5 uses 0.5:2.5 of the baseline's mean latencies)")
 
 
 def add_output_arguments(p: argparse.ArgumentParser) -> None:
@@ -222,6 +235,7 @@ def replay_options(args: argparse.Namespace, rate: float) -> ReplayOptions:
         fixed_output_len=args.fixed_output_len,
         slo_ttft_ms=args.slo_ttft_ms,
         slo_tbt_ms=args.slo_tbt_ms,
+        slo_scale=args.slo_scale,
         think_time_s=args.think_time,
         seed=args.seed,
     )

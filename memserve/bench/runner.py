@@ -41,8 +41,20 @@ class ReplayOptions:
     fixed_output_len: bool = False
     slo_ttft_ms: float | None = None
     slo_tbt_ms: float | None = None
+    # Each request's SLOs are the ones above times a scale drawn uniformly from [lo, hi]
+    # (one per request, for both), as CacheOpt §5 sets them (scale [0.5, 2.5]).
+    slo_scale: tuple[float, float] | None = None
     think_time_s: float = 0.0  # mean of the exponential pause between turns
     seed: int = 0
+
+    def slos(self, session_id: str, turn: int) -> tuple[float | None, float | None]:
+        """(TTFT, TBT) SLOs in ms of a session's turn (1-based); the same in every run
+        with the same seed, whatever order requests are sent in."""
+        if self.slo_scale is None:
+            return self.slo_ttft_ms, self.slo_tbt_ms
+        scale = random.Random(f"slo:{self.seed}:{session_id}:{turn}").uniform(*self.slo_scale)
+        ttft, tbt = self.slo_ttft_ms, self.slo_tbt_ms
+        return None if ttft is None else ttft * scale, None if tbt is None else tbt * scale
 
     def max_tokens_for(self, turn: Turn) -> int:
         """Natural: ``max_tokens`` (default 256). Fixed: the turn's target length, capped
@@ -151,14 +163,15 @@ class Replayer:
         self, session: Session, k: int, turn: Turn, messages: list[dict], deadline: float
     ) -> RequestRecord | None:
         """One turn, once a slot is free; None if the run ended before it could go."""
+        slo_ttft_ms, slo_tbt_ms = self.options.slos(session.session_id, k)
         spec = RequestSpec(
             session_id=session.session_id,
             turn=k,
             messages=messages,
             max_tokens=self.options.max_tokens_for(turn),
             fixed_output_len=self.options.fixed_output_len,
-            slo_ttft_ms=self.options.slo_ttft_ms,
-            slo_tbt_ms=self.options.slo_tbt_ms,
+            slo_ttft_ms=slo_ttft_ms,
+            slo_tbt_ms=slo_tbt_ms,
         )
         if self._slots is not None:
             await self._slots.acquire()

@@ -47,11 +47,23 @@ from memserve.gateway.protocol import (
     parse_chat_request,
     parse_completion_request,
     resolve_max_tokens,
+    resolve_slo,
 )
 from memserve.gateway.responses import CompletionFormat, LogprobsRenderer, ResponseFormat, Usage
 from memserve.gateway.tokenize_api import parse_detokenize_request, parse_tokenize_request
 from memserve.gateway.tokenizer import ChatTemplateError, Tokenizer
 from memserve.gateway.tool_calls import chat_format, template_inputs
+from memserve.gateway.truncation import (
+    DEFAULT_TRUNCATION,
+    CannotTruncate,
+    common_prefix,
+    common_suffix,
+    head_messages,
+    overflows,
+    prompt_limit,
+    tail_messages,
+    truncate,
+)
 from memserve.ipc.messages import RequestOutput
 
 log = logging.getLogger("memserve.gateway")
@@ -158,6 +170,8 @@ class _Generation:
                                         self._request.session_id, self._request.slo)
         engine_done = False
         first_token_at: float | None = None
+        last_token_at = 0.0
+        max_gap = 0.0  # the longest wait between two outputs with tokens (the TBT SLO's measure)
         try:
             try:
                 async for out in outputs:
@@ -165,9 +179,14 @@ class _Generation:
                     if out.error is not None or out.finish_reason == "error":
                         raise APIError(500, f"engine error: {out.error or 'unknown'}")
                     self.usage.cached_tokens = max(self.usage.cached_tokens, out.num_cached_tokens)
-                    if out.new_token_ids and first_token_at is None:
-                        first_token_at = time.monotonic()
-                        self._metrics.observe_first_token(first_token_at - self._arrival)
+                    if out.new_token_ids:
+                        now = time.monotonic()
+                        if first_token_at is None:
+                            first_token_at = now
+                            self._metrics.observe_first_token(first_token_at - self._arrival)
+                        else:
+                            max_gap = max(max_gap, now - last_token_at)
+                        last_token_at = now
                     text = self._text_of(out, detokenizer)
                     if detokenizer.stopped:
                         self.finish_reason = "stop"
@@ -197,6 +216,7 @@ class _Generation:
             if self.finish_reason is not None and first_token_at is not None:
                 self._metrics.observe_finished(first_token_at - self._arrival, time.monotonic() - self._arrival,
                                                self.usage.completion_tokens)
+                self._metrics.observe_slo(self._request.slo, first_token_at - self._arrival, max_gap)
 
 
 @dataclass
@@ -287,8 +307,12 @@ async def _send_event(response: web.StreamResponse, obj: object) -> None:
 
 class _OpenAIServer:
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, encoder: PromptEncoder, model_name: str,
-                 metrics: GatewayMetrics, body_timeout_s: float) -> None:
+                 metrics: GatewayMetrics, body_timeout_s: float, slo_defaults: dict[str, float],
+                 truncation: str = DEFAULT_TRUNCATION, block_size: int = 16) -> None:
         self._engine = engine
+        self._truncation = truncation
+        self._block_size = block_size
+        self._slo_defaults = slo_defaults
         self._tokenizer = tokenizer
         self._encoder = encoder
         self._model_name = model_name
@@ -328,7 +352,33 @@ class _OpenAIServer:
             prompt_ids = await self._encoder.encode_chat(messages, self._engine.max_model_len, tools)
         except ChatTemplateError as e:
             raise bad_request(str(e), "messages") from None
+        prompt_ids = await self._fit_window(req, messages, tools, prompt_ids)
         return await self._generate(request, chat_format(req.tool_choice), req, [prompt_ids], "messages", arrival)
+
+    async def _fit_window(self, req: GenerationRequest, messages: list[dict], tools: list[dict] | None,
+                          prompt_ids: list[int]) -> list[int]:
+        """A conversation over the context window loses whole blocks of its oldest turns
+        (``--truncation``, gateway/truncation.py); with ``error`` it gets the usual 400."""
+        max_model_len = self._engine.max_model_len
+        if self._truncation == "error" or not overflows(len(prompt_ids), max_model_len, req.max_tokens):
+            return prompt_ids
+        try:
+            head = await self._encoder.encode_chat(head_messages(messages), max_model_len, tools)
+        except ChatTemplateError:
+            head = []  # a template that refuses an empty turn: keep no head
+        try:
+            tail = await self._encoder.encode_chat(tail_messages(messages), max_model_len, tools)
+        except ChatTemplateError:
+            tail = prompt_ids  # the last message cannot be told apart: nothing may be dropped
+        try:
+            cut = truncate(prompt_ids, common_prefix(head, prompt_ids), common_suffix(tail, prompt_ids),
+                           prompt_limit(max_model_len, req.max_tokens), self._block_size)
+        except CannotTruncate as e:
+            raise APIError(400, f"This model's maximum context length is {max_model_len} tokens, and {e}.",
+                           "messages", "context_length_exceeded") from None
+        if self._truncation == "kv-shift":
+            req.dropped_at, req.dropped_token_ids = cut.dropped_at, cut.dropped_ids
+        return cut.prompt_ids
 
     async def _generate(self, request: web.Request, format_cls: type[ResponseFormat], req: GenerationRequest,
                         prompts: list[list[int]], prompt_param: str, arrival: float,
@@ -339,6 +389,7 @@ class _OpenAIServer:
         # A session names itself in the body (``session_id``) or, for clients that cannot add
         # body fields, in the ``x-session-id`` header; the session router keys on it.
         req.session_id = req.session_id or request.headers.get("x-session-id") or None
+        req.slo = resolve_slo(req.slo, request.headers, self._slo_defaults)
         budgets = [resolve_max_tokens(req.max_tokens, len(ids), self._engine.max_model_len, prompt_param)
                    for ids in prompts]
         fmt = format_cls(format_cls.id_prefix + uuid.uuid4().hex, self._model_name, int(time.time()))
@@ -491,10 +542,14 @@ def _error_middleware(metrics: GatewayMetrics) -> Callable:
 
 
 def create_app(engine: EngineClient, tokenizer: Tokenizer, model_name: str, max_body_bytes: int = 4 * MiB,
-               body_timeout_s: float = 10.0, tokenizer_processes: int = DEFAULT_PROCESSES) -> web.Application:
+               body_timeout_s: float = 10.0, tokenizer_processes: int = DEFAULT_PROCESSES,
+               slo_defaults: dict[str, float] | None = None, truncation: str = DEFAULT_TRUNCATION,
+               block_size: int = 16) -> web.Application:
     """The OpenAI API over ``engine``. Serve it with ``connection.GatewayRunner(app,
     handler_cancellation=True)`` so that a client disconnect cancels its handler at once
-    and malformed HTTP gets error objects too."""
+    and malformed HTTP gets error objects too. ``slo_defaults``: the SLOs (``ttft_ms``,
+    ``tbt_ms``) of requests that set none. ``truncation``: what becomes of a chat over the
+    context window (gateway/truncation.py); ``block_size``: the workers' KV block size."""
     metrics = GatewayMetrics(engine.stats)
     app = web.Application(client_max_size=max_body_bytes, middlewares=[_error_middleware(metrics)])
     encoder = PromptEncoder(tokenizer, tokenizer_processes)
@@ -503,7 +558,8 @@ def create_app(engine: EngineClient, tokenizer: Tokenizer, model_name: str, max_
         encoder.close()
 
     app.on_cleanup.append(close_encoder)
-    server = _OpenAIServer(engine, tokenizer, encoder, model_name, metrics, body_timeout_s)
+    server = _OpenAIServer(engine, tokenizer, encoder, model_name, metrics, body_timeout_s, slo_defaults or {},
+                           truncation, block_size)
     app.add_routes([
         web.post("/v1/completions", server.completions),
         web.post("/v1/chat/completions", server.chat_completions),

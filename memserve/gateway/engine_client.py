@@ -11,15 +11,19 @@ import secrets
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
+from memserve.gateway.admission import OFF, Admission, predict
 from memserve.gateway.cluster import Cluster, WorkerHandle
+from memserve.gateway.pd_flow import HANDOFF_TIMEOUT_S, PDFlow
+from memserve.gateway.pd_topology import is_disaggregated
 from memserve.gateway.router import LeastLoad, RouteDecision, RouteRequest, Router, WorkerView
 from memserve.ipc.channel import GatewayChannel
 from memserve.ipc.messages import (
     AbortRequest,
     AddRequest,
     ExpectTransfer,
+    HandoffDone,
     Heartbeat,
     PeerAddresses,
     RequestOutput,
@@ -36,6 +40,9 @@ from memserve.ipc.messages import (
 from memserve.kvcache.address import Tier
 from memserve.kvcache.events import KVEvents
 from memserve.kvcache.mirror import PromptTreeMirror
+
+if TYPE_CHECKING:  # scikit-learn: imported only when the predictor is on
+    from memserve.predictor.predictor import Predictor
 
 log = logging.getLogger("memserve.gateway")
 
@@ -57,6 +64,10 @@ class _Stream:
     pinned: bool = False
     started: bool = False
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # Disaggregated (gateway/pd_flow.py): the decode instance taking it over, and whether
+    # it can resume elsewhere after tokens were streamed (a death then means a retry).
+    peer: int | None = None
+    resumable: bool = False
 
 
 # Put on a stream's queue when its worker died before the first token: send it again.
@@ -67,10 +78,12 @@ class ZmqEngineClient:
     """Implements ``gateway.engine_protocol.EngineClient`` over real worker processes."""
 
     def __init__(self, channel: GatewayChannel, cluster: Cluster, block_size: int, heartbeat_s: float = 1.0,
-                 router: Router | None = None) -> None:
+                 router: Router | None = None, admission: Admission | None = None, pd_mode: str = "pd-caching-3",
+                 handoff_timeout_s: float = HANDOFF_TIMEOUT_S) -> None:
         self.channel = channel
         self.cluster = cluster
         self.router = router if router is not None else Router(LeastLoad())
+        self.admission = admission if admission is not None else Admission(OFF)
         self.heartbeat_s = heartbeat_s
         self.block_size = block_size
         self.max_model_len = 0
@@ -80,6 +93,9 @@ class ZmqEngineClient:
         self._start_error: str | None = None
         self._transfers: dict[int, asyncio.Future[TransferDone | TransferExpected]] = {}
         self._transfer_ids = itertools.count(1)
+        roles = [h.config.role for h in cluster.workers.values()]
+        self.pd = PDFlow(self, pd_mode, handoff_timeout_s) if is_disaggregated(roles) else None
+        self.predictor: Predictor | None = None  # set by the server once bootstrapped (--predictor on)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, timeout_s: float = 600.0) -> None:
@@ -130,18 +146,26 @@ class ZmqEngineClient:
         each with its ``index``, until every choice finished (or one failed)."""
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id}")
+        if self.pd is not None and instance is None and self.pd.applies(params, len(prompt_token_ids)):
+            async for out in self.pd.generate(request_id, prompt_token_ids, params, session_id, slo):
+                yield out
+            return
         route = RouteRequest(request_id, prompt_token_ids, session_id, slo or {}, params.max_tokens, params.n)
+        if instance is None:
+            await self._admit(route)
         decision = self._pick_worker(route) if instance is None else None
         stream = _Stream(instance if decision is None else decision.instance, pinned=instance is not None)
         self._streams[request_id] = stream
         finished = False
         unfinished = params.n
+        produced: Counter[int] = Counter()  # tokens per choice, for the predictor
         try:
             if decision is not None and decision.pull_from is not None:
                 await self._pull_prefix(decision.pull_from, decision.instance, prompt_token_ids)
             slo = slo or {}
             add = AddRequest(request_id, list(prompt_token_ids), params, session_id, time.time(),
-                             slo.get("priority", 0), slo.get("ttft_ms"), slo.get("tbt_ms"))
+                             slo.get("priority", 0), slo.get("ttft_ms"), slo.get("tbt_ms"),
+                             self._predict(request_id, prompt_token_ids, params.max_tokens))
             await self.channel.send(stream.worker, add)
             while not finished:
                 out = await stream.queue.get()
@@ -151,13 +175,18 @@ class ZmqEngineClient:
                                 request_id, stream.worker)
                     await self.channel.send(stream.worker, add)
                     continue
+                produced[out.index] += len(out.new_token_ids)
                 if out.finished:
                     unfinished -= 1
+                    self._learn(request_id, produced[out.index], out.finish_reason)
                 finished = unfinished == 0 or out.finish_reason == "error"
                 yield out
         finally:
+            if self.predictor is not None:
+                self.predictor.forget(request_id)
             self._streams.pop(request_id, None)
             self.router.release(request_id)
+            self.admission.notify()
             if not finished:
                 await self._send_abort(stream.worker, request_id)
 
@@ -173,14 +202,23 @@ class ZmqEngineClient:
         if stream is not None:
             await self._send_abort(stream.worker, choice_request_id(request_id, index))
 
-    async def transfer_prefix(self, src: int, dst: int, token_ids: list[int], timeout_s: float = 60.0) -> int:
+    async def transfer_prefix(self, src: int, dst: int, token_ids: list[int], timeout_s: float = 60.0,
+                              incremental: bool = False) -> int:
         """Have worker ``src`` push its cached prefix of ``token_ids`` to worker ``dst``;
         returns the number of blocks that arrived there. ``dst`` is told to expect the
-        transfer under a fresh ticket before ``src`` starts it."""
+        transfer under a fresh ticket before ``src`` starts it; ``incremental``: ``dst``
+        pins what it caches of them and only the blocks after that are sent."""
         tid = next(self._transfer_ids)
         ticket = secrets.token_hex(16)
-        await self._ask(dst, ExpectTransfer(tid, ticket, src, len(token_ids) // self.block_size), timeout_s)
-        reply = await self._ask(src, TransferPrefix(tid, list(token_ids), dst, ticket), timeout_s)
+        name = f"transfer-{tid}"  # an abort under this name frees dst's pins if nothing arrives
+        expected = await self._ask(dst, ExpectTransfer(tid, ticket, src, len(token_ids) // self.block_size,
+                                                       list(token_ids) if incremental else None, name), timeout_s)
+        try:
+            reply = await self._ask(src, TransferPrefix(tid, list(token_ids), dst, ticket, expected.cached_blocks),
+                                    timeout_s)
+        finally:
+            if incremental:
+                await self._send_abort(dst, name)
         if reply.error:
             raise RuntimeError(f"prefix transfer {src} -> {dst} failed: {reply.error}")
         return reply.num_blocks
@@ -210,13 +248,34 @@ class ZmqEngineClient:
             log.warning("prefix pull %d -> %d failed (%s); the prompt is recomputed", src, dst, exc)
             self.router.pull_done(False)
 
-    def _pick_worker(self, request: RouteRequest) -> RouteDecision:
-        """The router's choice among the workers as they are now."""
+    async def _admit(self, request: RouteRequest) -> None:
+        """Admission control on the request's TTFT SLO; needs the router's cost model."""
+        ttft_ms = request.slo.get("ttft_ms")
+        if ttft_ms is None or self.router.cost is None:
+            return
+        cost = self.router.cost
+        await self.admission.admit(ttft_ms / 1000.0, lambda: predict(
+            self.router.candidates(request, self._views()), cost, len(request.prompt_token_ids), self.block_size))
+
+    def _views(self) -> list[WorkerView]:
+        """The workers as they are now."""
         in_flight = Counter(stream.worker for stream in self._streams.values())
         states = self.cluster.states()
-        views = [WorkerView(i, states[i], in_flight[i], h.stats, self.mirrors[i], h.config.role)
-                 for i, h in self.cluster.workers.items()]
-        return self.router.route(request, views)
+        return [WorkerView(i, states[i], in_flight[i], h.stats, self.mirrors[i], h.config.role)
+                for i, h in self.cluster.workers.items()]
+
+    def _predict(self, request_id: str, prompt_token_ids: list[int], max_tokens: int) -> int | None:
+        """``AddRequest.predicted_output_tokens``: None when the predictor is off or untrained."""
+        return None if self.predictor is None else self.predictor.predict(request_id, prompt_token_ids, max_tokens)
+
+    def _learn(self, request_id: str, output_tokens: int, finish_reason: str | None) -> None:
+        """Feed a finished choice back to the predictor; a due refit runs off the event loop."""
+        if self.predictor is not None and self.predictor.observe(request_id, output_tokens, finish_reason):
+            asyncio.get_running_loop().run_in_executor(None, self.predictor.refit)
+
+    def _pick_worker(self, request: RouteRequest) -> RouteDecision:
+        """The router's choice among the workers as they are now."""
+        return self.router.route(request, self._views())
 
     def stats(self) -> dict:
         workers = []
@@ -235,6 +294,9 @@ class ZmqEngineClient:
                 "num_running": s.get("num_running", 0),
                 "num_waiting": s.get("num_waiting", 0),
                 "num_preemptions": s.get("num_preemptions", 0),
+                "preemptions": s.get("preemptions", {}),  # by kind: swap, recompute
+                # The schedule policy's KV allocation (cacheopt): reserve and padding in use.
+                "kv_allocation": s.get("kv_allocation", {}),
                 # Allocatable blocks per tier: free plus cached-but-evictable.
                 "free_blocks": {t: v["free"] + v["evictable"] for t, v in mp.items() if t in TIER_NAMES},
                 # Per tier: bytes used, blocks matched, bytes read and written, blocks being saved down.
@@ -244,9 +306,12 @@ class ZmqEngineClient:
                 "cached_tokens_total": s.get("cached_tokens_total", 0),
                 "prompt_tokens_total": s.get("prompt_tokens_total", 0),
                 "mirror_blocks": len(self.mirrors[h.instance_id].entries()),
+                "pd": s.get("pd", {}),  # KV handoffs sent (prefill) and received (decode)
             })
         return {"workers": workers, "spare_workers": self.cluster.spare_states(),
-                "num_requests_in_flight": len(self._streams), "router": self.router.stats()}
+                "num_requests_in_flight": len(self._streams), "router": self.router.stats(),
+                "admission": self.admission.stats(), **({"pd": self.pd.stats()} if self.pd else {}),
+                **({"predictor": self.predictor.stats()} if self.predictor else {})}
 
     # ------------------------------------------------------------------ loops
     async def _recv_loop(self) -> None:
@@ -265,12 +330,18 @@ class ZmqEngineClient:
                 stream = self._streams.get(out.request_id)
                 if stream is not None and stream.worker == instance_id:
                     self.router.observe(out.request_id, len(out.new_token_ids))
-                    stream.started = stream.started or bool(out.new_token_ids)
+                    if out.new_token_ids and not stream.started:  # its prefill left the queued work
+                        stream.started = True
+                        self.admission.notify()
                     stream.queue.put_nowait(out)
         elif isinstance(msg, KVEvents):
             self.mirrors[instance_id].apply(msg)
         elif isinstance(msg, Heartbeat):
             self.cluster.heartbeat(instance_id, msg.stats)
+        elif isinstance(msg, HandoffDone):
+            stream = self._streams.get(msg.request_id)
+            if stream is not None and stream.worker == instance_id:
+                stream.queue.put_nowait(msg)
         elif isinstance(msg, (TransferDone, TransferExpected)):
             future = self._transfers.get(msg.transfer_id)
             if future is not None and not future.done():
@@ -304,8 +375,8 @@ class ZmqEngineClient:
         log.error("worker %d died (exit code %s); failing its requests and restarting it", h.instance_id,
                   h.process.poll() if h.process else None)
         for rid, stream in list(self._streams.items()):
-            if stream.worker == h.instance_id:
-                retry = not stream.started and not stream.pinned
+            if h.instance_id in (stream.worker, stream.peer):
+                retry = (not stream.started or stream.resumable) and not stream.pinned
                 stream.queue.put_nowait(_RETRY if retry else
                                         RequestOutput(rid, [], True, "error", error=f"worker {stream.worker} died"))
         self.mirrors[h.instance_id].reset()

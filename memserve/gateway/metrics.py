@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from memserve.gateway.routing_metrics import RouterStatsCollector
+from memserve.gateway.slo_metrics import SLOAttainment, SLOStatsCollector
 
 log = logging.getLogger("memserve.gateway")
 
@@ -65,8 +66,31 @@ class EngineStatsCollector(Collector):
                                         "Cached blocks being saved down from each tier", labels=tier_labels)
         save_queue = GaugeMetricFamily("memserve_kv_save_queue", "KV save jobs not yet committed",
                                        labels=["instance"])
+        tier_queue = GaugeMetricFamily("memserve_kv_tier_queue_depth",
+                                       "KV blocks queued or in flight between each tier and another (saves, "
+                                       "prefetches)", labels=tier_labels)
+        prefetched = CounterMetricFamily("memserve_kv_prefetched_blocks",
+                                         "KV blocks prefetched from disk to host for queued requests "
+                                         "(--eviction-policy scheduler-aware)", labels=["instance"])
+        prefetch_hits = CounterMetricFamily("memserve_kv_prefetch_hit_blocks",
+                                            "Prefetched KV blocks a request then read from above the disk",
+                                            labels=["instance"])
+        reserve = GaugeMetricFamily("memserve_kv_reserve_blocks_in_use",
+                                    "Global-reserve KV blocks lent to requests that outgrew their allocation "
+                                    "(--schedule-policy cacheopt)", labels=["instance"])
+        unheld = GaugeMetricFamily("memserve_kv_unheld_blocks",
+                                   "KV blocks allocated to running requests beyond what they use: padding of the "
+                                   "predicted length and over-allocation (--schedule-policy cacheopt)",
+                                   labels=["instance"])
+        role = GaugeMetricFamily("memserve_worker_role", "1 for the worker's role (colocated, prefill, decode)",
+                                 labels=["instance", "role"])
+        handoff = CounterMetricFamily("memserve_pd_handoff", "Disaggregated KV handoffs sent by a prefill worker: "
+                                      "handoffs, blocks, bytes, messages", labels=["instance", "what"])
         for worker in workers:
             instance = str(worker.get("instance_id"))
+            role.add_metric([instance, worker.get("role", "colocated")], 1.0)
+            for what in ("handoffs", "blocks_sent", "bytes_sent", "messages"):
+                handoff.add_metric([instance, what], worker.get("pd", {}).get(what, 0))
             alive.add_metric([instance], 1.0 if worker.get("alive") else 0.0)
             running.add_metric([instance], worker.get("num_running", 0))
             waiting.add_metric([instance], worker.get("num_waiting", 0))
@@ -80,9 +104,18 @@ class EngineStatsCollector(Collector):
                 tier_read.add_metric([instance, tier], io["read_bytes"])
                 tier_write.add_metric([instance, tier], io["write_bytes"])
                 tier_saving.add_metric([instance, tier], io["saving"])
+                tier_queue.add_metric([instance, tier], io.get("queue_depth", 0))
+                if "prefetched" in io:
+                    prefetched.add_metric([instance], io["prefetched"])
+                    prefetch_hits.add_metric([instance], io["prefetch_hits"])
             save_queue.add_metric([instance], worker.get("kv_save_queue", 0))
+            allocation = worker.get("kv_allocation", {})
+            if allocation:
+                reserve.add_metric([instance], allocation["reserve_in_use_blocks"])
+                unheld.add_metric([instance], allocation["unheld_blocks"])
         yield from (alive, running, waiting, free_blocks, hit_rate, cached, tier_bytes, tier_hits, tier_read,
-                    tier_write, tier_saving, save_queue)
+                    tier_write, tier_saving, save_queue, tier_queue, prefetched, prefetch_hits, role, handoff,
+                    reserve, unheld)
 
 
 class GatewayMetrics:
@@ -102,6 +135,8 @@ class GatewayMetrics:
                              buckets=_E2E_BUCKETS, registry=self.registry)
         self.registry.register(EngineStatsCollector(engine_stats))
         self.registry.register(RouterStatsCollector(engine_stats))
+        self.registry.register(SLOStatsCollector(engine_stats))
+        self.slo = SLOAttainment(self.registry)
 
     def count_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
@@ -117,6 +152,9 @@ class GatewayMetrics:
         self.e2e.observe(e2e_s)
         if num_output_tokens > 1:
             self.tpot.observe((e2e_s - ttft_s) / (num_output_tokens - 1))
+
+    def observe_slo(self, slo: dict | None, ttft_s: float, max_gap_s: float) -> None:
+        self.slo.observe(slo, ttft_s, max_gap_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -17,7 +17,9 @@ generated token (``stop``, ``stop_token_ids``) have a length cap."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from memserve.gateway.errors import APIError, bad_request
@@ -37,6 +39,7 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_TOKEN_IDS = 1024
 # Sequences per request (each holds its own KV tail and decodes every step).
 MAX_N = 16
+MAX_CACHE_TTL_S = 30 * 86400.0  # a request's ``cache_ttl_s`` extension: at most 30 days
 # Entries of logit_bias, as OpenAI caps it.
 MAX_LOGIT_BIAS = 300
 
@@ -142,10 +145,17 @@ class GenerationRequest:
     min_tokens: int
     n: int
     session_id: str | None
-    slo: dict | None  # {"ttft_ms", "tbt_ms", "priority"}, only the keys the client sent
+    slo: dict | None  # {"ttft_ms", "tbt_ms", "priority"}, the keys set (body, then headers and defaults: resolve_slo)
     logprobs: int | None  # top log-probabilities per generated token; None: no logprobs
     prompt_logprobs: int | None  # the same per prompt token (completions' echo)
     grammar: str | None  # what the output must match (response_format, forced tool calls)
+    # keep this conversation's cached KV at least this long (--cache-ttl); keyword-only, as the
+    # fields below: the endpoints' own fields follow without defaults
+    cache_ttl_s: float | None = field(default=None, kw_only=True)
+    # --truncation kv-shift: the tokens the gateway dropped from an over-long conversation
+    # and where (gateway/truncation.py), so the worker can reuse their successors' KV.
+    dropped_at: int = field(default=0, kw_only=True)
+    dropped_token_ids: list[int] = field(default_factory=list, kw_only=True)
 
     def sampling_params(self, max_tokens: int, eos_token_ids: list[int]) -> SamplingParams:
         """The model's end-of-sequence ids join the stop ids unless ``ignore_eos``, as
@@ -158,7 +168,9 @@ class GenerationRequest:
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
                               min_tokens=self.min_tokens, n=self.n, logprobs=self.logprobs,
-                              prompt_logprobs=self.prompt_logprobs, grammar=self.grammar)
+                              prompt_logprobs=self.prompt_logprobs, grammar=self.grammar,
+                              cache_ttl_s=self.cache_ttl_s, dropped_at=self.dropped_at,
+                              dropped_token_ids=self.dropped_token_ids)
 
 
 def _parse_common(body: dict, max_tokens_names: tuple[str, ...], max_tokens_default: int | None,
@@ -219,6 +231,7 @@ def _parse_common(body: dict, max_tokens_names: tuple[str, ...], max_tokens_defa
         n=n,
         session_id=_get(body, "session_id", str),
         slo=slo or None,
+        cache_ttl_s=_number(body, "cache_ttl_s", 0.0, 0.0, MAX_CACHE_TTL_S) or None,
         grammar=_constrained(body, response_format_grammar(body), "response_format"),
     )
 
@@ -361,6 +374,42 @@ def parse_chat_request(body: dict) -> ChatCompletionRequest:
         common["grammar"] = _constrained(body, tool_choice.grammar, "tool_choice")
     return ChatCompletionRequest(**common, logprobs=(top_logprobs or 0) if logprobs else None, prompt_logprobs=None,
                                  messages=cleaned, tool_choice=tool_choice)
+
+
+# The SLO headers (as the Gateway API Inference Extension names them) and the keys of
+# ``GenerationRequest.slo`` they set.
+SLO_HEADERS = {"ttft_ms": "x-slo-ttft-ms", "tbt_ms": "x-slo-tbt-ms", "priority": "x-priority"}
+
+
+def _slo_header(name: str, text: str) -> float | int:
+    """A positive number of milliseconds, or an integer priority (``x-priority``)."""
+    if name == SLO_HEADERS["priority"]:
+        try:
+            return int(text)
+        except ValueError:
+            raise bad_request(f"header '{name}' must be an integer, got {text!r}", name) from None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise bad_request(f"header '{name}' must be a positive number of milliseconds, got {text!r}", name)
+    return value
+
+
+def resolve_slo(body_slo: dict | None, headers: Mapping[str, str], defaults: Mapping[str, float]) -> dict | None:
+    """A request's SLOs, each from the first that sets it: the body field
+    (``slo_ttft_ms``, ``slo_tbt_ms``, ``priority``), the header (``x-slo-ttft-ms``,
+    ``x-slo-tbt-ms``, ``x-priority``), the server default (``--slo-ttft-ms``,
+    ``--slo-tbt-ms``). The body wins because it is what the client itself wrote; a header
+    is often added by a proxy for a whole class of traffic."""
+    slo: dict = dict(defaults)
+    for key, name in SLO_HEADERS.items():
+        text = headers.get(name)
+        if text is not None:
+            slo[key] = _slo_header(name, text.strip())
+    slo.update(body_slo or {})
+    return slo or None
 
 
 def check_prompt_ids(token_ids: list[int], vocab_size: int, param: str) -> None:

@@ -62,7 +62,9 @@ class Router:
               clock: Callable[[], float] = time.monotonic) -> Router:
         return cls(make(ROUTING_POLICIES, name, "router"), cost, balance, clock)
 
-    def route(self, request: RouteRequest, workers: list[WorkerView]) -> RouteDecision:
+    def candidates(self, request: RouteRequest, workers: list[WorkerView]) -> list[Candidate]:
+        """The workers that may take ``request`` now, scored with their cached prefix and
+        queued work (admission control judges the request on the same scores)."""
         workers = [w for w in workers if w.role != "decode"]  # a prompt starts on a prefill-capable worker
         live = [w for w in workers if w.state == "ok"] or [w for w in workers if w.state == "degraded"]
         if not live:
@@ -70,9 +72,13 @@ class Router:
         block_size = live[0].mirror.block_size
         scored = self.policy.uses_cache or self.cost is not None
         hashes = block_hashes(request.prompt_token_ids, block_size) if scored else []
-        candidates = [Candidate(w, len(w.mirror.match_hashes(hashes)) if scored and w.state == "ok" else 0,
-                                self.ledger.work_s(w.instance_id), self.ledger.step_s(w.instance_id))
-                      for w in live]
+        return [Candidate(w, len(w.mirror.match_hashes(hashes)) if scored and w.state == "ok" else 0,
+                          self.ledger.work_s(w.instance_id), self.ledger.step_s(w.instance_id))
+                for w in live]
+
+    def route(self, request: RouteRequest, workers: list[WorkerView]) -> RouteDecision:
+        candidates = self.candidates(request, workers)
+        block_size = candidates[0].view.mirror.block_size
         decision = self.policy.choose(request, candidates, RoutingContext(self.cost, self.balance, block_size))
         self._record(request, decision, candidates, block_size)
         return decision

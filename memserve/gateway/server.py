@@ -5,26 +5,54 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 import signal
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from memserve.config import ServeConfig
+from memserve.gateway.admission import OFF, Admission
 from memserve.gateway.app import create_app
 from memserve.gateway.cluster import Cluster, plan_workers
 from memserve.gateway.connection import GatewayRunner
 from memserve.gateway.engine_client import ZmqEngineClient
+from memserve.gateway.pd_topology import apply_pd_mode
 from memserve.gateway.router_setup import build_router
 from memserve.gateway.tokenizer import Tokenizer
 from memserve.ipc.channel import GatewayChannel
+from memserve.ipc.curve import ENV_VAR, CurveKeys
 from memserve.models.gguf_convert import ensure_model_dir
+
+if TYPE_CHECKING:
+    from memserve.predictor.predictor import Predictor
 
 log = logging.getLogger("memserve.gateway")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def _build_predictor(model_dir: Path, tokenizer: Tokenizer) -> Predictor:
+    """The output-length predictor, bootstrapped (seconds of fitting: run in a thread)."""
+    # scikit-learn is imported only when the predictor is on.
+    from memserve.predictor.predictor import Predictor
+
+    return Predictor.for_model(model_dir, tokenizer)
+
+
+def _internal_channel(cfg: ServeConfig) -> tuple[str, GatewayChannel]:
+    """The gateway's worker socket and the private (0700) runtime directory. With ipc
+    transport every internal socket is a file there, so only the HTTP port is TCP; with
+    tcp transport the sockets listen on ``internal_host`` and speak CurveZMQ with keys
+    made now, which workers inherit through their environment."""
+    runtime_dir = tempfile.mkdtemp(prefix="memserve-")
+    if cfg.internal_transport == "ipc":
+        return runtime_dir, GatewayChannel(f"ipc://{runtime_dir}/gateway")
+    os.environ[ENV_VAR] = CurveKeys.generate().to_env()
+    return runtime_dir, GatewayChannel(f"tcp://{cfg.internal_host}:*")
 
 
 def served_model_name(cfg: ServeConfig) -> str:
@@ -42,12 +70,20 @@ async def serve(cfg: ServeConfig) -> None:
     model_dir = await asyncio.to_thread(ensure_model_dir, cfg.engine.model)
     cfg.engine.model = str(model_dir)  # workers load the prepared folder directly
     tokenizer = Tokenizer.from_folder(model_dir)
-    # Private (0700) directory for the internal ipc:// sockets: only the HTTP port is TCP.
-    runtime_dir = tempfile.mkdtemp(prefix="memserve-")
-    channel = GatewayChannel(f"ipc://{runtime_dir}/gateway")
-    cluster = Cluster(plan_workers(cfg.engine, channel.address, cfg.cpu_workers, cfg.gpus, runtime_dir=runtime_dir),
-                      cfg.heartbeat_timeout_s, cfg.spare_workers)
-    client = ZmqEngineClient(channel, cluster, cfg.engine.block_size, router=router)
+    # Fitted while the workers load.
+    predictor = asyncio.create_task(asyncio.to_thread(_build_predictor, model_dir, tokenizer)) \
+        if cfg.predictor == "on" else None
+    runtime_dir, channel = _internal_channel(cfg)
+    workers = plan_workers(cfg.engine, channel.address, cfg.cpu_workers, cfg.gpus, cfg.roles,
+                           runtime_dir if cfg.internal_transport == "ipc" else "", cfg.internal_host)
+    apply_pd_mode(workers, cfg.pd_mode)
+    cluster = Cluster(workers, cfg.heartbeat_timeout_s, cfg.spare_workers)
+    if cfg.admission != OFF and router.cost is None:
+        log.warning("--admission %s needs a cost model (--cost-model or `memserve profile`): requests are "
+                    "admitted without an SLO check", cfg.admission)
+    admission = Admission(cfg.admission if router.cost is not None else OFF, cfg.admission_queue_size)
+    client = ZmqEngineClient(channel, cluster, cfg.engine.block_size, router=router, admission=admission,
+                             pd_mode=cfg.pd_mode)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -60,7 +96,11 @@ async def serve(cfg: ServeConfig) -> None:
             start.cancel()
             return
         start.result()
-        app = create_app(client, tokenizer, name, cfg.max_body_bytes, cfg.body_timeout_s)
+        if predictor is not None:
+            client.predictor = await predictor
+        slo_defaults = {k: v for k, v in (("ttft_ms", cfg.slo_ttft_ms), ("tbt_ms", cfg.slo_tbt_ms)) if v is not None}
+        app = create_app(client, tokenizer, name, cfg.max_body_bytes, cfg.body_timeout_s, slo_defaults=slo_defaults,
+                         truncation=cfg.truncation, block_size=cfg.engine.block_size)
         runner = GatewayRunner(app, header_timeout_s=cfg.header_timeout_s, body_timeout_s=cfg.body_timeout_s,
                                max_connections=cfg.max_connections, access_log=None, handler_cancellation=True)
         await runner.setup()

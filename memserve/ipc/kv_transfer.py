@@ -99,6 +99,12 @@ for _cls in (KVAllocRequest, KVAllocReply, KVData, KVDone):
     register(_cls)
 
 
+def split_frames(buffers: list, frame_nbytes: int) -> list[memoryview]:
+    """Zero-copy pieces of ``frame_nbytes`` of each buffer, in order."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    return [v[i : i + frame_nbytes] for v in views for i in range(0, len(v), frame_nbytes)]
+
+
 @dataclass
 class _Grant:
     """A transfer this receiver was told to expect, and the blocks allocated for it."""
@@ -107,6 +113,12 @@ class _Grant:
     max_blocks: int
     deadline: float
     addrs: list[int] = field(default_factory=list)
+    # The receiver's cached prefix, held for the transfer (incremental transfer): the
+    # sent blocks continue it. Handed on with the received blocks, or freed.
+    pinned: list[int] = field(default_factory=list)
+
+    def blocks(self) -> list[int]:
+        return self.pinned + self.addrs
 
 
 @dataclass
@@ -114,10 +126,11 @@ class ReceivedKV:
     """Blocks another instance sent here, for the receiving engine."""
 
     src_instance: int
-    addrs: list[int]
+    addrs: list[int]  # the receiver's pinned prefix (if any), then the blocks sent
     tokens: list[int] | None
     private: Any
     inserted: int
+    ticket: str = ""
 
 
 class KVTransferEndpoint:
@@ -135,6 +148,7 @@ class KVTransferEndpoint:
         self._ctx = context or zmq.Context.instance()
         self._server = self._ctx.socket(zmq.ROUTER)
         self._server.setsockopt(zmq.LINGER, 0)
+        protect(self._server, bind, server=True)
         self._server.bind(bind)
         self.address: str = self._server.getsockopt_string(zmq.LAST_ENDPOINT)
         self._peers: dict[int, zmq.Socket] = {}
@@ -148,7 +162,6 @@ class KVTransferEndpoint:
     @property
     def socket(self) -> zmq.Socket:
         """The serving socket, for the worker's poller: call ``serve()`` when readable."""
-        protect(self._server, bind, server=True)
         return self._server
 
     def connect(self, instance: int, address: str) -> None:
@@ -159,6 +172,7 @@ class KVTransferEndpoint:
             self._peers.pop(instance).close(linger=0)
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        protect(sock, address, server=False)
         sock.connect(address)
         self._peers[instance] = sock
 
@@ -172,12 +186,28 @@ class KVTransferEndpoint:
             sock.close(linger=0)
         self._peers.clear()
 
-        protect(sock, address, server=False)
-    def expect(self, ticket: str, src_instance: int, max_blocks: int, ttl_s: float | None = None) -> None:
+    def expect(self, ticket: str, src_instance: int, max_blocks: int, ttl_s: float | None = None,
+               pinned: list[int] | None = None) -> None:
         """Accept one transfer of at most ``max_blocks`` from ``src_instance`` under
-        ``ticket`` within ``ttl_s`` (default: the endpoint's timeout)."""
+        ``ticket`` within ``ttl_s`` (default: the endpoint's timeout). ``pinned``: held
+        blocks of this pool that the transfer continues; the grant owns them now."""
         ttl = self.timeout_s if ttl_s is None else ttl_s
-        self._grants[ticket] = _Grant(src_instance, max_blocks, time.monotonic() + ttl)
+        self._grants[ticket] = _Grant(src_instance, max_blocks, time.monotonic() + ttl, pinned=list(pinned or []))
+
+    def cancel(self, ticket: str) -> int:
+        """Stop expecting ``ticket`` (its request was aborted): free what its grant holds;
+        returns the number of blocks freed. A transfer under it arriving later is refused."""
+        grant = self._grants.pop(ticket, None)
+        if grant is None:
+            return 0
+        held = grant.blocks()
+        if held:
+            self.pool.free_mem(held)
+        return len(held)
+
+    def expected(self) -> set[str]:
+        """The tickets still expected."""
+        return set(self._grants)
 
     def reclaim_expired(self) -> int:
         """Forget expired tickets and free the blocks allocated for them; returns the
@@ -185,10 +215,7 @@ class KVTransferEndpoint:
         now = time.monotonic()
         freed = 0
         for ticket in [t for t, g in self._grants.items() if g.deadline <= now]:
-            grant = self._grants.pop(ticket)
-            if grant.addrs:
-                self.pool.free_mem(grant.addrs)
-                freed += len(grant.addrs)
+            freed += self.cancel(ticket)
         return freed
 
     def drain_received(self) -> list[ReceivedKV]:
@@ -209,14 +236,19 @@ class KVTransferEndpoint:
         return self._await(self.send_async(instance, src, dst, flags, private, ticket, tokens, first_block))
 
     def send_async(self, instance: int, src: list[int], dst: list[int] | None, flags: int, private: Any,
-                   ticket: str, tokens: list[int] | None = None, first_block: int = 0) -> Future[list[int]]:
+                   ticket: str, tokens: list[int] | None = None, first_block: int = 0,
+                   frame_nbytes: int | None = None) -> Future[list[int]]:
         """``send`` without waiting: the blocks' bytes are taken here (they must stay held
         until the future is done); allocation, sending and waiting for the receiver run on
-        the sender thread, so the engine keeps stepping meanwhile."""
+        the sender thread, so the engine keeps stepping meanwhile. Frames are one per run
+        of consecutive blocks, or pieces of ``frame_nbytes`` (MemServe's unaggregated
+        by-request transfer: one network call per layer's K or V of each block)."""
         self.pool.check_held(src, "transfer")
         if dst is not None and len(dst) != len(src):
             raise MemPoolError(f"transfer: {len(src)} source blocks but {len(dst)} destinations")
         buffers = self.pool.read_blocks(src)
+        if frame_nbytes:
+            buffers = split_frames(buffers, frame_nbytes)
         return self._sender.submit(self._send, instance, len(src), dst, flags, private, ticket, tokens, first_block,
                                    buffers)
 
@@ -318,6 +350,7 @@ class KVTransferEndpoint:
         if grant is None or grant.src_instance != msg.src_instance or not grant.addrs or list(msg.dst) != grant.addrs:
             return KVDone(msg.transfer_id, error="not held: the blocks were not allocated for this transfer's ticket")
         del self._grants[msg.ticket]
+        pinned = grant.pinned
         try:
             buffers = [f.buffer for f in frames]
             nbytes = sum(len(b) for b in buffers)
@@ -330,12 +363,13 @@ class KVTransferEndpoint:
             pool.write_blocks(msg.dst, buffers)
             inserted = self._insert(msg) if msg.tokens is not None else 0
         except Exception as e:  # noqa: BLE001 - any failure is the sender's answer, not our crash
-            pool.free_mem(msg.dst)
+            pool.free_mem(pinned + msg.dst)
             return KVDone(msg.transfer_id, error=f"{type(e).__name__}: {e}")
         if msg.flags & KVFlags.RELEASE:
-            pool.free_mem(msg.dst)
+            pool.free_mem(pinned + msg.dst)
         else:
-            self._received.append(ReceivedKV(msg.src_instance, msg.dst, msg.tokens, msg.private, inserted))
+            self._received.append(ReceivedKV(msg.src_instance, pinned + msg.dst, msg.tokens, msg.private, inserted,
+                                             msg.ticket))
         return KVDone(msg.transfer_id, inserted)
 
     def _insert(self, msg: KVData) -> int:

@@ -53,6 +53,15 @@ class SamplingParams:
     # An llguidance grammar the output must match (structured output, forced tool calls:
     # workers/model/grammar.py); None leaves the output free.
     grammar: str | None = None
+    # Keep the request's conversation cached at least this long after its last use, when
+    # that is longer than the server's --cache-ttl (kvcache/retention.py).
+    cache_ttl_s: float | None = None
+    # Position-decoupled truncation (gateway/truncation.py, --truncation kv-shift): the
+    # gateway removed these tokens from the conversation at token offset ``dropped_at``
+    # (both block-aligned); the worker may reuse the KV cached for them before, shifted
+    # (workers/truncated_prefix.py). Empty: nothing dropped, or recompute it.
+    dropped_at: int = 0
+    dropped_token_ids: list[int] = field(default_factory=list)
 
     @property
     def greedy(self) -> bool:
@@ -70,10 +79,18 @@ class AddRequest:
     priority: int = 0
     slo_ttft_ms: float | None = None
     slo_tbt_ms: float | None = None
-    # The gateway predictor's output length for this request (padded upward by the
-    # Hoeffding bound), or None when no prediction was made; SLO-aware policies size
+    # The gateway predictor's output length for this request (moved by the Hoeffding
+    # padding in the predicted deviation direction, at most max_tokens: memserve/predictor/),
+    # or None when no prediction was made; SLO-aware policies size
     # KV allocations by it.
     predicted_output_tokens: int | None = None
+    # Disaggregated prefill/decode (gateway/pd_flow.py). ``handoff``: a prefill instance
+    # stops after the first token and keeps the request's KV for a ``HandoffStart``.
+    # ``output_token_ids``: tokens already generated elsewhere (they count as output:
+    # max_tokens, penalties, seeds); ``kv_ticket``: the prompt's KV arrived under it.
+    handoff: bool = False
+    output_token_ids: list[int] = field(default_factory=list)
+    kv_ticket: str = ""
 
 
 def choice_request_id(request_id: str, index: int) -> str:
@@ -134,12 +151,17 @@ class ExpectTransfer:
     ticket: str
     src_instance: int
     max_blocks: int
+    # Incremental transfers: the receiver pins its cached prefix of these tokens for the
+    # ticket and answers how many blocks it holds, so only the rest is sent.
+    token_ids: list[int] | None = None
+    request_id: str = ""  # an abort of this request cancels the ticket
 
 
 @dataclass
 class TransferExpected:
     kind: ClassVar[str] = "transfer_expected"
     transfer_id: int
+    cached_blocks: int = 0  # leading blocks of ExpectTransfer.token_ids pinned at the receiver
 
 
 @dataclass
@@ -152,6 +174,37 @@ class TransferPrefix:
     token_ids: list[int]
     dst_instance: int
     ticket: str = ""
+    first_block: int = 0  # the receiver holds the blocks before this one: send the rest
+
+
+@dataclass
+class HandoffStart:
+    """Gateway -> prefill instance: send request ``request_id``'s KV (kept since its first
+    token) to ``dst_instance`` under ``ticket``, from block ``first_block`` on (the
+    receiver holds the blocks before); ``insert``: the receiver indexes the prompt's
+    full blocks (``transfer_with_insert``). A negative ``dst_instance`` drops the KV."""
+
+    kind: ClassVar[str] = "handoff_start"
+    request_id: str
+    dst_instance: int
+    ticket: str
+    first_block: int = 0
+    insert: bool = False
+
+
+@dataclass
+class HandoffDone:
+    """Prefill instance -> gateway: the KV of ``request_id`` reached the decode instance
+    (or ``error``); what it cost, for the worker's and the benchmark's accounting."""
+
+    kind: ClassVar[str] = "handoff_done"
+    request_id: str
+    ticket: str
+    num_blocks: int
+    num_bytes: int = 0
+    num_messages: int = 0
+    seconds: float = 0.0
+    error: str | None = None
 
 
 @dataclass
@@ -198,7 +251,7 @@ class WorkerError:
 MESSAGE_TYPES: dict[str, type] = {
     cls.kind: cls
     for cls in (AddRequest, AbortRequest, Heartbeat, Shutdown, WorkerReady, StepOutputs, WorkerError, PeerAddresses,
-                ExpectTransfer, TransferExpected, TransferPrefix, TransferDone)
+                ExpectTransfer, TransferExpected, TransferPrefix, TransferDone, HandoffStart, HandoffDone)
 }
 
 # Nested dataclass fields that need rebuilding on decode.

@@ -113,6 +113,17 @@ class DiskStore:
             self._slot_of_file[h] = slot
         return order
 
+    def forget(self, block_hash: int) -> None:
+        """Delete the block's file now, wherever it is (an expired conversation must not
+        come back at the next restart). Only for a block no save is writing."""
+        with self._lock:
+            slot = self._slot_of_file.pop(block_hash, None)
+            if slot is None:
+                return
+            if self._file_of[slot] == block_hash:
+                self._file_of[slot] = None
+            _unlink(self._path(block_hash))
+
     # ------------------------------------------------------------- data side
     def write(self, slot: int, data: Buffer) -> None:
         """Store ``data`` as the block named for ``slot``: temp file, then rename."""
@@ -133,12 +144,13 @@ class DiskStore:
             f.write(_CHECKSUM.pack(checksum.intdigest()))
             f.write(view)
         os.replace(tmp, path)
-        old = self._file_of[slot]
-        if old is not None and old != block_hash and self._slot_of_file.get(old) == slot:
-            del self._slot_of_file[old]
-            _unlink(self._path(old))
-        self._file_of[slot] = block_hash
-        self._slot_of_file[block_hash] = slot
+        with self._lock:  # ``forget`` may drop the old file meanwhile
+            old = self._file_of[slot]
+            if old is not None and old != block_hash and self._slot_of_file.get(old) == slot:
+                del self._slot_of_file[old]
+                _unlink(self._path(old))
+            self._file_of[slot] = block_hash
+            self._slot_of_file[block_hash] = slot
 
     def read(self, slot: int) -> memoryview | None:
         """The block's bytes, or None (recorded for ``failed``) when its file is

@@ -131,6 +131,9 @@ class MemPool(TierMoves, TransferAPI):
         self._io_bytes = [[0, 0] for _ in Tier]  # per tier: bytes read from it, written to it
         self._hits = [0] * len(Tier)  # per tier: blocks matched there
         self._corrupt: list[RadixNode] = []  # disk blocks found bad, forgotten once idle
+        self._prefetched: set[int] = set()  # blocks a prefetch started moving up, not read since
+        self._prefetch_blocks = 0  # blocks prefetched disk -> host
+        self._prefetch_hits = 0  # prefetched blocks a request then matched on the host
         if disk is not None:
             if self._pools[Tier.DISK] is None or self._pools[Tier.DISK].num_blocks != disk.num_blocks:
                 raise ValueError("a disk store needs a DISK tier of as many blocks")
@@ -271,7 +274,26 @@ class MemPool(TierMoves, TransferAPI):
             hits = self._hits
             for n in nodes:
                 hits[(n.addr >> TIER_SHIFT) & TIER_MASK] += 1
+            if self._prefetched:
+                self._count_prefetch_hits(nodes)
         return [n.addr for n in nodes]
+
+    def _count_prefetch_hits(self, nodes: list[RadixNode]) -> None:
+        for n in nodes:
+            if n.hash in self._prefetched and n.tier != Tier.DISK:
+                self._prefetched.discard(n.hash)  # type: ignore[arg-type]
+                self._prefetch_hits += 1
+
+    def drop(self, node: RadixNode) -> int:
+        """Unindex an idle cached block and everything below it, whatever their tiers, and
+        free their blocks (REMOVED events; their disk files are deleted). Returns how
+        many went (retention: ``retention.py``)."""
+        removed = self.index.remove_subtree(node)
+        if self.disk is not None:
+            for n in removed:
+                self.disk.forget(n.hash)  # type: ignore[arg-type]
+        self._forget(removed)
+        return len(removed)
 
     def delete(self, tokens: Sequence[int]) -> int:
         """Drop the cached blocks only this prompt uses (see ``RadixIndex.delete``);
@@ -318,7 +340,12 @@ class MemPool(TierMoves, TransferAPI):
                 "read_bytes": self._io_bytes[tier][0],
                 "write_bytes": self._io_bytes[tier][1],
                 "saving": self._saving[tier],
+                # blocks queued or in flight between this tier and another (saves, prefetches)
+                "queue_depth": self._saving[tier] + self._incoming[tier],
             }
+        if Tier.HOST in self.tiers and Tier.DISK in self.tiers:
+            io["host"]["prefetched"] = self._prefetch_blocks
+            io["host"]["prefetch_hits"] = self._prefetch_hits
         out["tier_io"] = io
         return out
 
@@ -342,6 +369,8 @@ class MemPool(TierMoves, TransferAPI):
             for b in blocks:
                 owners[b] = None
             self._pools[tier].release(blocks)  # type: ignore[union-attr]
+        if self._prefetched:
+            self._prefetched.difference_update(n.hash for n in removed)
         self._events.append(KVEvent(REMOVED, [n.hash for n in removed]))  # type: ignore[misc]
 
     def _addr(self, tier: int, block: int) -> int:

@@ -46,7 +46,7 @@ _NUM_TIERS = len(Tier)
 class RadixNode:
     """One cached full block."""
 
-    __slots__ = ("hash", "parent", "children", "addr", "lock", "busy_children", "last_access")
+    __slots__ = ("hash", "parent", "children", "addr", "lock", "busy_children", "last_access", "born")
 
     def __init__(
         self, block_hash: int | None, parent: RadixNode | None, addr: int, lock: int, busy_children: int, now: float
@@ -58,6 +58,7 @@ class RadixNode:
         self.lock = lock
         self.busy_children = busy_children
         self.last_access = now
+        self.born = now  # when the block entered the cache (FIFO eviction)
 
     @property
     def tier(self) -> Tier:
@@ -302,6 +303,16 @@ class RadixIndex:
         if removed:
             self._left_tier(parent, tier)  # type: ignore[arg-type]
         return removed
+
+    def requeue(self, nodes: Iterable[RadixNode]) -> None:
+        """The eviction policy changed these nodes' priorities (a dynamic policy, e.g. the
+        scheduler's look-ahead window moved): list the idle frontier ones again under
+        their new priority; their stale heap entries are skipped when popped."""
+        for node in nodes:
+            if node.parent is not None and node.idle:
+                tier = _tier(node)
+                if self._frontier(node, tier):
+                    self._push(tier, node)
 
     # ------------------------------------------------------------------ locks
 

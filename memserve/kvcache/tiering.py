@@ -49,13 +49,18 @@ class TierMoves:
         if self.saver.inline:
             return  # a synchronous saver demotes on demand, in alloc_mem
         for tier in reversed(self.tiers):
-            nxt = self._next_tier(tier)
-            if nxt is None:
-                continue
-            want = self._watermark[tier] - self._pools[tier].num_free - self._saving[tier]  # type: ignore[union-attr]
-            n = min(want, self.index.idle_count(tier), self._room(nxt))
-            if n > 0:
-                self._save(self.index.select_evictable(tier, n), nxt)
+            self.demote(tier, self._watermark[tier] - self._pools[tier].num_free - self._saving[tier])  # type: ignore[union-attr]
+
+    def demote(self, tier: Tier, n: int) -> int:
+        """Start saving up to ``n`` of ``tier``'s least valuable idle blocks to the next
+        slower tier, as far as it has room without waiting; returns how many."""
+        nxt = self._next_tier(tier)
+        if nxt is None:
+            return 0
+        n = min(n, self.index.idle_count(tier), self._room(nxt))
+        if n > 0:
+            self._save(self.index.select_evictable(tier, n), nxt)
+        return max(n, 0)
 
     def poll_saves(self) -> None:
         """Move the blocks whose saves finished to their copies; forget corrupt disk
@@ -164,11 +169,20 @@ class TierMoves:
         moved: list[tuple[RadixNode, int, int]] = []
         unpin: list[RadixNode] = []
         unused: list[int] = []
+        landing: set[RadixNode] = set()
+        unread = self.disk.failed(job.src_blocks) if src == Tier.DISK and self.disk is not None else set()
         for (node, addr, stamp), sb, db in zip(job.owner, job.src_blocks, job.dst_blocks):
             if node.addr != addr:  # swapped in meantime: the pin went with the old block, now private
                 src_pool.free([sb])  # type: ignore[union-attr]
                 unused.append(db)
-            elif job.error is None and node.lock == 1 and node.last_access == stamp:
+            elif sb in unread:  # a prefetch found the file missing or corrupt: forgotten once idle
+                self._corrupt.append(node)
+                unpin.append(node)
+                unused.append(db)
+            elif (job.error is None and node.lock == 1 and node.last_access == stamp
+                  and (node.parent is self.index.root or node.parent.tier <= dst or node.parent in landing)):  # type: ignore[union-attr]
+                # (a prefetch moves a block up only with or after its parent: never a child above it)
+                landing.add(node)
                 moved.append((node, sb, db))
             else:  # used while saving (or the copy failed): it stays where it is
                 unpin.append(node)
@@ -196,6 +210,40 @@ class TierMoves:
         self.index.unlock(nodes, touch=False)
         self._events.append(KVEvent(MOVED, [node.hash for node in nodes], None, [new for _, new in pairs]))  # type: ignore[misc]
         return pairs
+
+    # -------------------------------------------------------------- prefetching
+
+    def prefetch_window(self) -> int:
+        """Host blocks the look-ahead window may claim for prefetches: the host tier less
+        the free blocks kept for device demotions (its watermark, at most half of it);
+        0 without a disk and a host tier."""
+        host = self._pools[Tier.HOST]
+        if host is None or self._pools[Tier.DISK] is None or self.mover is None:
+            return 0
+        return host.num_blocks - self._prefetch_reserve()
+
+    def prefetch_room(self) -> int:
+        """Host blocks a prefetch may fill now: the free ones beyond that reserve
+        (negative when the host must first save that many down)."""
+        if not self.prefetch_window():
+            return 0
+        return self._pools[Tier.HOST].num_free - self._prefetch_reserve()  # type: ignore[union-attr]
+
+    def _prefetch_reserve(self) -> int:
+        return min(self._watermark[Tier.HOST], self._pools[Tier.HOST].num_blocks // 2)  # type: ignore[union-attr]
+
+    def prefetch(self, nodes: list[RadixNode]) -> int:
+        """Start copying idle disk blocks up to the host tier through the saver
+        (AttentionStore §3.3.1), parents before children, as far as ``prefetch_room``
+        allows; returns how many started. Like a save, the block stays readable on disk
+        meanwhile and moves only if nobody used it (then a load reads it from the host)."""
+        nodes = [n for n in nodes if n.tier == Tier.DISK and n.idle][: max(0, self.prefetch_room())]
+        if not nodes:
+            return 0
+        self._save(nodes, Tier.HOST)
+        self._prefetched.update(n.hash for n in nodes)  # type: ignore[misc]
+        self._prefetch_blocks += len(nodes)
+        return len(nodes)
 
     # -------------------------------------------------------------- loading up
 

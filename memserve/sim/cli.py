@@ -29,6 +29,7 @@ from memserve.config import EngineConfig
 from memserve.gateway.cost_model import CostModel
 from memserve.gateway.router import ROUTING_POLICIES, Balance, Router
 from memserve.kvcache.eviction import EVICTION_POLICIES
+from memserve.sim.predictor import PADDINGS, NoisyOracle
 from memserve.sim.simulator import Simulation
 from memserve.sim.tokens import HFTokenizer, SyntheticTokenizer
 from memserve.workers.policies import SCHEDULE_POLICIES
@@ -48,9 +49,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     sim.add_argument("--router-balance-rel", type=float, default=Balance.rel_threshold)
     sim.add_argument("--router-cache-threshold", type=float, default=Balance.cache_threshold)
     sim.add_argument("--schedule-policy", default="fcfs", choices=sorted(SCHEDULE_POLICIES))
+    sim.add_argument("--schedule-policy-options", default="",
+                     help="e.g. cacheopt's ablations: 'disable=RSA' (RSA, PA, GR, PP, PSS; workers/cacheopt_options.py)")
+    sim.add_argument("--predict-error", type=float, default=None,
+                     help="play the gateway's output-length predictor: a noisy oracle whose log-error has this "
+                          "standard deviation (sim/predictor.py); default: no predictions")
+    sim.add_argument("--padding", default="hoeffding", choices=PADDINGS,
+                     help="padding of those predictions: CacheOpt's confidence-based one, or a fixed 10%% (/CKA)")
     sim.add_argument("--eviction-policy", default="lru", choices=sorted(EVICTION_POLICIES))
     sim.add_argument("--num-blocks", type=int, default=2048, help="device KV blocks per instance")
     sim.add_argument("--num-host-blocks", type=int, default=0, help="host-tier KV blocks per instance")
+    sim.add_argument("--num-disk-blocks", type=int, default=0,
+                     help="disk-tier KV blocks per instance (bookkeeping only; loads pay a disk read)")
     sim.add_argument("--block-size", type=int, default=16)
     sim.add_argument("--max-num-seqs", type=int, default=64)
     sim.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -77,8 +87,16 @@ def run_simulate_command(args: argparse.Namespace) -> int:
                               num_host_blocks=args.num_host_blocks, max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                               enable_prefix_caching=not args.no_prefix_cache, schedule_policy=args.schedule_policy,
+                              schedule_policy_options=args.schedule_policy_options, cost_model=args.cost_model,
                               eviction_policy=args.eviction_policy)
-    sim = Simulation(cost, engine_cfg, args.instances, router, tokenizer, replay_options(args, rate))
+    predict = None
+    if args.predict_error is not None:
+        predict = NoisyOracle(args.predict_error, 0.0 if math.isinf(rate) else rate, args.padding, seed=args.seed)
+    try:
+        sim = Simulation(cost, engine_cfg, args.instances, router, tokenizer, replay_options(args, rate),
+                         args.num_disk_blocks, predict)
+    except ValueError as e:
+        return fail(str(e), EXIT_USAGE)
     started = time.perf_counter()
     duration = sim.run(parts[0])
     wall = time.perf_counter() - started
@@ -87,6 +105,11 @@ def run_simulate_command(args: argparse.Namespace) -> int:
     result = point_result(ReplayResult(records=sim.records, duration_s=duration))
     result["simulation"] = {"wall_s": round(wall, 3), "simulated_s": round(duration, 3), "steps": sim.num_steps,
                             "requests_per_wall_s": round(len(sim.records) / wall, 1) if wall else None}
+    engines = [inst.engine.stats() for inst in sim.instances]
+    result["simulation"]["preemptions"] = {kind: sum(e["preemptions"][kind] for e in engines)
+                                           for kind in engines[0]["preemptions"]}
+    if "kv_allocation" in engines[0]:
+        result["simulation"]["kv_allocation"] = [e["kv_allocation"] for e in engines]
     point = RunPoint(label, None, result)
     print_run(console, point)
     console.print(f"simulated {duration:.1f} s of traffic ({len(sim.records)} requests, {sim.num_steps} steps) "

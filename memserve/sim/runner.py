@@ -3,7 +3,9 @@
 It executes the same ``StepPlan``s as the real runner, so the simulator drives the real
 engine, scheduler, KV manager and MemPool. A step's duration is the cost model's prefill
 time for its prefill chunks (each with its cached ratio) plus its decode step time for
-the decoding requests; a KV load finishes ``copy_s(bytes)`` after it starts. Sampled
+the decoding requests; a KV load finishes ``copy_s(bytes)`` after it starts, plus the
+disk read of its disk blocks (``DISK_READ_BYTES_S``). A disk tier of ``num_disk_blocks``
+is bookkeeping only; its saves and prefetches take no simulated time. Sampled
 tokens are synthetic and never end a request: the workload's lengths do (ignore_eos)."""
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from memserve.kvcache.address import Tier
 from memserve.workers.step_plan import KVLoad, StepPlan, StepResult
 
 SIM_VOCAB = 1 << 20  # synthetic token ids live below this
+# An NVMe SSD's sequential read, "several GB/s" (AttentionStore §3.3): an assumption.
+DISK_READ_BYTES_S = 3e9
 
 
 class NullMover:
@@ -36,9 +40,10 @@ class NullMover:
 
 class SimulatedRunner:
     def __init__(self, cost: CostModel, num_blocks: int, block_size: int, max_model_len: int,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], num_disk_blocks: int = 0) -> None:
         self.cost = cost
         self.num_blocks = num_blocks
+        self.num_disk_blocks = num_disk_blocks
         self.block_size = block_size
         self.vocab_size = SIM_VOCAB
         self.max_position_embeddings = max_model_len
@@ -62,7 +67,8 @@ class SimulatedRunner:
         now = self.clock()
         for load in loads:
             nbytes = sum(len(src) for _, src, _ in load.copies) * self.mover.block_nbytes
-            self._loads[load.request_id] = now + self.cost.copy_s(nbytes)
+            disk_bytes = sum(len(src) for tier, src, _ in load.copies if tier == Tier.DISK) * self.mover.block_nbytes
+            self._loads[load.request_id] = now + self.cost.copy_s(nbytes) + disk_bytes / DISK_READ_BYTES_S
 
     def next_load_done(self) -> float | None:
         return min(self._loads.values(), default=None)

@@ -22,6 +22,7 @@ import heapq
 import itertools
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from memserve.bench.records import RequestRecord
@@ -65,8 +66,10 @@ class _Turn:
 
 class Simulation:
     def __init__(self, cost: CostModel, engine_cfg: EngineConfig, num_instances: int, router: Router,
-                 tokenizer: TextTokenizer, options: ReplayOptions) -> None:
+                 tokenizer: TextTokenizer, options: ReplayOptions, num_disk_blocks: int = 0,
+                 predict: Callable[[str, int], int] | None = None) -> None:
         self.now = 0.0
+        self.predict = predict  # the gateway predictor's part: (request id, true output length) -> predicted
         self.cost = cost
         self.router = router
         self.tokenizer = tokenizer
@@ -75,7 +78,7 @@ class Simulation:
         self.instances: list[_Instance] = []
         for i in range(num_instances):
             runner = SimulatedRunner(cost, engine_cfg.num_blocks, engine_cfg.block_size,
-                                     engine_cfg.max_model_len or 1 << 30, self.clock)
+                                     engine_cfg.max_model_len or 1 << 30, self.clock, num_disk_blocks)
             engine = Engine(engine_cfg, runner, set(), i, self.clock)
             self.instances.append(_Instance(engine, runner, PromptTreeMirror(i, engine_cfg.block_size)))
         self._events: list[tuple[float, int, str, tuple]] = []
@@ -120,13 +123,14 @@ class Simulation:
         if self.options.max_tokens:
             max_tokens = min(max_tokens, self.options.max_tokens)
         rid = f"{session.session_id}:{k + 1}"
-        slo = {key: v for key, v in (("ttft_ms", self.options.slo_ttft_ms), ("tbt_ms", self.options.slo_tbt_ms))
-               if v is not None}
+        slo_ttft_ms, slo_tbt_ms = self.options.slos(session.session_id, k + 1)
+        slo = {key: v for key, v in (("ttft_ms", slo_ttft_ms), ("tbt_ms", slo_tbt_ms)) if v is not None}
         decision = self.router.route(RouteRequest(rid, prompt, session.session_id, slo, max_tokens), self._views())
         record = RequestRecord(session.session_id, k + 1, self.now, prompt_tokens=len(prompt),
-                               slo_ttft_ms=self.options.slo_ttft_ms, slo_tbt_ms=self.options.slo_tbt_ms)
+                               slo_ttft_ms=slo_ttft_ms, slo_tbt_ms=slo_tbt_ms)
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        add = AddRequest(rid, prompt, params, session.session_id, 0.0, 0, slo.get("ttft_ms"), slo.get("tbt_ms"))
+        add = AddRequest(rid, prompt, params, session.session_id, 0.0, 0, slo.get("ttft_ms"), slo.get("tbt_ms"),
+                         predicted_output_tokens=self.predict(rid, max_tokens) if self.predict else None)
         turn = _Turn(record, s, k, decision.instance, messages)
         if decision.pull_from is None:
             self._admit(add, turn)

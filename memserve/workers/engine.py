@@ -15,11 +15,14 @@ from pathlib import Path
 from typing import Callable
 
 from memserve.config import EngineConfig
+from memserve.gateway.cost_model import CostModel
 from memserve.ipc.messages import AddRequest, RequestOutput
 from memserve.kvcache.address import Tier
 from memserve.kvcache.events import KVEvent
-from memserve.kvcache.eviction import make_eviction_policy
+from memserve.kvcache.eviction import SchedulerAware, make_eviction_policy
 from memserve.kvcache.mempool import MemPool
+from memserve.kvcache.prefetch import LookAhead
+from memserve.kvcache.retention import Retention
 from memserve.workers.kv_manager import KVCacheManager
 from memserve.workers.parallel_sampling import name_first_choice
 from memserve.workers.policies import make_schedule_policy
@@ -27,6 +30,7 @@ from memserve.workers.runner import Runner
 from memserve.workers.scheduler import Scheduler, SchedulerConfig
 from memserve.workers.sequence import Sequence
 from memserve.workers.step_plan import StepPlan, StepResult
+from memserve.workers.truncated_prefix import reuse_truncated
 
 log = logging.getLogger("memserve.worker")
 
@@ -63,15 +67,23 @@ class Engine:
             tiers[Tier.HOST] = cfg.num_host_blocks
         # The real runner brings a disk tier (``--disk-cache-dir``) and a background saver;
         # without them (simulator, scripted runners) saves are synchronous and exact.
+        # (The simulator's runner keeps a disk tier of bookkeeping only: ``num_disk_blocks``.)
         disk = getattr(runner.mover, "disk", None)
-        if disk is not None:
-            tiers[Tier.DISK] = disk.num_blocks
+        disk_blocks = disk.num_blocks if disk is not None else getattr(runner, "num_disk_blocks", 0)
+        if disk_blocks:
+            tiers[Tier.DISK] = disk_blocks
+        eviction = make_eviction_policy(cfg.eviction_policy)
         self.mempool = MemPool(instance_id, tiers, cfg.block_size, enable_caching=cfg.enable_prefix_caching,
-                               mover=runner.mover, clock=clock, eviction=make_eviction_policy(cfg.eviction_policy),
+                               mover=runner.mover, clock=clock, eviction=eviction,
                                saver=getattr(runner, "saver", None), disk=disk, save_watermark=cfg.save_watermark,
                                step_blocks=-(-cfg.max_num_batched_tokens // cfg.block_size))
+        # Scheduler-aware eviction ranks by the waiting queue, which also drives prefetching.
+        self.lookahead = LookAhead(self.mempool, eviction) if isinstance(eviction, SchedulerAware) else None
+        self.retention = Retention(self.mempool, cfg.cache_ttl_s, clock) if cfg.cache_ttl_s else None
+        self.policy_cost = CostModel.load(cfg.cost_model) if cfg.cost_model else None
         self.scheduler = self.make_scheduler(self.mempool, cfg.enable_prefix_caching)
         self.num_steps = 0
+        self._arrivals = 0  # requests added: part of the waiting queue's version (look-ahead window)
 
     def make_scheduler(self, mempool: MemPool, enable_prefix_caching: bool,
                        max_num_batched_tokens: int | None = None) -> Scheduler:
@@ -79,7 +91,8 @@ class Engine:
         cfg = self.cfg
         limits = SchedulerConfig(cfg.max_num_seqs, max_num_batched_tokens or cfg.max_num_batched_tokens,
                                  self.max_model_len)
-        return Scheduler(KVCacheManager(mempool, enable_prefix_caching), make_schedule_policy(cfg.schedule_policy),
+        return Scheduler(KVCacheManager(mempool, enable_prefix_caching, self.retention),
+                         make_schedule_policy(cfg.schedule_policy, cfg.schedule_policy_options, self.policy_cost),
                          limits, self.eos_token_ids, self.clock)
 
     def add_request(self, req: AddRequest, arrival_time: float | None = None) -> RequestOutput | None:
@@ -87,8 +100,14 @@ class Engine:
         seq = Sequence(req.request_id, list(req.prompt_token_ids), req.params,
                        self.clock() if arrival_time is None else arrival_time, req.session_id,
                        priority=req.priority, slo_ttft_ms=req.slo_ttft_ms, slo_tbt_ms=req.slo_tbt_ms,
-                       predicted_output_tokens=req.predicted_output_tokens)
+                       predicted_output_tokens=req.predicted_output_tokens,
+                       output_token_ids=list(req.output_token_ids))
         name_first_choice(seq)
+        shift = getattr(self.runner, "shift_blocks", None)  # the simulator's runner has no KV to shift
+        if req.params.dropped_token_ids and shift is not None:
+            reuse_truncated(self.mempool, seq.prompt_token_ids, req.params.dropped_at, req.params.dropped_token_ids,
+                            shift)
+        self._arrivals += 1
         return self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -110,7 +129,7 @@ class Engine:
             self.scheduler.finish_loads(loaded)
         plan = self.scheduler.schedule()
         if not (plan.chunks or plan.loads or plan.finished_ids):
-            self.mempool.kick_saves()
+            self._tier_upkeep()
             return []
         failed: list[RequestOutput] = []
         try:
@@ -121,8 +140,25 @@ class Engine:
         if plan.chunks:
             self.num_steps += 1
         outputs = self.scheduler.update(plan, result) + failed
-        self.mempool.kick_saves()  # demote ahead of need, off this thread: never waits for a copy
+        self._tier_upkeep()
         return outputs
+
+    def _tier_upkeep(self) -> None:
+        """Between steps: drop expired conversations, move the look-ahead window (ranks
+        for eviction, prefetches from disk), then demote ahead of need. All off this
+        thread: nothing here waits for a copy."""
+        self.sweep_expired()
+        if self.lookahead is not None:
+            policy = self.scheduler.policy
+            head = policy.peek()
+            version = (self._arrivals, len(policy), head.request_id if head is not None else None)
+            self.lookahead.update(self.scheduler.kv.queued_prefixes(policy), version)
+        self.mempool.kick_saves()
+
+    def sweep_expired(self) -> int:
+        """Drop the cached conversations past their TTL (``--cache-ttl``) when a sweep is
+        due; the worker also calls it while idle. Returns how many blocks went."""
+        return self.retention.sweep() if self.retention is not None else 0
 
     def _isolate_failures(self, plan: StepPlan) -> tuple[StepPlan, StepResult, list[RequestOutput]]:
         """Re-run a failed step one request at a time, so that one request's bad input

@@ -14,12 +14,18 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from memserve.kvcache.address import Tier, addr_block, addr_tier
-from memserve.kvcache.mempool import MemPool
+from memserve.kvcache.mempool import KVFlags, MemPool
+from memserve.kvcache.retention import Retention
 from memserve.workers.sequence import Sequence
 from memserve.workers.step_plan import KVLoad
+
+if TYPE_CHECKING:
+    from memserve.workers.policies import KVGate
 
 
 @dataclass
@@ -28,6 +34,7 @@ class ComputedPrefix:
 
     device: list[int] = field(default_factory=list)
     slow: list[int] = field(default_factory=list)
+    num_tokens: int | None = None  # tokens the blocks hold, when the last one is partly filled
 
 
 @dataclass(slots=True)
@@ -41,8 +48,9 @@ class _RequestBlocks:
 
 
 class KVCacheManager:
-    def __init__(self, mempool: MemPool, enable_caching: bool) -> None:
+    def __init__(self, mempool: MemPool, enable_caching: bool, retention: Retention | None = None) -> None:
         self.mempool = mempool
+        self.retention = retention
         self.block_size = mempool.block_size
         self.enable_caching = enable_caching
         self._blocks: dict[str, _RequestBlocks] = {}
@@ -51,6 +59,13 @@ class KVCacheManager:
         # when the copy is done, never earlier (the blocks could be reused mid-copy).
         self._abandoned: dict[str, _RequestBlocks] = {}
         self.num_loaded_blocks = 0  # cached blocks brought back from slower tiers
+        self.gate: KVGate | None = None  # the schedule policy's say over growth (policies.KVGate)
+        # Disaggregated prefill/decode (workers/pd_*.py): KV another instance computed for a
+        # request, taken over at its admission; and requests whose blocks are kept for a
+        # handoff when they leave, instead of being freed.
+        self._adopted: dict[str, ComputedPrefix] = {}
+        self._retain: set[str] = set()
+        self.retained: dict[str, list[int]] = {}
 
     # ----------------------------------------------------------------- prefix
     def get_computed_blocks(self, seq: Sequence) -> ComputedPrefix:
@@ -58,6 +73,9 @@ class KVCacheManager:
         At least one token is always left to compute: its logits give the next token.
         A request that wants prompt logprobs computes its whole prompt (as vLLM does):
         they need the logits at every prompt position."""
+        adopted = self._adopted.pop(seq.request_id, None)
+        if adopted is not None:
+            return adopted
         if not self.enable_caching or seq.params.prompt_logprobs is not None:
             return ComputedPrefix()
         tokens = seq.all_token_ids[:-1]
@@ -67,6 +85,15 @@ class KVCacheManager:
         split = next((i for i, a in enumerate(hit) if addr_tier(a) != Tier.DEVICE), len(hit))
         return ComputedPrefix(hit[:split], hit[split:])
 
+    def queued_prefixes(self, waiting: Iterable[Sequence]) -> Iterator[list[int]]:
+        """The block names each waiting request will look up at admission, in queue
+        order (the look-ahead window's input: ``kvcache/prefetch.py``)."""
+        if not self.enable_caching:
+            return
+        for seq in waiting:
+            if seq.params.prompt_logprobs is None:
+                yield seq.full_block_hashes(self.block_size, (seq.num_tokens - 1) // self.block_size)
+
     def admit(self, seq: Sequence, prefix: ComputedPrefix) -> bool:
         """Make ``prefix`` the request's computed KV; returns True when part of it must
         first be loaded from a slower tier (the request then waits for ``finish_load``).
@@ -75,6 +102,8 @@ class KVCacheManager:
         blocks.addrs = list(prefix.device)
         blocks.ids = [addr_block(a) for a in prefix.device]
         blocks.num_indexed = len(prefix.device)
+        if prefix.num_tokens is not None:  # adopted KV: its partly filled last block is not indexed
+            blocks.num_indexed = min(blocks.num_indexed, prefix.num_tokens // self.block_size)
         loading = False
         if prefix.slow and self.mempool.can_alloc(len(prefix.slow)):
             dst = self.mempool.prepare_swap_in(prefix.slow)
@@ -87,7 +116,24 @@ class KVCacheManager:
         elif prefix.slow:
             self.mempool.free_mem(prefix.slow)
         seq.num_computed_tokens = len(blocks.addrs) * self.block_size
+        if prefix.num_tokens is not None:
+            seq.num_computed_tokens = min(seq.num_computed_tokens, prefix.num_tokens)
         return loading
+
+    def adopt(self, request_id: str, addrs: list[int], num_tokens: int) -> None:
+        """Held device blocks holding the first ``num_tokens`` tokens of a request not yet
+        admitted (KV sent by a prefill instance): its admission takes them over as its
+        computed prefix; the request owns their references from now on."""
+        self._adopted[request_id] = ComputedPrefix(list(addrs), num_tokens=num_tokens)
+
+    def retain(self, request_id: str) -> None:
+        """When the request leaves, keep its blocks (in ``retained``) for a handoff."""
+        self._retain.add(request_id)
+
+    def take_retained(self, request_id: str) -> list[int]:
+        """The blocks kept for the request (its references pass to the caller)."""
+        self._retain.discard(request_id)
+        return self.retained.pop(request_id, [])
 
     def take_loads(self) -> list[KVLoad]:
         """Loads queued since the last call, for the next step plan."""
@@ -126,6 +172,8 @@ class KVCacheManager:
         if need <= 0:
             return True
         if not self.mempool.can_alloc(need):
+            return False
+        if self.gate is not None and not self.gate.grant(seq, len(blocks.addrs), need):
             return False
         addrs = self.mempool.alloc_mem(need)
         blocks.addrs += addrs
@@ -175,10 +223,61 @@ class KVCacheManager:
                                 hashes=seq.full_block_hashes(self.block_size, full))
             blocks.num_indexed = full
 
+    @property
+    def num_device_blocks(self) -> int:
+        return self.mempool.stats()["device"]["total"]
+
+    def available_blocks(self) -> int:
+        """Device blocks an allocation could get now: free plus cached-but-evictable."""
+        device = self.mempool.stats()["device"]
+        return device["free"] + device["evictable"]
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        """Whether ``swap_out`` would keep the request's KV: prefix caching is on, it
+        holds full computed blocks and the host tier has room for them."""
+        blocks = self._blocks.get(seq.request_id)
+        if blocks is None or blocks.loading or not self.enable_caching:
+            return False
+        full = min(seq.num_computed_tokens // self.block_size, len(blocks.addrs))
+        return full > 0 and self.mempool.can_alloc(full, Tier.HOST)
+
+    def swap_out(self, seq: Sequence) -> int:
+        """Preempt by swapping: copy the request's full computed blocks to the host tier,
+        free all its blocks, and index the host copies in place of its own device ones
+        (a prefix it shares with other cached prompts keeps its device copy). Its
+        readmission then finds them as a host-tier prefix and loads them back
+        (``WAITING_FOR_KV``); the partly filled last block is recomputed. The copy out
+        is synchronous, inside ``schedule()`` (as vLLM's swap-out): the device blocks are
+        reused at once. Returns the blocks swapped (0: no room, freed as for a recompute)."""
+        if not self.can_swap_out(seq):
+            self.free(seq)
+            return 0
+        blocks = self._blocks[seq.request_id]
+        full = min(seq.num_computed_tokens // self.block_size, len(blocks.addrs))
+        tokens = seq.token_slice(0, full * self.block_size)
+        host = self.mempool.alloc_mem(full, Tier.HOST)
+        self.mempool.mover.copy_blocks(Tier.DEVICE, blocks.ids[:full], Tier.HOST,  # type: ignore[union-attr]
+                                       [addr_block(a) for a in host])
+        self.free(seq)
+        self.mempool.delete(tokens)
+        self.mempool.insert(tokens, host, KVFlags.RELEASE, hashes=seq.full_block_hashes(self.block_size, full))
+        return full
+
     def free(self, seq: Sequence) -> None:
         """Release every block the request holds (indexed ones stay cached)."""
+        if self.gate is not None:
+            self.gate.release(seq)
+        adopted = self._adopted.pop(seq.request_id, None)
+        if adopted is not None:
+            self.mempool.free_mem(adopted.device)
         blocks = self._blocks.pop(seq.request_id, None)
         if blocks is None:
+            return
+        if self.retention is not None and seq.params.cache_ttl_s:
+            self.retention.extend(seq.block_hashes[: blocks.num_indexed], seq.params.cache_ttl_s)
+        if seq.request_id in self._retain and seq.is_finished and not blocks.loading:
+            self._retain.discard(seq.request_id)
+            self.retained[seq.request_id] = blocks.addrs
             return
         if blocks.loading:
             queued = len(self._pending_loads)

@@ -29,6 +29,7 @@ from memserve.workers.kv_pools import KVPools
 from memserve.workers.model.attention import AttentionMetadata
 from memserve.workers.model.dtype import resolve_dtype
 from memserve.workers.model.grammar import GrammarMatchers
+from memserve.workers.model.kv_shift import shift_blocks
 from memserve.workers.model.layer_hooks import NO_HOOKS, LayerHooks
 from memserve.workers.model.loader import load_model
 from memserve.workers.model.logprobs import PromptLogprobs, log_softmax_rows, sampled_logprobs
@@ -83,9 +84,13 @@ class ModelRunner:
         for new in plan.new_requests:
             self._params[new.request_id] = new.params
             self._histories.start(new.request_id, new.params, new.prompt_token_ids)
+            if new.output_token_ids:
+                self._histories.observe(new.request_id, len(new.prompt_token_ids), new.output_token_ids)
             self._grammars.start(new.request_id, new.params.grammar)
             if new.params.seed is not None and new.request_id not in self._generators:
-                self._generators[new.request_id] = torch.Generator(self.device).manual_seed(new.params.seed)
+                generator = self._generators[new.request_id] = torch.Generator(self.device).manual_seed(new.params.seed)
+                for _ in range(0 if new.params.greedy else len(new.output_token_ids)):
+                    torch.rand(1, device=self.device, generator=generator)  # one draw per token sampled elsewhere
         if plan.loads:
             self.start_loads(plan.loads)
         if not plan.chunks:
@@ -155,3 +160,7 @@ class ModelRunner:
             self._loads.pop(rid).result()  # a failed copy raises here, in the engine's step
         return done
 
+    # ------------------------------------------------------------ kv-shift
+    def shift_blocks(self, src_blocks: list[int], dst_blocks: list[int], delta_positions: int) -> None:
+        """Copy device blocks with their keys moved by ``delta_positions`` (model/kv_shift.py)."""
+        shift_blocks(self.pools.device, self.layout, self.model.rotary, src_blocks, dst_blocks, delta_positions)

@@ -7,10 +7,12 @@ policy orders admission and picks preemption victims. It never touches tensors o
 wall clock (the engine passes it a clock).
 
 Mechanics: every step has a token budget. Running requests go first (one token each when
-decoding, or their next prefill chunk), oldest first; when blocks run out, the policy's
-victim is preempted (its blocks freed, its full blocks kept as cached KV, recomputed
-later). Waiting requests are admitted in the policy's order while budget, request slots
-and blocks last; an admitted request skips its cached prefix, and waits
+decoding, or their next prefill chunk), oldest first unless the policy reorders them
+(``begin_step``); when blocks run out (or the policy's ``KVGate`` refuses them), the
+policy's victim is preempted: recomputed later (its blocks freed, its full blocks kept
+as cached KV) or swapped (its full blocks copied to the host tier), as the policy says.
+Waiting requests are admitted in the policy's order while budget, request slots and
+blocks last; an admitted request skips its cached prefix, and waits
 (``WAITING_FOR_KV``) while the slower-tier part of that prefix is copied in.
 
 Invariant: a request is in exactly one of ``policy`` (waiting), ``loading`` (waiting for
@@ -26,7 +28,7 @@ from typing import Callable
 from memserve.ipc.messages import RequestOutput
 from memserve.workers.kv_manager import KVCacheManager
 from memserve.workers.parallel_sampling import fork_choices
-from memserve.workers.policies import SchedulePolicy
+from memserve.workers.policies import PreemptKind, SchedulePolicy
 from memserve.workers.sequence import Sequence, SequenceStatus
 from memserve.workers.step_plan import NewRequestData, ScheduledChunk, StepPlan, StepResult
 
@@ -52,6 +54,8 @@ class Scheduler:
         self._unseen: set[str] = set()  # admitted, not yet announced to the runner
         self._finished_ids: list[str] = []  # left since the last plan
         self.num_preemptions = 0
+        self.preemptions = {kind.value: 0 for kind in PreemptKind}
+        self.kv.gate = policy.attach(kv)
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
 
@@ -112,13 +116,14 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.config.max_num_batched_tokens
+        budget = self.policy.begin_step(self.running, self.clock(), budget)
         running, allocate_slots, chunks = self.running, self.kv.allocate_slots, plan.chunks
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
             num_new = min(len(seq.prompt_token_ids) + len(seq.output_token_ids) - seq.num_computed_tokens, budget)
             while not allocate_slots(seq, num_new):
-                victim = self.policy.victim(self.running)
+                victim = self.policy.victim(self.running, seq)
                 self.running.remove(victim)
                 self._preempt(victim)
                 plan.preempted_ids.append(victim.request_id)
@@ -133,7 +138,8 @@ class Scheduler:
         plan.loads = self.kv.take_loads()
         if self._unseen:
             plan.new_requests = [NewRequestData(c.request_id, self._requests[c.request_id].params,
-                                                self._requests[c.request_id].prompt_token_ids)
+                                                self._requests[c.request_id].prompt_token_ids,
+                                                list(self._requests[c.request_id].output_token_ids))
                                  for c in plan.chunks if c.request_id in self._unseen]
             self._unseen.difference_update([r.request_id for r in plan.new_requests])
         plan.finished_ids, self._finished_ids = self._finished_ids, []
@@ -178,7 +184,12 @@ class Scheduler:
                               self.kv.block_ids(seq.request_id), end == len(seq.prompt_token_ids) + len(seq.output_token_ids))
 
     def _preempt(self, seq: Sequence) -> None:
-        self.kv.free(seq)
+        kind = self.policy.preempt_kind(seq)
+        if kind is PreemptKind.SWAP:
+            self.kv.swap_out(seq)
+        else:
+            self.kv.free(seq)
+        self.preemptions[kind.value] += 1
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -268,8 +279,10 @@ class Scheduler:
             "num_running": len(self.running),
             "num_waiting": self.num_waiting,
             "num_preemptions": self.num_preemptions,
+            "preemptions": dict(self.preemptions),
             "num_swapped_in": self.kv.num_loaded_blocks,
             "prompt_tokens_total": self.prompt_tokens_total,
             "cached_tokens_total": self.cached_tokens_total,
             "cache_hit_rate": self.cached_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else 0.0,
+            **self.policy.stats(),
         }

@@ -20,6 +20,9 @@ class NewRequestData:
     request_id: str
     params: SamplingParams
     prompt_token_ids: list[int] = field(default_factory=list)  # penalties look at the prompt
+    # Tokens sampled before this instance saw the request (a disaggregated prefill's
+    # first token): penalties count them and a seeded generator skips their draws.
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

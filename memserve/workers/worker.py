@@ -29,13 +29,13 @@ from memserve.ipc.messages import (
     AbortRequest,
     AddRequest,
     ExpectTransfer,
+    HandoffStart,
     Heartbeat,
     PeerAddresses,
     RequestOutput,
     Shutdown,
     StepOutputs,
     TransferDone,
-    TransferExpected,
     TransferPrefix,
     WorkerError,
     WorkerReady,
@@ -43,6 +43,9 @@ from memserve.ipc.messages import (
 from memserve.kvcache.events import KVEvents
 from memserve.kvcache.mempool import KVFlags
 from memserve.ipc.kv_transfer import KVTransferEndpoint
+from memserve.workers.pd_receiver import KVReceiver
+from memserve.workers.pd_sender import HandoffSender
+from memserve.workers.cpu_threads import bound_cpus, pin_compute_threads
 from memserve.workers.heartbeat import HeartbeatThread
 from memserve.models.gguf_convert import ensure_model_dir
 from memserve.workers.warmup import warm_up
@@ -76,6 +79,8 @@ class Worker:
         self.engine = None
         self.endpoint: KVTransferEndpoint | None = None
         self.heartbeat: HeartbeatThread | None = None
+        self.sender: HandoffSender | None = None  # disaggregated prefill/decode, both sides
+        self.receiver: KVReceiver | None = None
         self._pushes: list[tuple[TransferPrefix, list[int], Future]] = []  # prefix transfers in flight
 
     def prepare(self) -> None:
@@ -101,8 +106,10 @@ class Worker:
         self.engine = e = Engine(self.cfg.engine, self.runner, self.eos_token_ids, self.id)
         # On one machine, the KV socket is a file in the gateway's private (0700) runtime
         # directory: no other user can reach it, and it listens on no port.
-        bind = f"ipc://{self.cfg.runtime_dir}/kv-{self.id}" if self.cfg.runtime_dir else "tcp://127.0.0.1:*"
+        bind = f"ipc://{self.cfg.runtime_dir}/kv-{self.id}" if self.cfg.runtime_dir \
+            else f"tcp://{self.cfg.internal_host}:*"
         self.endpoint = KVTransferEndpoint(e.mempool, bind)
+        self.sender, self.receiver = HandoffSender(e, self.endpoint), KVReceiver(e, self.endpoint)
         self.channel.watch(self.endpoint.socket)
         self.channel.send(WorkerReady(self.id, self.cfg.role, e.runner.num_blocks, self.cfg.engine.block_size,
                                       e.max_model_len, e.stats(), self.endpoint.address))
@@ -111,11 +118,12 @@ class Worker:
         hb = self.cfg.heartbeat_s
         last_published = last_heard = time.monotonic()
         self.heartbeat = HeartbeatThread(self.cfg.gateway_addr, self.id, hb)
-        self.heartbeat.publish(self.engine.stats())
+        self.heartbeat.publish(self._stats())
         self.heartbeat.start()
         while not self.stopping:
             self.heartbeat.tick()
-            timeout_ms = 0 if self.engine.has_work else PUSH_POLL_MS if self._pushes else int(hb * 1000)
+            timeout_ms = (0 if self.engine.has_work else PUSH_POLL_MS if self._pushes or self.sender.busy
+                          else int(hb * 1000))
             outputs: list[RequestOutput] = []
             messages = self.channel.poll(timeout_ms)
             polled = time.monotonic()
@@ -129,10 +137,16 @@ class Worker:
                 log.warning("worker %d: gateway is gone, exiting", self.id)
                 break
             self.endpoint.serve(0)
-            self.endpoint.drain_received()  # peers send with RELEASE: the blocks are cached KV
+            self.receiver.on_received(self.endpoint.drain_received())
+            self.receiver.reclaim()
             self._finish_pushes()
+            for done in self.sender.poll():
+                self.channel.send(done)
             if self.engine.has_work:
                 outputs += self._step()
+            else:
+                self.engine.sweep_expired()  # cached conversations expire while idle too
+            outputs = self.sender.filter(outputs)
             if outputs:
                 self.channel.send(StepOutputs(self.id, outputs))
             events = self.engine.drain_kv_events()
@@ -140,10 +154,16 @@ class Worker:
                 self.channel.send(KVEvents(self.id, events))
             now = time.monotonic()
             if now - last_published >= hb / 2:
-                self.heartbeat.publish(self.engine.stats())
+                self.heartbeat.publish(self._stats())
                 last_published = now
 
     def _handle(self, msg) -> list[RequestOutput]:
+        if isinstance(msg, AddRequest) and msg.handoff:
+            out = self.sender.add(msg)
+            return [out] if out else []
+        if isinstance(msg, AddRequest) and msg.output_token_ids:
+            out = self.receiver.resume(msg)
+            return [out] if out else []
         if isinstance(msg, AddRequest):
             # The gateway stamps arrival on its wall clock; the engine keeps its own clock.
             waited = max(0.0, time.time() - msg.arrival_time) if msg.arrival_time else 0.0
@@ -151,6 +171,8 @@ class Worker:
             return [out] if out else []
         if isinstance(msg, AbortRequest):
             out = self.engine.abort(msg.request_id)
+            self.sender.abort(msg.request_id)
+            self.receiver.abort(msg.request_id)
             return [out] if out else []
         if isinstance(msg, Shutdown):
             self.stopping = True
@@ -161,8 +183,12 @@ class Worker:
                     self.endpoint.connect(int(instance), addr)
             return []
         if isinstance(msg, ExpectTransfer):
-            self.endpoint.expect(msg.ticket, msg.src_instance, msg.max_blocks)
-            self.channel.send(TransferExpected(msg.transfer_id))
+            self.channel.send(self.receiver.expect(msg))
+            return []
+        if isinstance(msg, HandoffStart):
+            done = self.sender.start(msg)
+            if done is not None:
+                self.channel.send(done)
             return []
         if isinstance(msg, TransferPrefix):
             self._push_prefix(msg)
@@ -174,12 +200,17 @@ class Worker:
         """Start sending the cached prefix of ``msg.token_ids`` to another instance, which
         indexes it as its own historical KV; the engine keeps stepping while it goes."""
         addrs = self.engine.mempool.match(msg.token_ids, take_ref=True)
+        skip = min(msg.first_block, len(addrs))  # the receiver holds these already
+        if skip:
+            self.engine.mempool.free_mem(addrs[:skip])
+            addrs = addrs[skip:]
         if not addrs:
             self.channel.send(TransferDone(msg.transfer_id, 0))
             return
-        tokens = msg.token_ids[: len(addrs) * self.cfg.engine.block_size]
+        tokens = msg.token_ids[: (skip + len(addrs)) * self.cfg.engine.block_size]
         try:
-            sent = self.endpoint.send_async(msg.dst_instance, addrs, None, KVFlags.RELEASE, None, msg.ticket, tokens)
+            sent = self.endpoint.send_async(msg.dst_instance, addrs, None, KVFlags.RELEASE, None, msg.ticket, tokens,
+                                            skip)
         except Exception as exc:
             sent = Future()
             sent.set_exception(exc)
@@ -198,6 +229,10 @@ class Worker:
                 log.warning("worker %d: prefix transfer to %d failed: %s", self.id, msg.dst_instance, error)
             self.channel.send(TransferDone(msg.transfer_id, 0 if error else len(addrs), str(error) if error else None))
         self._pushes = pending
+
+    def _stats(self) -> dict:
+        """The engine's statistics and the KV handoffs' (both sides)."""
+        return {**self.engine.stats(), "pd": {**self.sender.stats(), **self.receiver.stats()}}
 
     def _step(self) -> list[RequestOutput]:
         """One engine step; a failure fails the requests in flight, not the worker."""
@@ -231,6 +266,9 @@ def main(argv: list[str] | None = None) -> None:
     spare = argv[0] == "--spare"
     cfg = WorkerConfig.from_dict(json.loads(argv[-1]))
     _configure_logging("spare" if spare else cfg.instance_id)
+    if cfg.engine.device == "cpu":  # before torch loads (prepare imports it)
+        pin_compute_threads(bound_cpus(cfg.engine.cpu_threads_bind, None if spare else cfg.instance_id),
+                            cfg.engine.cpu_threads)
     _die_with_parent()
     # Ctrl-C reaches the whole process group; the gateway shuts workers down in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

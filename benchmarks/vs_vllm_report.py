@@ -1,0 +1,49 @@
+"""Medians and memserve / vLLM ratios of the results ``benchmarks/vs_vllm.sh`` wrote.
+
+Files are named ``<dtype>-<workload>-<server>-<rep>.json``; for each dtype and workload
+the median of each metric over the repetitions is printed for both servers, with the
+ratio memserve / vLLM (below 1 is better for latencies, above 1 for throughput).
+
+    python benchmarks/vs_vllm_report.py results/vs-vllm-<stamp>
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from memserve.bench.report import load_points, lookup
+
+METRICS = [
+    ("TTFT p50 (ms)", ("ttft_ms", "p50")),
+    ("TTFT p99 (ms)", ("ttft_ms", "p99")),
+    ("TBT mean (ms)", ("tbt_ms", "mean")),
+    ("TBT p99 (ms)", ("tbt_ms", "p99")),
+    ("JCT mean (ms)", ("jct_ms", "mean")),
+    ("JCT p99 (ms)", ("jct_ms", "p99")),
+    ("output tok/s", ("throughput", "output_tokens_per_s")),
+    ("cached-token ratio", ("cached_token_ratio",)),
+]
+
+
+def main(folder: Path) -> None:
+    runs: dict[tuple[str, str], dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for path in sorted(folder.glob("*.json")):
+        dtype, rest = path.stem.split("-", 1)
+        workload, server, _rep = rest.rsplit("-", 2)
+        runs[dtype, workload][server] += [p.result for p in load_points(path)]
+    for (dtype, workload), sides in sorted(runs.items()):
+        print(f"\n{dtype} {workload} (medians of {len(sides.get('memserve', []))} / {len(sides.get('vllm', []))} runs)")
+        print(f"  {'metric':22s} {'memserve':>10s} {'vLLM':>10s} {'memserve/vLLM':>14s}")
+        for label, key in METRICS:
+            values = {s: [v for r in sides.get(s, []) if (v := lookup(r, key)) is not None] for s in ("memserve", "vllm")}
+            med = {s: statistics.median(v) if v else None for s, v in values.items()}
+            ratio = med["memserve"] / med["vllm"] if med["memserve"] is not None and med["vllm"] else None
+            cells = [f"{m:10.1f}" if m is not None else f"{'-':>10s}" for m in med.values()]
+            print(f"  {label:22s} {cells[0]} {cells[1]} {f'{ratio:13.2f}x' if ratio else '-':>14s}")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,236 @@
+"""A request's way through a disaggregated deployment (MemServe §5.1), as the gateway
+drives it; the client sees one ordinary stream.
+
+1. The router picks a prefill instance P among the prefill instances (its policy applies
+   there: least-load, session, prompt-tree, cost). P prefills and samples the first
+   token, which is streamed to the client at once, and keeps the request's KV.
+2. The least loaded decode instance D is told to expect the KV (``ExpectTransfer``); in
+   pd-caching-2/3 it pins its cached prefix of the prompt and answers how many blocks
+   it holds, so P sends only the rest (``HandoffStart``), inserted into D's index.
+3. When P reports the KV delivered (``HandoffDone``), D gets the request as a resume: an
+   ``AddRequest`` with the first token as output and the KV's ticket. It recomputes
+   nothing that was sent, and decodes the rest, streaming it under the same id.
+4. pd-caching-3: when D finishes, its decode-phase KV goes back to P (only the blocks P
+   lacks), so the next turn's prefill at P reuses the answer too.
+
+Failures: a prefill instance that dies before the first token means a retry on another
+one (nothing was streamed); once tokens were streamed, a handoff that fails, stalls (P or
+D dead or its heartbeats late at a check every ``handoff_timeout_s``, or ``HANDOFF_MAX_S``
+passed) or loses P or D resumes the request on a live decode instance without the KV (it
+recomputes from its own cache), with every token so far; when none is left, the stream
+ends with an error. Aborts reach both instances; each frees what it holds for the request (``workers/pd_sender.py``, ``workers/pd_receiver.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import secrets
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from memserve.gateway.cluster import DEGRADED_AFTER_HEARTBEATS
+from memserve.gateway.engine_protocol import EngineUnavailable
+from memserve.gateway.pd_topology import role_caches
+from memserve.gateway.router import RouteRequest
+from memserve.ipc.messages import (
+    AddRequest,
+    ExpectTransfer,
+    HandoffDone,
+    HandoffStart,
+    RequestOutput,
+    SamplingParams,
+)
+
+if TYPE_CHECKING:
+    from memserve.gateway.engine_client import ZmqEngineClient, _Stream
+
+log = logging.getLogger("memserve.gateway")
+
+# Seconds between checks of a handoff in flight: past each, a handoff whose prefill or
+# decode instance is no longer healthy (heartbeats late, a step stuck) is given up and
+# the request resumes on a decode instance without the KV; a handoff between healthy but
+# busy instances (a long step delays serving it) is waited for up to HANDOFF_MAX_S.
+HANDOFF_TIMEOUT_S = 5.0
+HANDOFF_MAX_S = 120.0
+# Resumes of one request after failures, before it fails.
+MAX_RESUMES = 3
+# Reasons a request ends on the decode instance with its answer whole (its KV is worth keeping).
+COMPLETE = ("stop", "length")
+
+
+def pick_decode(views: list, exclude: int | None = None) -> int:
+    """The least loaded live decode instance (fewest requests in flight), avoiding
+    ``exclude`` unless it is the only one left."""
+    decode = [v for v in views if v.role == "decode"]
+    live = [v for v in decode if v.state == "ok"] or [v for v in decode if v.state == "degraded"]
+    if not live:
+        raise EngineUnavailable("no live decode instance")
+    others = [v for v in live if v.instance_id != exclude] or live
+    return min(others, key=lambda v: (v.in_flight, v.instance_id)).instance_id
+
+
+class PDFlow:
+    def __init__(self, client: ZmqEngineClient, pd_mode: str, handoff_timeout_s: float = HANDOFF_TIMEOUT_S) -> None:
+        self.client = client
+        self.pd_mode = pd_mode
+        self.handoff_timeout_s = handoff_timeout_s
+        self.decode_caches = role_caches("decode", pd_mode)
+        self.counts: Counter[str] = Counter()
+        self._returns: set[asyncio.Task] = set()
+
+    def applies(self, params: SamplingParams, num_prompt_tokens: int) -> bool:
+        """Whether the request hands off: one sequence without a grammar (a grammar's
+        state stays on P) that decodes past its first token. Others run wholly on P."""
+        return (params.n == 1 and params.grammar is None and params.max_tokens > 1
+                and num_prompt_tokens + 1 < self.client.max_model_len)
+
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, session_id: str | None,
+                       slo: dict | None) -> AsyncIterator[RequestOutput]:
+        from memserve.gateway.engine_client import _RETRY, _Stream
+
+        c = self.client
+        slo = slo or {}
+        route = RouteRequest(request_id, prompt, session_id, slo, params.max_tokens, params.n)
+        await c._admit(route)
+        decision = c._pick_worker(route)
+        stream = _Stream(decision.instance, resumable=True)
+        c._streams[request_id] = stream
+        add = AddRequest(request_id, list(prompt), params, session_id, time.time(), slo.get("priority", 0),
+                         slo.get("ttft_ms"), slo.get("tbt_ms"), handoff=True)
+        prefill, phase = decision.instance, "prefill"
+        tokens: list[int] = []
+        cached = 0
+        resumes = 0
+        finished = False
+        handoff: asyncio.Task | None = None
+        handoff_since = 0.0
+        try:
+            if decision.pull_from is not None:
+                await c._pull_prefix(decision.pull_from, decision.instance, prompt)
+            await c.channel.send(prefill, add)
+            while not finished:
+                try:
+                    timeout = self.handoff_timeout_s if phase == "handoff" else None
+                    item = await asyncio.wait_for(stream.queue.get(), timeout)
+                except asyncio.TimeoutError:
+                    if self._healthy(prefill, stream.peer) and time.monotonic() - handoff_since < HANDOFF_MAX_S:
+                        continue  # both are alive, one is busy stepping: the handoff goes on
+                    item = HandoffDone(request_id, "", 0, error="the handoff stalled: an instance is not healthy")
+                if item is _RETRY and phase == "prefill":
+                    stream.worker = prefill = c._pick_worker(route).instance
+                    log.warning("request %s: its prefill instance died; retrying on instance %d", request_id, prefill)
+                    await c.channel.send(prefill, add)
+                    continue
+                if isinstance(item, HandoffDone) and phase != "handoff":
+                    continue  # a late answer: the request resumed without that handoff
+                if item is _RETRY or isinstance(item, HandoffDone):
+                    if handoff is not None:
+                        handoff.cancel()
+                    ticket = item.ticket if isinstance(item, HandoffDone) and item.error is None else ""
+                    if not ticket and phase == "handoff":
+                        await c._send_abort(prefill, request_id)  # P drops the KV it kept (or is sending)
+                    if not ticket:
+                        self.counts["handoff_failed" if phase == "handoff" else "decode_lost"] += 1
+                        log.warning("request %s: %s; resuming on a decode instance without its KV", request_id,
+                                    item.error if isinstance(item, HandoffDone) else "an instance died")
+                    resumes += 1
+                    if resumes > MAX_RESUMES:
+                        finished = True
+                        yield RequestOutput(request_id, [], True, "error", error="the request lost its instances")
+                        break
+                    try:
+                        await self._resume(stream, add, tokens, ticket, fresh=not ticket)
+                    except EngineUnavailable as exc:
+                        finished = True
+                        yield RequestOutput(request_id, [], True, "error", error=str(exc))
+                        break
+                    phase = "decode"
+                    continue
+                out: RequestOutput = item
+                if out.error is not None or out.finished:
+                    finished = True
+                tokens += out.new_token_ids
+                if phase == "prefill":
+                    cached = out.num_cached_tokens
+                    if not out.finished and out.new_token_ids:
+                        phase, handoff_since = "handoff", time.monotonic()
+                        handoff = asyncio.create_task(self._handoff(stream, request_id, prefill, prompt))
+                else:
+                    out.num_cached_tokens = cached  # what the prefill found cached is the request's
+                if finished and phase == "decode" and out.finish_reason in COMPLETE and self.pd_mode == "pd-caching-3":
+                    self._return_kv(stream.worker, prefill, prompt + tokens)
+                yield out
+        finally:
+            c._streams.pop(request_id, None)
+            c.router.release(request_id)
+            c.admission.notify()
+            if handoff is not None:
+                handoff.cancel()
+            if not finished:
+                for instance in {prefill, stream.worker, stream.peer} - {None}:
+                    await c._send_abort(instance, request_id)  # type: ignore[arg-type]
+
+    def _healthy(self, *instances: int | None) -> bool:
+        """Alive and heartbeating (a long step alone does not count: the handoff is served
+        after it)."""
+        now = time.monotonic()
+        workers = [self.client.cluster.workers[i] for i in instances if i is not None]
+        return all(h.alive and now - h.last_heartbeat <= DEGRADED_AFTER_HEARTBEATS * h.config.heartbeat_s
+                   for h in workers)
+
+    async def _handoff(self, stream: _Stream, request_id: str, prefill: int, prompt: list[int]) -> None:
+        """Name the decode instance, let it pin what it has, and start P's send. On a
+        failure P drops the KV and the request resumes without it."""
+        c = self.client
+        try:
+            stream.peer = decode = pick_decode(c._views())
+            ticket = secrets.token_hex(16)
+            num_blocks = math.ceil(len(prompt) / c.block_size)
+            # At least the last block is sent: it holds the prompt's tail (a partial block).
+            pin = prompt[: (num_blocks - 1) * c.block_size] if self.decode_caches else None
+            expect = ExpectTransfer(next(c._transfer_ids), ticket, prefill, num_blocks, pin, request_id)
+            reply = await c._ask(decode, expect, HANDOFF_MAX_S)  # the request's loop watches D's health
+            self.counts["blocks_skipped"] += reply.cached_blocks
+            await c.channel.send(prefill, HandoffStart(request_id, decode, ticket, reply.cached_blocks,
+                                                       self.decode_caches))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure means: resume without the KV
+            await c._send_abort(prefill, request_id)  # frees the KV P kept
+            stream.queue.put_nowait(HandoffDone(request_id, "", 0, error=f"handoff failed: {exc!r}"))
+
+    async def _resume(self, stream: _Stream, add: AddRequest, tokens: list[int], ticket: str, fresh: bool) -> None:
+        """Continue the request on a decode instance: the one that has its KV (``ticket``),
+        else (``fresh``) another live one, which recomputes it."""
+        c = self.client
+        old = stream.peer
+        decode = old if not fresh and old is not None else pick_decode(c._views(), exclude=old)
+        if fresh and old is not None:
+            await c._send_abort(old, add.request_id)  # frees what it holds for the request
+        stream.peer = stream.worker = decode
+        self.counts["handoffs" if ticket else "resumed_without_kv"] += 1
+        params = dataclasses.replace(add.params, prompt_logprobs=None)  # P sent them with the first token
+        await c.channel.send(decode, dataclasses.replace(add, params=params, handoff=False,
+                                                         output_token_ids=list(tokens), kv_ticket=ticket))
+
+    def _return_kv(self, decode: int, prefill: int, tokens: list[int]) -> None:
+        """pd-caching-3: D's decode-phase KV of the conversation goes back to P, in the
+        background; only the blocks P lacks move."""
+        async def run() -> None:
+            try:
+                blocks = await self.client.transfer_prefix(decode, prefill, tokens, incremental=True)
+                self.counts["returned_blocks"] += blocks
+            except Exception as exc:  # noqa: BLE001 - a lost return only costs a recompute
+                log.warning("returning decode KV %d -> %d failed: %s", decode, prefill, exc)
+                self.counts["return_failed"] += 1
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._returns.add(task)
+        task.add_done_callback(self._returns.discard)
+
+    def stats(self) -> dict:
+        return {"mode": self.pd_mode, **self.counts}

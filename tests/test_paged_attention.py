@@ -1,0 +1,83 @@
+"""Paged attention against plain per-sequence attention: decode batches whose context
+lengths differ widely are split into groups (bounded padding), and every row must still
+attend to exactly its own context, in both KV layouts and in bfloat16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memserve.workers.model.attention import (
+    DECODE_GROUP_MAX_PAD_TOKENS,
+    AttentionMetadata,
+    AttentionPlan,
+    allocate_kv_cache,
+    decode_groups,
+    layer_kv,
+    paged_attention,
+)
+
+BLOCK_SIZE, HEADS, KV_HEADS, DIM, LAYERS = 16, 6, 2, 32, 2
+
+
+def test_decode_groups_bound_padding():
+    lens = [700, 20, 690, 300, 40, 310, 25]
+    groups = decode_groups(list(range(len(lens))), lens)
+    assert sorted(i for g in groups for i in g) == list(range(len(lens)))
+    assert [sorted(lens[i] for i in g) for g in groups] == [[690, 700], [300, 310], [20, 25, 40]]
+    for group in groups:
+        longest = max(lens[i] for i in group)
+        assert all(longest - lens[i] <= max(DECODE_GROUP_MAX_PAD_TOKENS, 0.25 * longest) for i in group)
+
+
+def test_decode_groups_keep_close_lengths_together():
+    assert decode_groups([0, 1, 2], [100, 200, 150]) == [[0, 1, 2]]  # pads <= 128 tokens: one call
+
+
+def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [heads, dim] against one sequence's keys/values [ctx, kv_heads, dim]."""
+    group = HEADS // KV_HEADS
+    k = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, ctx, dim]
+    v = values.repeat_interleave(group, dim=1).transpose(0, 1)
+    weights = torch.softmax((q[:, None, :] @ k.transpose(1, 2)).squeeze(1) * scale, dim=-1)
+    return (weights[:, None, :] @ v).squeeze(1)
+
+
+@pytest.mark.parametrize(("layout", "dtype"), [("aggregated", torch.float32), ("layer-major", torch.float32),
+                                               ("aggregated", torch.bfloat16)])
+def test_mixed_lengths_decode_and_prefill_match_reference(layout, dtype):
+    gen = torch.Generator().manual_seed(0)
+    contexts = [700, 20, 300, 45, 310]  # decode rows: context includes the new token
+    prefill_cached, prefill_new = 40, 9  # and one prefill chunk after a cached prefix
+    num_blocks = 1 + sum(-(-c // BLOCK_SIZE) for c in contexts) + -(-(prefill_cached + prefill_new) // BLOCK_SIZE)
+    cache = allocate_kv_cache(num_blocks, LAYERS, BLOCK_SIZE, KV_HEADS, DIM, dtype, "cpu", layout)
+    cache.normal_(generator=gen)
+    free = torch.randperm(num_blocks - 1, generator=gen).add(1).tolist()
+    tables, slots, starts = [], [], [0]
+    lens = [*contexts, prefill_cached + prefill_new]
+    for i, ctx in enumerate(lens):
+        tables.append([free.pop() for _ in range(-(-ctx // BLOCK_SIZE))])
+        new = prefill_new if i == len(contexts) else 1
+        slots += [tables[-1][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(ctx - new, ctx)]
+        starts.append(starts[-1] + new)
+    width = max(map(len, tables))
+    meta = AttentionMetadata(torch.tensor(slots), starts, lens,
+                             torch.tensor([t + [0] * (width - len(t)) for t in tables]), BLOCK_SIZE, layout)
+    plan = AttentionPlan.build(meta, torch.device("cpu"))
+    assert len(plan.decodes) == 3  # [700], [300, 310], [20, 45]
+    num_tokens, scale = starts[-1], DIM**-0.5
+    q = torch.randn(num_tokens, HEADS, DIM, generator=gen).to(dtype)
+    k = torch.randn(num_tokens, KV_HEADS, DIM, generator=gen).to(dtype)
+    v = torch.randn(num_tokens, KV_HEADS, DIM, generator=gen).to(dtype)
+    k_cache, v_cache = layer_kv(cache, 1, layout)
+    out = paged_attention(q, k, v, k_cache, v_cache, plan, scale)
+
+    for i, ctx in enumerate(lens):
+        flat_k = k_cache[tables[i]].flatten(0, 1)[:ctx]  # after the write: holds this step's K/V too
+        flat_v = v_cache[tables[i]].flatten(0, 1)[:ctx]
+        for row in range(starts[i], starts[i + 1]):
+            visible = ctx - (starts[i + 1] - 1 - row)  # causal within the new tokens
+            expected = reference(q[row].float(), flat_k[:visible].float(), flat_v[:visible].float(), scale)
+            tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output's own rounding
+            torch.testing.assert_close(out[row].float(), expected, atol=tol, rtol=tol)
+        torch.testing.assert_close(flat_k[ctx - (starts[i + 1] - starts[i]):], k[starts[i]:starts[i + 1]])

@@ -1,0 +1,97 @@
+"""Disaggregated prefill/decode on real workers (`prefill,decode`, pd-caching-3): the
+client sees the same tokens as when the prefill instance serves the request alone
+(greedy multi-turn ShareGPT, and seeded sampling with penalties: the first token counts
+as output and the seed's draws carry over); the second turn's KV transfer moves only the
+blocks the decode instance lacks; the decode-phase KV returns to the prefill instance,
+whose next prefill reports it cached; aborts during the handoff and during decoding
+leave no block held on either instance."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+from pd_harness import BLOCK, collect, pd_cluster, settled, user_turns, wait_stats
+
+from memserve.ipc.messages import SamplingParams
+
+PREFILL, DECODE = 0, 1
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
+# SmolLM2-135M: 30 layers x (K, V) x 3 KV heads x 64 dims x 16 tokens x 4 bytes.
+BLOCK_BYTES = 30 * 2 * 3 * 64 * BLOCK * 4
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+async def conversation(client, tok, name: str, users: list[str]) -> list[tuple[list[int], list[int], int]]:
+    """Each turn's (prompt, answer, cached tokens), served disaggregated; between turns
+    the answer's KV has gone back to the prefill instance (pd-caching-3)."""
+    messages, turns = [], []
+    for i, user in enumerate(users):
+        messages.append({"role": "user", "content": user})
+        prompt = tok.encode_chat(messages)
+        returned = client.pd.counts["returned_blocks"]
+        answer, cached, reason, error = await collect(client.generate(f"{name}-{i}", prompt, GREEDY))
+        assert error is None and reason in ("stop", "length")
+        turns.append((prompt, answer, cached))
+        messages.append({"role": "assistant", "content": tok.decode(answer, skip_special_tokens=True)})
+        for _ in range(80):  # the return runs in the background
+            if client.pd.counts["returned_blocks"] > returned or client.pd.counts["return_failed"]:
+                break
+            await asyncio.sleep(0.1)
+    return turns
+
+
+async def scenario() -> None:
+    async with pd_cluster(["prefill", "decode"], "pd-caching-3") as (client, tok):
+        conversations = user_turns(2, 2)
+        results = [await conversation(client, tok, f"c{n}", users) for n, users in enumerate(conversations)]
+        assert client.pd.counts["handoffs"] == 4 and not client.pd.counts["handoff_failed"]
+
+        # Turn 2 of the first conversation: P caches turn 1's prompt and answer (returned by
+        # D), and D pinned what it held, so only the rest of the prompt moved.
+        (p1, a1, _), (p2, _, cached2) = results[0]
+        expect = min(common_prefix(p1 + a1[:-1], p2), len(p2) - 1) // BLOCK * BLOCK
+        assert expect > len(p1) // BLOCK * BLOCK  # the answer's KV counts, not only the prompt's
+        assert cached2 == expect
+
+        sent = await wait_stats(client, PREFILL, "handoffs", 4)
+        assert sent == 4
+        stats = client.cluster.workers[PREFILL].stats["pd"]
+        total_blocks = sum(math.ceil(len(p) / BLOCK) for turns in results for p, _, _ in turns)
+        assert stats["blocks_skipped"] > 0
+        assert stats["blocks_sent"] + stats["blocks_skipped"] == total_blocks
+        assert stats["bytes_sent"] == stats["blocks_sent"] * BLOCK_BYTES
+        assert 4 <= stats["messages"] <= stats["blocks_sent"]  # by-request-agg: a frame per run of blocks
+
+        # The same prompts on the prefill instance alone give the same tokens.
+        for n, turns in enumerate(results):
+            for i, (prompt, answer, _) in enumerate(turns):
+                alone, _, _, _ = await collect(client.generate(f"ref{n}-{i}", prompt, GREEDY, instance=PREFILL))
+                assert alone == answer, (n, i)
+
+        # Sampling with a seed and penalties: the first token (sampled on P) is output on D.
+        prompt = tok.encode_chat([{"role": "user", "content": conversations[1][0]}])
+        sampled = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=11, frequency_penalty=0.8,
+                                 presence_penalty=0.4)
+        disagg, _, _, _ = await collect(client.generate("seeded", prompt, sampled))
+        alone, _, _, _ = await collect(client.generate("seeded-ref", prompt, sampled, instance=PREFILL))
+        assert disagg == alone
+
+        # Aborts: right after the first token (during the handoff) and while decoding.
+        for stop_after in (1, 4):
+            stream = client.generate(f"abort-{stop_after}", prompt, SamplingParams(max_tokens=200, temperature=0.0,
+                                                                                   ignore_eos=True))
+            seen = 0
+            async for out in stream:
+                seen += len(out.new_token_ids)
+                if seen >= stop_after:
+                    break
+            await stream.aclose()
+        assert await settled(client) == {PREFILL: 0, DECODE: 0}
+
+
+def test_disaggregated_flow_matches_the_prefill_instance_alone():
+    asyncio.run(scenario())
