@@ -1,8 +1,10 @@
 """The served model's own input token embeddings, read from its safetensors file as a
 numpy memory map (no torch in the gateway).
 
-Only the rows a prompt excerpt touches are paged in, and the pages are shared with the
-page cache, so the gateway does not hold a copy of the table."""
+The pages are shared with the page cache, so the gateway does not hold a private copy of
+the table. They are all faulted in at start: left to fault in as prompts touch new
+tokens, the gateway's resident size crept up for the whole first hour of serving (the
+table's working set filling in), which looks exactly like a leak to anyone watching RSS."""
 
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ class TokenEmbeddings:
                 begin, _end = entry["data_offsets"]
                 table = np.memmap(path, dtype=_DTYPES[entry["dtype"]], mode="r", offset=data_start + begin,
                                   shape=tuple(entry["shape"]))
+                table.sum(dtype=np.float64)  # fault every page in now (see the module docstring)
                 return cls(table, bf16=entry["dtype"] == "BF16")
         raise FileNotFoundError(f"no token embedding tensor in the safetensors files of {model_dir}")
 
