@@ -30,3 +30,19 @@ class NoHooks:
 
 
 NO_HOOKS = NoHooks()
+
+
+class ChainedHooks:
+    """Several hooks for one forward pass, called in order: a step can both wait for KV
+    still loading (preloading) and send what it wrote (by-layer transfer)."""
+
+    def __init__(self, hooks: list[LayerHooks]) -> None:
+        self.hooks = hooks
+
+    def before_layer(self, layer: int) -> None:
+        for hook in self.hooks:
+            hook.before_layer(layer)
+
+    def after_layer(self, layer: int) -> None:
+        for hook in self.hooks:
+            hook.after_layer(layer)
