@@ -162,10 +162,7 @@ class ZmqEngineClient:
         try:
             if decision is not None and decision.pull_from is not None:
                 await self._pull_prefix(decision.pull_from, decision.instance, prompt_token_ids)
-            slo = slo or {}
-            add = AddRequest(request_id, list(prompt_token_ids), params, session_id, time.time(),
-                             slo.get("priority", 0), slo.get("ttft_ms"), slo.get("tbt_ms"),
-                             self._predict(request_id, prompt_token_ids, params.max_tokens))
+            add = self._add_request(request_id, prompt_token_ids, params, session_id, slo)
             await self.channel.send(stream.worker, add)
             while not finished:
                 out = await stream.queue.get()
@@ -264,9 +261,15 @@ class ZmqEngineClient:
         return [WorkerView(i, states[i], in_flight[i], h.stats, self.mirrors[i], h.config.role)
                 for i, h in self.cluster.workers.items()]
 
-    def _predict(self, request_id: str, prompt_token_ids: list[int], max_tokens: int) -> int | None:
-        """``AddRequest.predicted_output_tokens``: None when the predictor is off or untrained."""
-        return None if self.predictor is None else self.predictor.predict(request_id, prompt_token_ids, max_tokens)
+    def _add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     session_id: str | None, slo: dict | None, handoff: bool = False) -> AddRequest:
+        """The worker's message for a new request, colocated or disaggregated alike: its
+        SLOs and the predictor's output length (None when the predictor is off or untrained)."""
+        slo = slo or {}
+        predicted = (None if self.predictor is None
+                     else self.predictor.predict(request_id, prompt_token_ids, params.max_tokens))
+        return AddRequest(request_id, list(prompt_token_ids), params, session_id, time.time(),
+                          slo.get("priority", 0), slo.get("ttft_ms"), slo.get("tbt_ms"), predicted, handoff=handoff)
 
     def _learn(self, request_id: str, output_tokens: int, finish_reason: str | None) -> None:
         """Feed a finished choice back to the predictor; a due refit runs off the event loop."""

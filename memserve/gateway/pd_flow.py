@@ -99,8 +99,7 @@ class PDFlow:
         decision = c._pick_worker(route)
         stream = _Stream(decision.instance, resumable=True)
         c._streams[request_id] = stream
-        add = AddRequest(request_id, list(prompt), params, session_id, time.time(), slo.get("priority", 0),
-                         slo.get("ttft_ms"), slo.get("tbt_ms"), handoff=True)
+        add = c._add_request(request_id, prompt, params, session_id, slo, handoff=True)
         prefill, phase = decision.instance, "prefill"
         tokens: list[int] = []
         cached = 0
@@ -161,10 +160,14 @@ class PDFlow:
                         handoff = asyncio.create_task(self._handoff(stream, request_id, prefill, prompt))
                 else:
                     out.num_cached_tokens = cached  # what the prefill found cached is the request's
+                if out.finished:
+                    c._learn(request_id, len(tokens), out.finish_reason)
                 if finished and phase == "decode" and out.finish_reason in COMPLETE and self.pd_mode == "pd-caching-3":
                     self._return_kv(stream.worker, prefill, prompt + tokens)
                 yield out
         finally:
+            if c.predictor is not None:
+                c.predictor.forget(request_id)
             c._streams.pop(request_id, None)
             c.router.release(request_id)
             c.admission.notify()

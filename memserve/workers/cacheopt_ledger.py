@@ -15,7 +15,9 @@ allocation costs nothing until it is used.
   allocation (its host's a_j shrinks by as much); when it leaves, the host gets it back.
 - An allocation cut short of the demand is admitted only against KV that running
   requests will free before the cut one runs out (§3.3.2); its shortfall stays
-  *promised* out of such releases until it leaves (``shortfalls``).
+  *promised* out of such releases (``shortfalls``) until it leaves, less what it has
+  since grown by (a shortfall it took is no longer owed it: counting it on would keep
+  blocks promised twice and hold back every later cut request).
 - Plans: the policy proposes, once per step, the allocation of each request it expects
   to admit (``plan``), and which must wait; a request admitted without a plan gets
   its basic need (``basic_blocks``: its prompt and B more tokens, so that a long
@@ -57,6 +59,7 @@ class KVLedger:
         self._unheld = 0
         self._plans: dict[str, tuple[int, str | None]] = {}  # request id -> (blocks, lender)
         self._hold: set[str] = set()  # requests the plan says must wait
+        self._plan_shortfalls: dict[str, int] = {}  # planned cut request -> its shortfall
         self.shortfalls: dict[str, int] = {}  # cut request -> blocks it counts on others freeing
         self.num_embedded = 0
         self.num_reserve_grants = 0
@@ -72,15 +75,14 @@ class KVLedger:
         return self._unheld
 
     # ----------------------------------------------------------------- plans
-    def plan(self, plans: dict[str, tuple[int, str | None]], hold: set[str]) -> None:
+    def plan(self, plans: dict[str, tuple[int, str | None]], hold: set[str],
+             shortfalls: dict[str, int] | None = None) -> None:
         """This step's proposed allocations of requests about to be admitted (replacing
         the previous step's): ``blocks`` each, embedded in ``lender`` when named; the
-        requests in ``hold`` are refused this step."""
-        self._plans, self._hold = plans, hold
-
-    def promise(self, cut: str, blocks: int) -> None:
-        """``cut`` counts on ``blocks`` that running requests free as they finish."""
-        self.shortfalls[cut] = blocks
+        requests in ``hold`` are refused this step. A planned request in ``shortfalls``
+        is cut: once admitted, it counts on that many blocks that running requests free
+        as they finish (a planned request the step does not admit promises nothing)."""
+        self._plans, self._hold, self._plan_shortfalls = plans, hold, shortfalls or {}
 
     @property
     def promised_blocks(self) -> int:
@@ -90,6 +92,7 @@ class KVLedger:
         """A running request's allocation becomes ``blocks``: more (proactive allocation,
         from the free part) or fewer (amortisation took some of its unused part back)."""
         a = self.allocations[request_id]
+        self._settle(request_id, blocks - a.allocated)
         self._set(a, blocks, a.held)
 
     # ----------------------------------------------------------------- KVGate
@@ -110,6 +113,7 @@ class KVLedger:
             self.reserve_used += from_reserve
             a.from_reserve += from_reserve
             self.num_reserve_grants += 1
+        self._settle(seq.request_id, extra)
         self._set(a, want, want)
         return True
 
@@ -147,8 +151,22 @@ class KVLedger:
                 return False
         a = Allocation(want, held + need, lender=lender_id if lender is not None else None, lent=lent)
         self.allocations[request_id] = a
+        shortfall = self._plan_shortfalls.pop(request_id, 0) if planned is not None else 0
+        if shortfall > 0:
+            self.shortfalls[request_id] = shortfall
         self._unheld += a.unheld
         return True
+
+    def _settle(self, request_id: str, grown: int) -> None:
+        """A cut request's allocation grew by ``grown`` blocks: that much of its
+        shortfall is paid."""
+        owed = self.shortfalls.get(request_id)
+        if owed is None or grown <= 0:
+            return
+        if owed > grown:
+            self.shortfalls[request_id] = owed - grown
+        else:
+            del self.shortfalls[request_id]
 
     def _set(self, a: Allocation, allocated: int, held: int) -> None:
         self._unheld -= a.unheld
