@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -41,3 +43,23 @@ def start_memserve(flags: list[str], log: Path, threads: int | None = 1,
             time.sleep(0.5)
     proc.terminate()
     raise RuntimeError(f"memserve up not healthy after {timeout_s:.0f} s: see {log}")
+
+
+def stop_memserve(proc: subprocess.Popen) -> None:
+    """SIGTERM (the gateway stops its workers), then SIGKILL after 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@contextmanager
+def serving(flags: list[str], log: Path, threads: int | None = 1) -> Iterator[str]:
+    """``start_memserve`` for a ``with`` block: yields the base URL, stops the server after."""
+    proc, url = start_memserve(flags, log, threads)
+    try:
+        yield url
+    finally:
+        stop_memserve(proc)

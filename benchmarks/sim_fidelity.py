@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 from memserve.models.gguf_convert import ensure_model_dir
+from serve_process import serving
 
 WORKLOADS = {
     "sharegpt": ["--workload", "sharegpt", "--num-sessions", "16", "--max-turns", "4", "--rate", "0.5"],
@@ -34,19 +31,6 @@ WORKLOADS = {
 def run(cmd: list[str], **kw) -> None:
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, **kw)
-
-
-def wait_healthy(url: str, timeout_s: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if json.load(r).get("status") == "ok":
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("the server did not become healthy")
 
 
 def medians(path: Path) -> dict[str, float]:
@@ -62,30 +46,21 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads of the worker (as profiled)")
     p.add_argument("--num-blocks", type=int, default=2048)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--port", type=int, default=8471)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     args = p.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     model_dir = ensure_model_dir(None)
-    url = f"http://127.0.0.1:{args.port}"
     common = ["--seed", str(args.seed), "--max-tokens", str(args.max_tokens), "--fixed-output-len",
               "--tokenizer", str(model_dir)]
     rows = []
     for name in args.workloads.split(","):
         workload = WORKLOADS[name] + common
         real, sim = args.out_dir / f"{name}-real.json", args.out_dir / f"{name}-sim.json"
-        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-        server = subprocess.Popen([sys.executable, "-m", "memserve.cli", "up", "--port", str(args.port),
-                                   "--dtype", "float32", "--num-blocks", str(args.num_blocks), "--log-level", "WARNING"],
-                                  env=env, start_new_session=True)
-        try:
-            wait_healthy(url)
+        flags = ["--num-blocks", str(args.num_blocks), "--log-level", "WARNING"]
+        with serving(flags, args.out_dir / f"{name}-server.log", args.threads) as url:
             run([sys.executable, "-m", "memserve.cli", "bench", "--base-url", url, *workload, "--no-progress",
                  "--label", f"real:{name}", "--output", str(real)], stdout=subprocess.DEVNULL)
-        finally:
-            os.killpg(server.pid, signal.SIGTERM)
-            server.wait(timeout=60)
         run([sys.executable, "-m", "memserve.cli", "simulate", "--cost-model", args.cost_model, "--instances", "1",
              "--num-blocks", str(args.num_blocks), *workload, "--label", f"sim:{name}", "--output", str(sim)],
             stdout=subprocess.DEVNULL)

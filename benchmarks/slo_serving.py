@@ -32,11 +32,8 @@ import json
 import math
 import os
 import shlex
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,45 +41,17 @@ from pathlib import Path
 from memserve.bench.metrics import compute_metrics
 from memserve.bench.records import RequestRecord
 from memserve.bench.runner import ReplayOptions
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from serve_process import serving
 
 
 @contextmanager
-def serving(args: argparse.Namespace, policy: str, log: Path) -> Iterator[str]:
+def serving_policy(args: argparse.Namespace, policy: str, log: Path) -> Iterator[str]:
     """`memserve up` with ``policy``, healthy; yields its URL and stops it afterwards."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "memserve.cli", "up", "--port", str(port), "--dtype", "float32",
-           "--cpu-workers", str(args.cpu_workers), "--num-blocks", str(args.num_blocks),
-           "--max-num-seqs", str(args.max_num_seqs), "--schedule-policy", policy, "--admission", "off",
-           *shlex.split(args.up_args)]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"memserve up ({policy}) exited with {proc.returncode}: see {log}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"memserve up ({policy}) not healthy after 600 s: see {log}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.5)
+    flags = ["--cpu-workers", str(args.cpu_workers), "--num-blocks", str(args.num_blocks),
+             "--max-num-seqs", str(args.max_num_seqs), "--schedule-policy", policy, "--admission", "off",
+             *shlex.split(args.up_args)]
+    with serving(flags, log, threads=None) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def slo_options(args: argparse.Namespace, mean_ttft_ms: float, mean_tbt_ms: float) -> ReplayOptions:
@@ -244,12 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
     baseline = args.policies[0]
-    with serving(args, baseline, args.out / f"up-{baseline}.log") as url:
+    with serving_policy(args, baseline, args.out / f"up-{baseline}.log") as url:
         base_run = bench(args, url, args.out / f"{baseline}.json", None)
     slos = slo_options(args, pooled_mean(base_run["sweep"], "ttft_ms"), pooled_mean(base_run["sweep"], "tbt_ms"))
     sweeps = {baseline: scored(base_run["sweep"], slos)}
     for policy in args.policies[1:]:
-        with serving(args, policy, args.out / f"up-{policy}.log") as url:
+        with serving_policy(args, policy, args.out / f"up-{policy}.log") as url:
             sweeps[policy] = bench(args, url, args.out / f"{policy}.json", slos)["sweep"]
     summary = summarize(args, slos, sweeps)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -373,10 +373,14 @@ class KVTransferEndpoint:
         return KVDone(msg.transfer_id, inserted)
 
     def _insert(self, msg: KVData) -> int:
-        """Index the received blocks after the prefix this instance already caches."""
-        pool = self.pool
-        tokens = msg.tokens
-        prefix = pool.match(tokens[: msg.first_block * pool.block_size], take_ref=False) if msg.first_block else []  # type: ignore[index]
-        if len(prefix) < msg.first_block:
-            return 0  # the prefix was evicted here meanwhile: nothing to hang the blocks on
-        return pool.insert(tokens, prefix + msg.dst)  # type: ignore[arg-type]
+        return insert_received(self.pool, msg.tokens, msg.first_block, msg.dst)  # type: ignore[arg-type]
+
+
+def insert_received(pool: MemPool, tokens: list[int], first_block: int, addrs: list[int]) -> int:
+    """The insertion step of ``transfer_with_insert`` at the receiver: index the received
+    blocks ``addrs`` (blocks ``first_block..`` of ``tokens``) after the prefix this
+    instance already caches; returns the blocks indexed (shared with the simulator)."""
+    prefix = pool.match(tokens[: first_block * pool.block_size], take_ref=False) if first_block else []
+    if len(prefix) < first_block:
+        return 0  # the prefix was evicted here meanwhile: nothing to hang the blocks on
+    return pool.insert(tokens, prefix + addrs)

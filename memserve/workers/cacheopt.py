@@ -196,18 +196,6 @@ class CacheOpt:
         bs, b = self.kv.block_size, self.opt.block_tokens
         ledger = self.ledger
         # Running participants: (seq, blocks wanted beyond ``base``, floor, base).
-        head: list[tuple[Sequence, int, int, int]] = []
-        reclaimable = 0
-        for seq in running:
-            a = ledger.allocations.get(seq.request_id)
-            if a is None:
-                continue
-            missing = blocks_for(demand_tokens(seq, b), bs) - a.allocated
-            if self.opt.on("PA") and missing > 0 and a.allocated * bs - seq.num_tokens < self.opt.lookahead:
-                head.append((seq, missing, 0, a.allocated))
-            elif self.opt.on("RSA") and a.unheld > 0 and not a.borrowers:
-                head.append((seq, a.unheld, 1, a.held))  # keeps a block, may give up the rest
-                reclaimable += a.unheld
         budget -= sum(s.num_tokens - s.num_computed_tokens for s in running)
         candidates = []
         for seq in reversed(self._order()):
@@ -215,6 +203,24 @@ class CacheOpt:
                 break
             candidates.append(seq)
             budget -= seq.num_tokens
+        head: list[tuple[Sequence, int, int, int]] = []
+        reclaimable = top_ups = 0
+        proactive, lookahead, reclaim = self.opt.on("PA"), self.opt.lookahead, self.opt.on("RSA")
+        allocations = ledger.allocations
+        for seq in running:
+            a = allocations.get(seq.request_id)
+            if a is None:
+                continue
+            if (proactive and a.allocated * bs - seq.num_tokens < lookahead
+                    and (missing := blocks_for(demand_tokens(seq, b), bs) - a.allocated) > 0):
+                head.append((seq, missing, 0, a.allocated))
+                top_ups += 1
+            elif reclaim and a.unheld > 0 and not a.borrowers:
+                head.append((seq, a.unheld, 1, a.held))  # keeps a block, may give up the rest
+                reclaimable += a.unheld
+        if not candidates and not top_ups:  # the reclaimable KV would go back where it is
+            ledger.plan({}, set())
+            return
         plans: dict[str, tuple[int, str | None]] = {}
         rest = list(candidates)
         if self.opt.on("RSA"):
@@ -247,10 +253,8 @@ class CacheOpt:
             self.num_cuts += base + blocks < before
         for seq, blocks in zip(rest, alloc[len(head):]):
             plans[seq.request_id] = (blocks, None)
-        for cut, shortfall in promises.items():
-            ledger.promise(cut, shortfall)
         admitted = set(plans)
-        ledger.plan(plans, {s.request_id for s in candidates if s.request_id not in admitted})
+        ledger.plan(plans, {s.request_id for s in candidates if s.request_id not in admitted}, promises)
 
     def _back_with_releases(self, seqs: list[Sequence], alloc: list[int], demands: list[int],
                             running: list[Sequence]) -> dict[str, int] | None:
@@ -265,12 +269,14 @@ class CacheOpt:
         if not running:
             return promises
         allocations = self.ledger.allocations
-        finishing = sorted((remaining_tokens(r), allocations[r.request_id].allocated) for r in running
-                           if r.request_id in allocations)
+        finishing: list[tuple[int, int]] | None = None
         promised = self.ledger.promised_blocks
         for seq, blocks, demand in zip(seqs, alloc, demands):
             if blocks >= demand:
                 continue
+            if finishing is None:
+                finishing = [(remaining_tokens(r), allocations[r.request_id].allocated) for r in running
+                             if r.request_id in allocations]
             steps = blocks * self.kv.block_size - seq.num_tokens
             freed = sum(a for left, a in finishing if left <= steps)
             if freed - promised < demand - blocks:
