@@ -9,9 +9,11 @@ SLOs as CacheOpt §5 sets them: fcfs first runs every rate without SLOs; its mea
 and mean TBT over those runs, times a per-request scale uniform in [0.5, 2.5], are each
 request's SLOs in every later run. Prints P99 TTFT/TBT, SLO attainment and preemptions
 per point, writes one ``memserve simulate`` results file per point, ``summary.json``
-and a plot (Fig. 12's four panels; ablations dashed).
+and a plot (Fig. 12's four panels; ablations dashed). ``--sustain-rates`` runs fcfs and
+cacheopt at more rates under the same SLOs and reports the highest rate each sustains
+(TTFT attainment at least ``--sustain-attainment`` there and at every lower rate swept).
 
-    python benchmarks/cacheopt_sim.py --out /tmp/cacheopt-sim
+    python benchmarks/cacheopt_sim.py --out /tmp/cacheopt-sim --sustain-rates 2.5,2.75,3,3.25,3.5
 """
 
 from __future__ import annotations
@@ -78,6 +80,16 @@ def plot(rates: list[float], results: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def sustained(points: dict[float, dict], target: float) -> float | None:
+    """The highest rate whose TTFT attainment, and every lower rate's, is >= ``target``."""
+    best = None
+    for rate in sorted(points):
+        if points[rate]["ttft_attainment"] < target:
+            break
+        best = rate
+    return best
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("cacheopt-sim"))
@@ -90,6 +102,8 @@ def main() -> None:
     p.add_argument("--predict-error", type=float, default=0.3, help="log-std of the simulated predictor's error")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--variants", default=None, help="comma-separated subset of labels (default: all)")
+    p.add_argument("--sustain-rates", default="", help="more rates for fcfs and cacheopt only (same SLOs)")
+    p.add_argument("--sustain-attainment", type=float, default=0.9)
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     rates = [float(r) for r in args.rates.split(",")]
@@ -111,8 +125,21 @@ def main() -> None:
         co, fc = row["cacheopt"], row["fcfs"]
         print(f"{r:5.2f} cacheopt/fcfs: P99 TTFT x{co['ttft_p99_ms'] / fc['ttft_p99_ms']:.2f}, "
               f"P99 TBT x{co['tbt_p99_ms'] / fc['tbt_p99_ms']:.2f}")
+    sustain: dict = {}
+    if args.sustain_rates:
+        for name in ("fcfs", "cacheopt"):
+            points = {r: results[str(r)][name] for r in rates if name in results[str(r)]}
+            for r in (float(x) for x in args.sustain_rates.split(",")):
+                if r not in points:
+                    points[r] = run_point(args.out / f"sustain-{name}-{r}.json", args, r, variants()[name], slo)
+            sustain[name] = {"rate": sustained(points, args.sustain_attainment),
+                             "points": {str(r): points[r] for r in sorted(points)}}
+            print(f"{name}: TTFT attainment by rate " + ", ".join(
+                f"{r:g}: {points[r]['ttft_attainment']:.3f}" for r in sorted(points))
+                + f"; sustains {sustain[name]['rate']} req/s at >= {args.sustain_attainment}", flush=True)
     (args.out / "summary.json").write_text(json.dumps({"config": vars(args) | {"out": str(args.out)},
-                                                       "slo_base_ms": slo, "results": results}, indent=1))
+                                                       "slo_base_ms": slo, "results": results,
+                                                       "sustained": sustain}, indent=1))
     plot(rates, results, args.out / "cacheopt_sim.png")
     print(f"wrote {args.out / 'summary.json'} and {args.out / 'cacheopt_sim.png'}")
 

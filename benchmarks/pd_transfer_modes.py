@@ -1,10 +1,14 @@
 """MemServe Figs. 11-12 shape on real workers: what one prefill-to-decode KV handoff costs
-per request in each ``--transfer-mode`` — bytes, messages (ZeroMQ frames: one network
-call each) and transfer time — for prompts of several lengths. One `prefill,decode`
-pair in pd-basic (every handoff moves the whole prompt) per mode, driven through the
-gateway's engine client; the figures are the prefill worker's handoff counters.
+per request in each ``--transfer-mode`` — bytes, messages (ZeroMQ frames of
+by-request(-agg), one network call each; by-layer's per-layer messages) and transfer
+time — for prompts of several lengths, and the time from the end of the prefill step to
+the KV being at the decode instance (``ready_ms``: by-layer sent it during the step).
+One `prefill,decode` pair in pd-basic (every handoff moves the whole prompt) per mode,
+driven through the gateway's engine client; the figures are the prefill worker's handoff
+counters. ``transfer_ms`` runs from the send's start: after the step for by-request(-agg),
+from the first layer handed over (inside the step) for by-layer.
 
-    python benchmarks/pd_transfer_modes.py [--lengths 128,512,1024] [--requests 4]
+    python benchmarks/pd_transfer_modes.py [--lengths 128,512,1024] [--requests 4] [--modes by-layer,...]
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ from memserve.ipc.channel import GatewayChannel
 from memserve.ipc.messages import SamplingParams
 from memserve.models.gguf_convert import ensure_model_dir
 
-MODES = ("by-request-agg", "by-request")
-KEYS = ("handoffs", "bytes_sent", "messages", "transfer_s")
+MODES = ("by-request-agg", "by-request", "by-layer")
+KEYS = ("handoffs", "bytes_sent", "messages", "transfer_s", "kv_ready_s")
 
 
 async def counters(client: ZmqEngineClient, handoffs: int) -> dict:
@@ -61,7 +65,8 @@ async def run_mode(mode: str, lengths: list[int], requests: int, num_blocks: int
             n = after["handoffs"] - before["handoffs"]
             out[length] = {"bytes": (after["bytes_sent"] - before["bytes_sent"]) / n,
                            "messages": (after["messages"] - before["messages"]) / n,
-                           "transfer_ms": 1000 * (after["transfer_s"] - before["transfer_s"]) / n}
+                           "transfer_ms": 1000 * (after["transfer_s"] - before["transfer_s"]) / n,
+                           "ready_ms": 1000 * (after["kv_ready_s"] - before["kv_ready_s"]) / n}
     finally:
         await client.close()
     return out
@@ -72,14 +77,16 @@ def main() -> None:
     p.add_argument("--lengths", default="128,512,1024")
     p.add_argument("--requests", type=int, default=4, help="requests per prompt length")
     p.add_argument("--num-blocks", type=int, default=256)
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated transfer modes to measure")
     p.add_argument("--output", help="write the results JSON here")
     args = p.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
-    results = {mode: asyncio.run(run_mode(mode, lengths, args.requests, args.num_blocks)) for mode in MODES}
-    print(f"{'mode':15s} {'prompt':>6s} {'MiB/req':>8s} {'msgs/req':>9s} {'ms/req':>7s}")
+    results = {mode: asyncio.run(run_mode(mode, lengths, args.requests, args.num_blocks)) for mode in args.modes.split(",")}
+    print(f"{'mode':15s} {'prompt':>6s} {'MiB/req':>8s} {'msgs/req':>9s} {'ms/req':>7s} {'ready_ms':>8s}")
     for mode, per in results.items():
         for length, r in per.items():
-            print(f"{mode:15s} {length:6d} {r['bytes'] / 2**20:8.2f} {r['messages']:9.0f} {r['transfer_ms']:7.1f}")
+            print(f"{mode:15s} {length:6d} {r['bytes'] / 2**20:8.2f} {r['messages']:9.0f} {r['transfer_ms']:7.1f} "
+                  f"{r['ready_ms']:8.1f}")
     if args.output:
         with open(args.output, "w") as f:
             json.dump(results, f, indent=2)

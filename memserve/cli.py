@@ -31,6 +31,11 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _buffer_layers(text: str) -> int:
+    """``--preload-buffer-layers``: a layer count, or ``auto`` (-1: §3.2's formula)."""
+    return -1 if text == "auto" else _non_negative_int(text)
+
+
 def _add_up(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="serve a model over the OpenAI API")
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
@@ -49,9 +54,10 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--instances", default=None,
                    help="one role per worker, colocated|prefill|decode: 'prefill,decode' (CPU workers) or "
                         "'prefill:0,decode:1' (role:GPU); default: every worker colocated")
-    p.add_argument("--transfer-mode", default="by-request-agg", choices=["by-request-agg", "by-request"],
-                   help="framing of prefill-to-decode KV transfers (MemServe §5.2): one frame per run of "
-                        "aggregated blocks, or one per layer's K or V of each block")
+    p.add_argument("--transfer-mode", default="by-request-agg", choices=["by-request-agg", "by-request", "by-layer"],
+                   help="prefill-to-decode KV transfers (MemServe §4.3, §5.2): after the prefill, one frame per "
+                        "run of aggregated blocks, or one per layer's K or V of each block; by-layer: one "
+                        "message per layer during the prefill, overlapping its compute")
     p.add_argument("--pd-mode", default="pd-caching-3", choices=PD_MODES,
                    help="disaggregated prefill/decode caching (MemServe Table 4): pd-basic (transfer only), "
                         "pd-caching-1 (cache at prefill), pd-caching-2 (decode caches too: incremental "
@@ -77,6 +83,15 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eviction-policy", default="lru", choices=sorted(EVICTION_POLICIES),
                    help="which cached KV blocks a tier gives up first (scheduler-aware: those the waiting "
                         "queue needs go last, and its disk blocks are prefetched to the host tier)")
+    p.add_argument("--layerwise-preload", default="on", choices=["on", "off"],
+                   help="on: a prefill whose cached prefix sits in a slower tier runs while that prefix is "
+                        "copied in layer by layer, each layer waited for just before it computes "
+                        "(AttentionStore §3.2); off: the request waits for the whole copy first")
+    p.add_argument("--preload-buffer-layers", type=_buffer_layers, default=-1, metavar="N|auto",
+                   help="layers a preload may copy ahead of the compute (its read buffer): 0 starts the copy "
+                        "with the request's step, one layer ahead; N copies N layers before it and stays N "
+                        "ahead; auto (default) sizes it per load by §3.2's formula from measured copy and "
+                        "compute rates")
     p.add_argument("--cache-ttl", type=float, default=None, metavar="SECONDS",
                    help="drop cached conversations unused for this long from every tier (default: kept until "
                         "capacity evicts them); a request may ask for longer with the body field cache_ttl_s")
@@ -164,6 +179,8 @@ def _run_up(args: argparse.Namespace) -> int:
         schedule_policy_options=args.schedule_policy_options,
         cost_model=args.cost_model,
         eviction_policy=args.eviction_policy,
+        layerwise_preload=args.layerwise_preload == "on",
+        preload_buffer_layers=args.preload_buffer_layers,
         cache_ttl_s=args.cache_ttl,
         seed=args.seed,
     )

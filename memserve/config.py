@@ -23,12 +23,14 @@ class EngineConfig:
     disk_cache_gb: float = 10.0  # the disk tier's budget
     async_save: bool = True  # save cached KV down the tiers on a background thread (False: inside the step)
     save_watermark: float = 0.1  # fraction of a tier kept free or being saved down, ahead of need
+    layerwise_preload: bool = True  # a prefill computes while its slower-tier prefix loads, layer by layer
+    preload_buffer_layers: int = -1  # layers a load may run ahead of the compute; -1: AttentionStore §3.2's formula
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # defaults to the model's context window
     enable_prefix_caching: bool = True
     kv_layout: str = "aggregated"  # aggregated | layer-major
-    transfer_mode: str = "by-request-agg"  # PD handoffs' framing: by-request-agg | by-request (workers/pd_sender.py)
+    transfer_mode: str = "by-request-agg"  # PD handoffs: by-request-agg | by-request | by-layer (workers/pd_sender.py)
     schedule_policy: str = "fcfs"  # workers/policies.py
     schedule_policy_options: str = ""  # e.g. cacheopt's "disable=PA,GR;reserve=8" (workers/cacheopt_options.py)
     cost_model: str | None = None  # JSON or preset: cacheopt weighs swap against recompute by it

@@ -24,11 +24,13 @@ SHAREGPT = Path(__file__).resolve().parents[2] / "shared" / "data" / "sharegpt-s
 
 @asynccontextmanager
 async def pd_cluster(roles: list[str], pd_mode: str = "pd-caching-3", num_blocks: int = 128,
-                     heartbeat_timeout_s: float = 5.0, handoff_timeout_s: float = 5.0):
+                     heartbeat_timeout_s: float = 5.0, handoff_timeout_s: float = 5.0,
+                     transfer_mode: str = "by-request-agg"):
     """(client, tokenizer) over ``roles`` workers; stopped on exit."""
     model_dir = ensure_model_dir(None)
     channel = GatewayChannel()
-    configs = plan_workers(EngineConfig(model=str(model_dir), dtype="float32", num_blocks=num_blocks),
+    configs = plan_workers(EngineConfig(model=str(model_dir), dtype="float32", num_blocks=num_blocks,
+                                        transfer_mode=transfer_mode),
                            channel.address, len(roles), None, roles)
     apply_pd_mode(configs, pd_mode)
     client = ZmqEngineClient(channel, Cluster(configs, heartbeat_timeout_s), BLOCK, pd_mode=pd_mode,

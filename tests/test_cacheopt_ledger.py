@@ -79,13 +79,23 @@ def test_a_held_request_waits_and_an_unplanned_one_gets_its_basic_need():
     assert ledger.allocations["free"].allocated == 6 and ledger.unheld_blocks == 5
 
 
-def test_a_shortfall_is_promised_until_the_cut_request_leaves():
+def test_a_shortfall_is_promised_from_admission_paid_down_by_growth_and_dropped_at_release():
     pool = Pool(40)
     ledger = KVLedger(pool.available, reserve_blocks=0, basic_blocks=lambda s: 1)
-    cut = seq("cut")
-    assert pool.take(ledger, cut, 1)
-    ledger.promise("cut", 5)
-    ledger.promise("other", 2)
-    assert ledger.promised_blocks == 7
-    pool.free(ledger, cut)
-    assert ledger.shortfalls == {"other": 2}
+    cut, other, never = seq("cut"), seq("other"), seq("never")
+    ledger.plan({"cut": (3, None), "other": (2, None), "never": (2, None)}, set(),
+                {"cut": 5, "other": 2, "never": 4})
+    assert ledger.promised_blocks == 0  # planned, not yet admitted: nothing promised
+    assert pool.take(ledger, cut, 1) and pool.take(ledger, other, 1)
+    assert ledger.shortfalls == {"cut": 5, "other": 2}  # "never" was not admitted this step
+    ledger.plan({}, set())
+    assert pool.take(ledger, cut, 2)  # 3 held: inside its allocation, owes the same
+    assert ledger.shortfalls["cut"] == 5
+    assert pool.take(ledger, cut, 2)  # 5 held: 2 past its allocation of 3 are paid
+    assert ledger.shortfalls == {"cut": 3, "other": 2}
+    ledger.resize("cut", 8)  # a proactive top-up of 3 pays the rest
+    assert ledger.shortfalls == {"other": 2} and ledger.promised_blocks == 2
+    assert pool.take(ledger, never, 1)  # admitted a step later without a plan: owes nothing
+    assert "never" not in ledger.shortfalls
+    pool.free(ledger, other)
+    assert ledger.shortfalls == {} and ledger.promised_blocks == 0

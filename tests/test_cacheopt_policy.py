@@ -191,6 +191,8 @@ def test_random_workload_finishes_every_request_without_leaks():
     assert finished == {f"r{i}" for i in range(60)}
     assert_no_block_held(engine)
     assert not policy(engine).ledger.allocations and policy(engine).ledger.unheld_blocks == 0
+    assert engine.stats()["kv_allocation"]["room_preemptions_total"] > 0  # make_room ran in the mix too
+    assert not policy(engine).ledger.shortfalls
 
 
 def test_options_name_the_ablation_components():

@@ -131,16 +131,17 @@ def test_a_load_that_completes_late_gives_the_same_tokens(model_dir, engines, to
     """Slower-tier loads run off the engine's thread: one that takes long lets the other
     sessions step meanwhile, and the late request still answers exactly as without cache."""
     tiered = make_engine(model_dir, True, 12, num_host_blocks=200)
-    runner = tiered.runner
-    copy, steps_during_loads = runner._copy, []
+    preloader = tiered.runner.preloader
+    preloader.layerwise = False  # whole loads (streamed ones: tests/test_layerwise_preload.py)
+    copy, steps_during_loads = preloader._copy_whole, []
 
-    def slow_copy(load):
+    def slow_copy(tier, src, dst):
         before = tiered.num_steps
         time.sleep(0.5)
-        copy(load)
+        copy(tier, src, dst)
         steps_during_loads.append(tiered.num_steps - before)
 
-    runner._copy = slow_copy
+    preloader._copy_whole = slow_copy
     convs = conversations(4, seed=1)
     got = replay(tiered, tokenizer, convs, 3, "late")
     base = replay(engines["baseline"], tokenizer, convs, 3, "late-b")

@@ -49,9 +49,10 @@ def test_decode_instance_choice():
         pick_decode([view(0, "ok", 0, "prefill"), view(1, "starting", 0)])
 
 
-async def serve(roles: list[str], mode: str, conversations: list[list[str]]) -> tuple[list, dict, dict]:
+async def serve(roles: list[str], mode: str, conversations: list[list[str]],
+                transfer_mode: str = "by-request-agg") -> tuple[list, dict, dict]:
     """Every turn's (answer, cached tokens), the gateway's and the prefill worker's PD counters."""
-    async with pd_cluster(roles, mode) as (client, tok):
+    async with pd_cluster(roles, mode, transfer_mode=transfer_mode) as (client, tok):
         out = []
         for n, users in enumerate(conversations):
             messages = []
@@ -83,3 +84,19 @@ def test_greedy_outputs_identical_across_modes():
     skipped = {mode: gateway.get("blocks_skipped", 0) for mode, (_, gateway, _) in by_mode.items()}
     assert skipped["pd-basic"] == skipped["pd-caching-1"] == 0 < skipped["pd-caching-2"]
     assert by_mode["pd-caching-3"][1]["returned_blocks"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_greedy_outputs_identical_across_transfer_modes():
+    """by-request-agg, by-request and by-layer (one message per layer, during the
+    prefill) give the colocated answers."""
+    conversations = user_turns(2, 2)
+    reference, _, _ = asyncio.run(serve(["colocated"], "pd-basic", conversations))
+    for transfer_mode in ("by-request-agg", "by-request", "by-layer"):
+        turns, gateway, prefill = asyncio.run(serve(["prefill", "decode"], "pd-caching-3", conversations,
+                                                    transfer_mode))
+        assert [a for a, _ in turns] == [a for a, _ in reference], transfer_mode
+        assert gateway["handoffs"] == 4 and not gateway.get("handoff_failed"), transfer_mode
+        if transfer_mode == "by-layer":
+            assert prefill["messages"] == 30 * prefill["handoffs"]  # SmolLM2-135M's 30 layers

@@ -151,7 +151,8 @@ def test_prefix_hits_skip_cached_blocks_and_leave_one_token_to_compute():
 
 
 def test_a_request_waits_for_its_kv_while_others_run():
-    engine, runner = make_engine(num_blocks=8, num_host_blocks=32, budget=64)
+    # 9 blocks: turn2's 7 and room for the other request to decode without a preemption
+    engine, runner = make_engine(num_blocks=9, num_host_blocks=32, budget=64)
     history = list(range(1, 25))  # 6 blocks
     add(engine, "turn1", history, max_tokens=1)
     run_to_end(engine)

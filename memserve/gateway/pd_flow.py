@@ -13,6 +13,12 @@ drives it; the client sees one ordinary stream.
 4. pd-caching-3: when D finishes, its decode-phase KV goes back to P (only the blocks P
    lacks), so the next turn's prefill at P reuses the answer too.
 
+With ``--transfer-mode by-layer`` on P, step 2 comes before step 1: D is named and
+pinned, and P told where to send, before P gets the request, so P sends each layer's KV
+as its prefill computes it (``workers/pd_layer_sender.py``); step 3 follows the first
+token as usual. This costs a round trip to D ahead of the prefill; when it fails, the
+request hands off after its first token as in the other modes.
+
 Failures: a prefill instance that dies before the first token means a retry on another
 one (nothing was streamed); once tokens were streamed, a handoff that fails, stalls (P or
 D dead or its heartbeats late at a check every ``handoff_timeout_s``, or ``HANDOFF_MAX_S``
@@ -107,9 +113,11 @@ class PDFlow:
         finished = False
         handoff: asyncio.Task | None = None
         handoff_since = 0.0
+        early = False  # by-layer: D named (and P told) before the prefill
         try:
             if decision.pull_from is not None:
                 await c._pull_prefix(decision.pull_from, decision.instance, prompt)
+            early = self._by_layer(prefill) and await self._handoff(stream, request_id, prefill, prompt, early=True)
             await c.channel.send(prefill, add)
             while not finished:
                 try:
@@ -120,8 +128,13 @@ class PDFlow:
                         continue  # both are alive, one is busy stepping: the handoff goes on
                     item = HandoffDone(request_id, "", 0, error="the handoff stalled: an instance is not healthy")
                 if item is _RETRY and phase == "prefill":
+                    if early:  # P or D died: both drop the request, and D is named anew for the new P
+                        await c._send_abort(prefill, request_id)
+                        await c._send_abort(stream.peer, request_id)  # type: ignore[arg-type]
                     stream.worker = prefill = c._pick_worker(route).instance
                     log.warning("request %s: its prefill instance died; retrying on instance %d", request_id, prefill)
+                    early = self._by_layer(prefill) and await self._handoff(stream, request_id, prefill, prompt,
+                                                                            early=True)
                     await c.channel.send(prefill, add)
                     continue
                 if isinstance(item, HandoffDone) and phase != "handoff":
@@ -157,7 +170,8 @@ class PDFlow:
                     cached = out.num_cached_tokens
                     if not out.finished and out.new_token_ids:
                         phase, handoff_since = "handoff", time.monotonic()
-                        handoff = asyncio.create_task(self._handoff(stream, request_id, prefill, prompt))
+                        if not early:
+                            handoff = asyncio.create_task(self._handoff(stream, request_id, prefill, prompt))
                 else:
                     out.num_cached_tokens = cached  # what the prefill found cached is the request's
                 if out.finished:
@@ -173,7 +187,7 @@ class PDFlow:
             c.admission.notify()
             if handoff is not None:
                 handoff.cancel()
-            if not finished:
+            if not finished or (early and phase == "prefill"):  # (D holds what P sent for a request that ended on P)
                 for instance in {prefill, stream.worker, stream.peer} - {None}:
                     await c._send_abort(instance, request_id)  # type: ignore[arg-type]
 
@@ -185,9 +199,15 @@ class PDFlow:
         return all(h.alive and now - h.last_heartbeat <= DEGRADED_AFTER_HEARTBEATS * h.config.heartbeat_s
                    for h in workers)
 
-    async def _handoff(self, stream: _Stream, request_id: str, prefill: int, prompt: list[int]) -> None:
-        """Name the decode instance, let it pin what it has, and start P's send. On a
-        failure P drops the KV and the request resumes without it."""
+    def _by_layer(self, prefill: int) -> bool:
+        return self.client.cluster.workers[prefill].config.engine.transfer_mode == "by-layer"
+
+    async def _handoff(self, stream: _Stream, request_id: str, prefill: int, prompt: list[int],
+                       early: bool = False) -> bool:
+        """Name the decode instance, let it pin what it has, and start P's send (``early``:
+        tell P where its prefill is to send); whether P was told. On a failure P drops
+        the KV and the request resumes without it (``early``: it hands off after its
+        first token instead)."""
         c = self.client
         try:
             stream.peer = decode = pick_decode(c._views())
@@ -196,15 +216,25 @@ class PDFlow:
             # At least the last block is sent: it holds the prompt's tail (a partial block).
             pin = prompt[: (num_blocks - 1) * c.block_size] if self.decode_caches else None
             expect = ExpectTransfer(next(c._transfer_ids), ticket, prefill, num_blocks, pin, request_id)
-            reply = await c._ask(decode, expect, HANDOFF_MAX_S)  # the request's loop watches D's health
+            # Later, the request's loop watches D's health; before the prefill nothing does.
+            reply = await c._ask(decode, expect, self.handoff_timeout_s if early else HANDOFF_MAX_S)
             self.counts["blocks_skipped"] += reply.cached_blocks
             await c.channel.send(prefill, HandoffStart(request_id, decode, ticket, reply.cached_blocks,
                                                        self.decode_caches))
+            return True
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - any failure means: resume without the KV
+            if early:
+                log.warning("request %s: naming its decode instance before the prefill failed (%r); it hands off "
+                            "after its first token", request_id, exc)
+                if stream.peer is not None:
+                    await c._send_abort(stream.peer, request_id)
+                stream.peer = None
+                return False
             await c._send_abort(prefill, request_id)  # frees the KV P kept
             stream.queue.put_nowait(HandoffDone(request_id, "", 0, error=f"handoff failed: {exc!r}"))
+            return False
 
     async def _resume(self, stream: _Stream, add: AddRequest, tokens: list[int], ticket: str, fresh: bool) -> None:
         """Continue the request on a decode instance: the one that has its KV (``ticket``),

@@ -26,7 +26,15 @@ Sending runs on the endpoint's own sender thread, which alone owns the peer sock
 ``send_async`` returns at once and the engine keeps stepping while a slow peer answers.
 The blocking calls (``send``, ``allocate``: MemPool's synchronous API) keep serving the
 endpoint's ROUTER while they wait, so two instances sending to each other at once do not
-deadlock. The receiver's engine collects
+deadlock.
+
+A by-layer transfer (MemServe §4.3, ``open_layers``) sends one message per layer while
+the sender's prefill step computes the next: the blocks are allocated when it opens,
+each ``KVLayer`` message carries one layer's K and V of every block (unanswered), and
+the last layer's message completes the transfer as ``KVData`` does (insertion, answer).
+The receiver writes each layer into the blocks allocated for the ticket as it arrives.
+
+The receiver's engine collects
 what arrived (addresses, tokens, the sender's ``private`` payload) with
 ``drain_received``; it then holds one reference on each received block, unless the
 sender set ``KVFlags.RELEASE``.
@@ -35,7 +43,9 @@ sender set ``KVFlags.RELEASE``.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -44,13 +54,17 @@ import zmq
 
 from memserve.ipc.curve import protect
 from memserve.ipc.messages import decode, encode, register
-from memserve.kvcache.address import Tier
+from memserve.kvcache.address import Tier, addr_block, addr_tier
 from memserve.kvcache.blocks import MemPoolError
 from memserve.kvcache.mempool import KVFlags, MemPool
 
 
 class TransferError(MemPoolError):
     """A transfer failed at the receiver or timed out."""
+
+
+# Seconds between checks, while waiting for an answer, whether a by-layer transfer was cancelled.
+CANCEL_POLL_S = 0.05
 
 
 @dataclass
@@ -88,6 +102,26 @@ class KVData:
 
 
 @dataclass
+class KVLayer:
+    """Header of one layer of a by-layer transfer; layer ``layer``'s K and V of every
+    block of ``dst`` follow as one frame. Unanswered, except the ``final`` message, which
+    completes the transfer (the fields from ``flags`` on mean what they mean in ``KVData``)."""
+
+    kind: ClassVar[str] = "kv_layer"
+    transfer_id: int
+    src_instance: int
+    dst: list[int]
+    layer: int
+    num_layers: int
+    ticket: str = ""
+    final: bool = False
+    flags: int = 0
+    private: Any = None
+    tokens: list[int] | None = None
+    first_block: int = 0
+
+
+@dataclass
 class KVDone:
     kind: ClassVar[str] = "kv_done"
     transfer_id: int
@@ -95,7 +129,7 @@ class KVDone:
     error: str | None = None
 
 
-for _cls in (KVAllocRequest, KVAllocReply, KVData, KVDone):
+for _cls in (KVAllocRequest, KVAllocReply, KVData, KVLayer, KVDone):
     register(_cls)
 
 
@@ -116,6 +150,8 @@ class _Grant:
     # The receiver's cached prefix, held for the transfer (incremental transfer): the
     # sent blocks continue it. Handed on with the received blocks, or freed.
     pinned: list[int] = field(default_factory=list)
+    layers: set[int] = field(default_factory=set)  # by-layer: the layers written so far
+    error: str | None = None  # by-layer: why a layer could not be written (answered at the last)
 
     def blocks(self) -> list[int]:
         return self.pinned + self.addrs
@@ -131,6 +167,42 @@ class ReceivedKV:
     private: Any
     inserted: int
     ticket: str = ""
+
+
+class LayerStream:
+    """The sender's side of one by-layer transfer. The engine thread calls ``send`` with
+    each layer's bytes (a copy it owns) as its step computes them, and ``cancel`` when the
+    request is gone; the endpoint's sender thread does the rest in order. ``future`` ends
+    with the receiver's answer to the last layer (the blocks' addresses there)."""
+
+    def __init__(self, endpoint: KVTransferEndpoint, instance: int, num_blocks: int, num_layers: int, ticket: str,
+                 tokens: list[int] | None, first_block: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.endpoint = endpoint
+        self.instance = instance
+        self.num_blocks = num_blocks
+        self.num_layers = num_layers
+        self.ticket = ticket
+        self.tokens = tokens
+        self.first_block = first_block
+        self.future: Future[list[int]] = Future()
+        self.cancelled = threading.Event()
+        self.dst: list[int] | None = None  # set by the sender thread once allocated
+        self.handed = 0  # layers handed to the sender thread
+        self.clock = clock
+        self.first_layer_at: float | None = None
+        self.done_at: float | None = None  # when it ended (the receiver's answer, or the failure)
+
+    def send(self, layer: int, buffer: memoryview) -> None:
+        """Queue layer ``layer`` (layers go in order; the last one completes the transfer)."""
+        if self.first_layer_at is None:
+            self.first_layer_at = self.clock()
+        self.handed += 1
+        self.endpoint._sender.submit(self.endpoint._send_layer, self, layer, buffer)
+
+    def cancel(self, reason: str) -> None:
+        """Fail the transfer: a wait for the receiver stops, no further layer goes out."""
+        self.cancelled.set()
+        self.endpoint._sender.submit(self.endpoint._settle, self, None, TransferError(reason))
 
 
 class KVTransferEndpoint:
@@ -252,6 +324,15 @@ class KVTransferEndpoint:
         return self._sender.submit(self._send, instance, len(src), dst, flags, private, ticket, tokens, first_block,
                                    buffers)
 
+    def open_layers(self, instance: int, num_blocks: int, num_layers: int, ticket: str,
+                    tokens: list[int] | None = None, first_block: int = 0,
+                    clock: Callable[[], float] = time.monotonic) -> LayerStream:
+        """Start a by-layer transfer of ``num_blocks`` blocks to ``instance``: the receiver
+        allocates them now, on the sender thread, while the sender's step is still ahead."""
+        stream = LayerStream(self, instance, num_blocks, num_layers, ticket, tokens, first_block, clock)
+        self._sender.submit(self._open_layers, stream)
+        return stream
+
     def _await(self, future: Future) -> Any:
         """The result of a sender-thread job, serving incoming requests meanwhile (two
         instances sending to each other at once must not deadlock)."""
@@ -261,11 +342,12 @@ class KVTransferEndpoint:
 
     # The methods below run on the sender thread, the only one that touches peer sockets.
 
-    def _allocate(self, instance: int, size: int, tier: Tier, ticket: str) -> list[int]:
+    def _allocate(self, instance: int, size: int, tier: Tier, ticket: str,
+                  cancelled: threading.Event | None = None) -> list[int]:
         peer = self._peer(instance)
         tid = next(self._ids)
         peer.send(encode(KVAllocRequest(tid, self.pool.instance_id, size, int(tier), ticket)))
-        reply = self._wait(peer, tid)
+        reply = self._wait(peer, tid, cancelled)
         if reply.error:
             raise TransferError(f"instance {instance} could not allocate {size} blocks: {reply.error}")
         return list(reply.addrs)
@@ -286,19 +368,60 @@ class KVTransferEndpoint:
             raise TransferError(f"transfer to instance {instance} failed: {done.error}")
         return list(dst)
 
+    def _open_layers(self, stream: LayerStream) -> None:
+        try:
+            stream.dst = self._allocate(stream.instance, stream.num_blocks, Tier.DEVICE, stream.ticket,
+                                        stream.cancelled)
+        except Exception as exc:  # noqa: BLE001 - the transfer's failure, reported through its future
+            self._settle(stream, None, exc)
+
+    def _send_layer(self, stream: LayerStream, layer: int, buffer: memoryview) -> None:
+        if stream.future.done() or stream.dst is None:
+            return  # failed or cancelled: the receiver frees what it allocated
+        final = layer == stream.num_layers - 1
+        try:
+            peer = self._peer(stream.instance)
+            tid = next(self._ids)
+            header = KVLayer(tid, self.pool.instance_id, stream.dst, layer, stream.num_layers, stream.ticket, final,
+                             tokens=stream.tokens if final else None, first_block=stream.first_block)
+            peer.send_multipart([encode(header), buffer], copy=False)  # the buffer is the stream's own copy
+            if final:
+                done = self._wait(peer, tid, stream.cancelled)
+                if done.error:
+                    raise TransferError(f"transfer to instance {stream.instance} failed: {done.error}")
+                self._settle(stream, stream.dst, None)
+        except Exception as exc:  # noqa: BLE001 - as above
+            self._settle(stream, None, exc)
+
+    @staticmethod
+    def _settle(stream: LayerStream, result: list[int] | None, error: BaseException | None) -> None:
+        """End a by-layer transfer (once: later outcomes are ignored); sender thread only."""
+        if stream.future.done():
+            return
+        stream.done_at = stream.clock()
+        if error is None:
+            stream.future.set_result(result)  # type: ignore[arg-type]
+        else:
+            stream.future.set_exception(error)
+
     def _peer(self, instance: int) -> zmq.Socket:
         sock = self._peers.get(instance)
         if sock is None:
             raise MemPoolError(f"no transfer peer for instance {instance}: call connect() first")
         return sock
 
-    def _wait(self, peer: zmq.Socket, tid: int) -> Any:
-        """The reply to request ``tid`` (late answers to requests that timed out are skipped)."""
+    def _wait(self, peer: zmq.Socket, tid: int, cancelled: threading.Event | None = None) -> Any:
+        """The reply to request ``tid`` (late answers to requests that timed out are
+        skipped); gives up early once ``cancelled`` is set."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TransferError(f"no answer to transfer request {tid} within {self.timeout_s} s")
+            if cancelled is not None:
+                if cancelled.is_set():
+                    raise TransferError(f"transfer request {tid} was cancelled")
+                remaining = min(remaining, CANCEL_POLL_S)
             if peer.poll(remaining * 1000, zmq.POLLIN):
                 reply = decode(peer.recv())
                 if reply.transfer_id == tid:
@@ -326,6 +449,11 @@ class KVTransferEndpoint:
                 reply: Any = self._on_alloc(header)
             elif isinstance(header, KVData):
                 reply = self._on_data(header, data)
+            elif isinstance(header, KVLayer):
+                reply = self._on_layer(header, data)
+                if reply is None:  # a layer on its way: no answer
+                    handled += 1
+                    continue
             else:
                 continue
             self._server.send_multipart([identity, encode(reply)])
@@ -361,8 +489,45 @@ class KVTransferEndpoint:
                     f"receiver {mover.block_nbytes if mover else 'no mover'} B/block"
                 )
             pool.write_blocks(msg.dst, buffers)
-            inserted = self._insert(msg) if msg.tokens is not None else 0
         except Exception as e:  # noqa: BLE001 - any failure is the sender's answer, not our crash
+            pool.free_mem(pinned + msg.dst)
+            return KVDone(msg.transfer_id, error=f"{type(e).__name__}: {e}")
+        return self._deliver(msg, pinned)
+
+    def _on_layer(self, msg: KVLayer, frames: list[zmq.Frame]) -> KVDone | None:
+        """Write one layer into the blocks allocated for the ticket; the last layer's
+        message completes the transfer (or answers the first error met on the way)."""
+        grant = self._grants.get(msg.ticket)
+        if grant is None or grant.src_instance != msg.src_instance or not grant.addrs or list(msg.dst) != grant.addrs:
+            return KVDone(msg.transfer_id, error="not held: the blocks were not allocated for this transfer's "
+                                                 "ticket") if msg.final else None
+        if grant.error is None:
+            try:
+                tiers = {addr_tier(a) for a in msg.dst}
+                if len(frames) != 1 or len(tiers) != 1 or not hasattr(self.pool.mover, "write_layer"):
+                    raise MemPoolError("a by-layer message holds one frame for blocks of one tier of a runner's pool")
+                self.pool.mover.write_layer(Tier(tiers.pop()), [addr_block(a) for a in msg.dst], msg.layer,  # type: ignore[union-attr]
+                                            frames[0].buffer)
+                grant.layers.add(msg.layer)
+            except Exception as e:  # noqa: BLE001 - answered with the last layer
+                grant.error = f"{type(e).__name__}: {e}"
+        if not msg.final:
+            return None
+        del self._grants[msg.ticket]
+        missing = msg.num_layers - len(grant.layers)
+        error = grant.error or (f"{missing} of {msg.num_layers} layers did not arrive" if missing else None)
+        if error is not None:
+            self.pool.free_mem(grant.pinned + msg.dst)
+            return KVDone(msg.transfer_id, error=error)
+        return self._deliver(msg, grant.pinned)
+
+    def _deliver(self, msg: KVData | KVLayer, pinned: list[int]) -> KVDone:
+        """The blocks of a complete transfer: indexed (``transfer_with_insert``), then
+        handed to the engine or, with ``KVFlags.RELEASE``, left to the index."""
+        pool = self.pool
+        try:
+            inserted = self._insert(msg) if msg.tokens is not None else 0
+        except Exception as e:  # noqa: BLE001 - as in _on_data
             pool.free_mem(pinned + msg.dst)
             return KVDone(msg.transfer_id, error=f"{type(e).__name__}: {e}")
         if msg.flags & KVFlags.RELEASE:
@@ -372,7 +537,7 @@ class KVTransferEndpoint:
                                              msg.ticket))
         return KVDone(msg.transfer_id, inserted)
 
-    def _insert(self, msg: KVData) -> int:
+    def _insert(self, msg: KVData | KVLayer) -> int:
         return insert_received(self.pool, msg.tokens, msg.first_block, msg.dst)  # type: ignore[arg-type]
 
 

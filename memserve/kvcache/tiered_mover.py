@@ -53,6 +53,10 @@ class TieredMover:
         else:
             self._write_disk(blocks, buffers)
 
+    def write_layer(self, tier: Tier, blocks: list[int], layer: int, buf: Buffer) -> None:
+        """By-layer transfers land in memory tiers only: the runner's mover stores them."""
+        self.base.write_layer(tier, blocks, layer, buf)  # type: ignore[attr-defined]
+
     def _write_disk(self, slots: list[int], buffers: Sequence[Buffer]) -> None:
         for slot, piece in zip(slots, recut(buffers, [self.block_nbytes] * len(slots)), strict=True):
             self.disk.write(slot, piece)

@@ -16,7 +16,9 @@ Per step (``begin_step``), with T_max the longest recent step:
 - Preemption: victims in CacheOpt's band order (``cacheopt_preempt``), an embedded
   request first when its host needs its space back; swapped when longer than the
   sweet spot of the cost model and the host tier has room, else recomputed
-  (``cacheopt_sweetspot``).
+  (``cacheopt_sweetspot``). Running requests are preempted when a running one needs
+  KV that is not there, and (``make_room``, before the step) for critical waiting
+  requests whose basic need the unallocated KV cannot hold.
 
 No starvation. A waiting request's key is a fixed deadline d = arrival + TTFT SLO +
 priority x slack (a preempted one: its last token + TBT SLO + priority x slack), and
@@ -25,7 +27,8 @@ deadline >= t + S_min (S_min: the smallest SLO plus priority slack in the worklo
 nothing arriving after d - S_min overtakes it: it is admitted no later than once the
 requests that arrived by d - S_min are admitted (tests/test_cacheopt_policy.py checks
 this under a continuous stream of tighter-SLO requests). A preempted request waits under
-the same rule, keyed by its next-token deadline.
+the same rule, keyed by its next-token deadline; a running request gives up its place
+to waiting ones (``make_room``) at most once.
 
 Components switch off by name for the ablation (``cacheopt_options``)."""
 
@@ -46,7 +49,11 @@ from memserve.workers.cacheopt_alloc import (
 from memserve.workers.cacheopt_budget import prefill_tokens_within
 from memserve.workers.cacheopt_ledger import KVLedger
 from memserve.workers.cacheopt_options import CacheOptOptions
-from memserve.workers.cacheopt_preempt import pick_victim, remaining_tokens
+from memserve.workers.cacheopt_preempt import (
+    pick_victim,
+    preemption_order,
+    remaining_tokens,
+)
 from memserve.workers.cacheopt_sweetspot import sweet_spot
 from memserve.workers.kv_manager import KVCacheManager
 from memserve.workers.policies import KVGate, PreemptKind
@@ -64,6 +71,8 @@ class CacheOpt:
         self._waiting: list[Sequence] = []  # admission order reversed: the next one is last
         self._sorted = True
         self._preempted: set[str] = set()  # waiting ids that ran before (fcfs order puts them first)
+        self._yielded: set[str] = set()  # ids preempted once to make room for waiting requests
+        self._yielding: set[str] = set()  # of those, the ones preempted this step: admitted after the rest
         self.now = 0.0
         self._steps: deque[float] = deque(maxlen=max(1, options.step_window))
         self._last_begin: float | None = None
@@ -75,6 +84,7 @@ class CacheOpt:
         self.sweet_spot: int | None = None
         self.num_top_ups = 0
         self.num_cuts = 0  # running requests' allocations cut to make room
+        self.num_room_preemptions = 0  # running requests preempted for critical waiting ones
 
     # ------------------------------------------------------------- SLO clock
 
@@ -112,7 +122,8 @@ class CacheOpt:
     def _order(self) -> list[Sequence]:
         if not self._sorted:
             if self.opt.on("RSA"):
-                self._waiting.sort(key=self.deadline, reverse=True)
+                yielding = self._yielding
+                self._waiting.sort(key=lambda s: (s.request_id in yielding, self.deadline(s)), reverse=True)
             else:  # fcfs: preempted requests first, then by arrival
                 self._waiting.sort(key=lambda s: (s.request_id not in self._preempted, s.arrival_time), reverse=True)
             self._sorted = True
@@ -137,6 +148,67 @@ class CacheOpt:
         return reversed(self._order())
 
     # ------------------------------------------------------------- per step
+    def make_room(self, running: list[Sequence], now: float, budget: int) -> list[Sequence]:
+        """§3.3.2: the waiting requests that must run this step to meet their SLO
+        (critical, at the head of the queue, within the step's token budget) need their
+        basic KV, D = sum(s^p + B); when the unallocated KV A' (free, plus running
+        requests' reclaimable unused allocations) is short of it, running requests are
+        preempted in §3.4's order until it is not (swap or recompute as ``preempt_kind``
+        says). Only for a head that holds a request which has no token yet and can
+        still meet its TTFT deadline: preempting for a deadline already missed saves
+        no SLO. A victim is neither critical itself nor embedded, and is preempted this
+        way at most once (so the starvation bound stands: a request loses its place to
+        waiting ones at most once, and then waits under the same deadline rule); this
+        step it is readmitted after the requests it made room for."""
+        if self._yielding:
+            self._yielding.clear()
+            self._sorted = False
+        if not self._waiting or not running or self.ledger is None or not self.opt.on("RSA"):
+            return []
+        self.now = now
+        ledger, allocations = self.ledger, self.ledger.allocations
+        head = self._order()[-1]
+        if self.remaining_s(head) - self.max_step_s >= self.opt.epsilon_ms / 1000:
+            return []  # EDF order: nothing waiting is critical
+        need = 0
+        rescues: list[int] = []  # D up to each request that can still make its TTFT
+        for seq in reversed(self._order()):
+            if budget <= 0 or not self.critical(seq):
+                break
+            need += self._basic_blocks(seq)
+            budget -= seq.num_tokens
+            if seq.request_id not in self._last_token and self.remaining_s(seq) > 0:
+                rescues.append(need)
+        if not rescues:
+            return []
+        reclaimable = sum(a.unheld for r in running if (a := allocations.get(r.request_id)) is not None
+                          and a.unheld > 0 and not a.borrowers)
+        free = max(0, ledger.free_blocks()) + reclaimable
+        if rescues[-1] <= free:
+            return []
+        eligible = [r for r in running if r.request_id not in self._yielded and not self.critical(r)
+                    and (a := allocations.get(r.request_id)) is not None and a.lender is None]
+        if not eligible:
+            return []
+        order = (preemption_order(eligible, [self._tbt_ms(r) for r in eligible],
+                                  [r.num_computed_tokens for r in eligible])
+                 if self.opt.on("PP") else eligible[::-1])
+        can_free = sum(allocations[r.request_id].held for r in order)
+        covered = [d for d in rescues if d - free <= can_free]
+        if not covered or covered[-1] <= free:
+            return []
+        shortage = covered[-1] - free
+        victims: list[Sequence] = []
+        for r in order:
+            if shortage <= 0:
+                break
+            victims.append(r)
+            shortage -= allocations[r.request_id].held
+        self._yielded.update(r.request_id for r in victims)
+        self._yielding.update(r.request_id for r in victims)
+        self.num_room_preemptions += len(victims)
+        return victims
+
     def attach(self, kv: KVCacheManager) -> KVGate:
         self.kv = kv
         self.ledger = KVLedger(kv.available_blocks, self.opt.reserve_blocks if self.opt.on("GR") else 0,
@@ -157,7 +229,11 @@ class CacheOpt:
                 self._last_token[seq.request_id] = now
         self._sorted = False  # deadlines moved with the tokens just produced
         if self.opt.on("RSA"):
-            running.sort(key=lambda s: not self.critical(s))  # stable: otherwise oldest first
+            deadline, late, eps = self.deadline, self.max_step_s, self.opt.epsilon_ms / 1000
+            critical = [deadline(s) - now - late < eps for s in running]  # self.critical(s), inlined
+            if any(critical) and not all(critical):  # critical first, otherwise oldest first
+                running[:] = ([s for s, c in zip(running, critical) if c]
+                              + [s for s, c in zip(running, critical) if not c])
             budget = self._tbt_budget(running, budget)
         self._plan(running, budget)
         return budget
@@ -167,8 +243,10 @@ class CacheOpt:
         tightest decoding request's next-token deadline (``cacheopt_budget``). A
         deadline that only a step of fewer than ``min_prefill_tokens`` prompt tokens
         would meet is given up (the next one counts) rather than stall every prefill."""
+        if self.cost is None:
+            return budget
         decoding = [s for s in running if s.output_token_ids and s.num_computed_tokens == s.num_tokens - 1]
-        if self.cost is None or not decoding:
+        if not decoding:
             return budget
         contexts = [s.num_tokens for s in decoding]
         # A deadline that even a decode-only step misses is lost already: it bounds nothing.
@@ -238,7 +316,13 @@ class CacheOpt:
             floors.pop()
         while True:  # cut requests need a release to count on: else the last in order waits
             seqs = [h[0] for h in head] + rest
-            alloc = amortise(demands, floors, free, [self.remaining_s(s) for s in seqs],
+            # RT: a waiting request's time to its TTFT deadline; a running one's unused
+            # allocation is needed only as it runs on, so its predicted time to finish
+            # (its next-token deadline, which the cut does not touch, would make every
+            # running request look urgent and leave its unused KV unreclaimable).
+            alloc = amortise(demands, floors, free,
+                             [remaining_tokens(h[0]) * self.max_step_s for h in head]
+                             + [self.remaining_s(s) for s in rest],
                              [remaining_tokens(s) for s in seqs])
             promises = self._back_with_releases(rest, alloc[len(head):], demands[len(head):], running)
             if promises is not None:
@@ -262,8 +346,10 @@ class CacheOpt:
         running requests that will finish before it runs out (its allocation after its
         prompt, in steps) free at least its shortfall, beyond what earlier cut requests
         count on. Returns cut request -> shortfall, or None when one is not covered.
-        With nothing running, no KV will be freed for anyone: cut requests then go as
-        they are rather than never."""
+        A critical request needs no such backing: it must run now to meet its SLO, and
+        §3.3.2 gives it its basic need (and its share) outright. With nothing running,
+        no KV will be freed for anyone: cut requests then go as they are rather than
+        never."""
         assert self.ledger is not None and self.kv is not None
         promises: dict[str, int] = {}
         if not running:
@@ -272,7 +358,7 @@ class CacheOpt:
         finishing: list[tuple[int, int]] | None = None
         promised = self.ledger.promised_blocks
         for seq, blocks, demand in zip(seqs, alloc, demands):
-            if blocks >= demand:
+            if blocks >= demand or self.critical(seq):
                 continue
             if finishing is None:
                 finishing = [(remaining_tokens(r), allocations[r.request_id].allocated) for r in running
@@ -315,6 +401,7 @@ class CacheOpt:
         if seq.is_finished:
             self._last_token.pop(seq.request_id, None)
             self._num_outputs.pop(seq.request_id, None)
+            self._yielded.discard(seq.request_id)
 
     # ------------------------------------------------------------- preemption
     def victim(self, running: list[Sequence], needy: Sequence) -> Sequence:
@@ -346,4 +433,5 @@ class CacheOpt:
             "reserve_grants_total": ledger.num_reserve_grants,
             "proactive_top_ups_total": self.num_top_ups,
             "allocation_cuts_total": self.num_cuts,
+            "room_preemptions_total": self.num_room_preemptions,
         }, "max_step_ms": self.max_step_s * 1000, "sweet_spot_tokens": self.sweet_spot}

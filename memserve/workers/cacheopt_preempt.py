@@ -26,8 +26,13 @@ def victim_order_key(seq: Sequence, tbt_slo_ms: float, kv_tokens: int) -> tuple[
     return (-bisect_right(TBT_BANDS_MS, tbt_slo_ms), -(remaining_tokens(seq) // TOKEN_BAND), kv_tokens // TOKEN_BAND)
 
 
+def preemption_order(running: list[Sequence], tbt_slo_ms: list[float], kv_tokens: list[int]) -> list[Sequence]:
+    """``running`` in CacheOpt's order, first to preempt first; of equals, the latest arrival."""
+    order = sorted(range(len(running)),
+                   key=lambda i: (victim_order_key(running[i], tbt_slo_ms[i], kv_tokens[i]), -running[i].arrival_time))
+    return [running[i] for i in order]
+
+
 def pick_victim(running: list[Sequence], tbt_slo_ms: list[float], kv_tokens: list[int]) -> Sequence:
-    """The first request in CacheOpt's order; of equals, the latest arrival."""
-    best = min(range(len(running)),
-               key=lambda i: (victim_order_key(running[i], tbt_slo_ms[i], kv_tokens[i]), -running[i].arrival_time))
-    return running[best]
+    """The first request in CacheOpt's order."""
+    return preemption_order(running, tbt_slo_ms, kv_tokens)[0]

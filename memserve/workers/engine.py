@@ -124,13 +124,11 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         self.mempool.poll_saves()  # finished saves free their source blocks for this step
-        loaded = self.runner.finished_loads()
-        if loaded:
-            self.scheduler.finish_loads(loaded)
+        lost = self._poll_loads()
         plan = self.scheduler.schedule()
-        if not (plan.chunks or plan.loads or plan.finished_ids):
+        if not (plan.chunks or plan.loads or plan.finished_ids or plan.preempted_ids):
             self._tier_upkeep()
-            return []
+            return lost
         failed: list[RequestOutput] = []
         try:
             result = self.runner.execute(plan)
@@ -139,9 +137,28 @@ class Engine:
             plan, result, failed = self._isolate_failures(plan)
         if plan.chunks:
             self.num_steps += 1
-        outputs = self.scheduler.update(plan, result) + failed
+        lost += self._poll_loads()  # loads this step streamed under its prefills are in: commit them first
+        outputs = self.scheduler.update(plan, result) + failed + lost
         self._tier_upkeep()
         return outputs
+
+    def _poll_loads(self) -> list[RequestOutput]:
+        """Commit the runner's finished loads; fail the requests whose load failed (only
+        them: their blocks are freed); let those whose load may stream under their
+        prefill (layer-wise preloading) run. Returns the failed requests' outputs."""
+        loaded = self.runner.finished_loads()
+        if loaded:
+            self.scheduler.finish_loads(loaded)
+        lost: list[RequestOutput] = []
+        for rid, error in getattr(self.runner, "failed_loads", dict)().items():
+            if self.scheduler.kv.fail_load(rid):
+                out = self.abort(rid)
+                out.finish_reason, out.error = "error", f"loading its cached KV failed: {error!r}"  # type: ignore[union-attr]
+                lost.append(out)  # type: ignore[arg-type]
+        streamable = getattr(self.runner, "streamable_loads", None)
+        if streamable is not None:
+            self.scheduler.stream_loads(streamable())
+        return lost
 
     def _tier_upkeep(self) -> None:
         """Between steps: drop expired conversations, move the look-ahead window (ranks

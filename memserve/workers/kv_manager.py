@@ -8,7 +8,9 @@ Invariants:
 - A cached prefix found in a slower tier is never copied inside ``schedule()``: admission
   reserves device blocks for it and queues a ``KVLoad``; the request waits in
   ``WAITING_FOR_KV`` while the engine keeps stepping others, and ``finish_load`` turns
-  the copies into its computed prefix once the runner reports them done.
+  the copies into its computed prefix once the runner reports them done. With layer-wise
+  preloading the request may run before that (its forward pass waits per layer); its
+  blocks are indexed only after ``finish_load``.
 - Full blocks are offered to the index once each, as soon as they are computed.
 """
 
@@ -111,13 +113,14 @@ class KVCacheManager:
             blocks.ids += [addr_block(a) for a in dst]
             blocks.loading, blocks.loading_dst, blocks.loading_seq = list(prefix.slow), dst, seq
             copies = [(int(t), src, dst_ids) for t, src, dst_ids in self.mempool.swap_in_copies(prefix.slow, dst)]
-            self._pending_loads.append(KVLoad(seq.request_id, copies))
             loading = True
         elif prefix.slow:
             self.mempool.free_mem(prefix.slow)
         seq.num_computed_tokens = len(blocks.addrs) * self.block_size
         if prefix.num_tokens is not None:
             seq.num_computed_tokens = min(seq.num_computed_tokens, prefix.num_tokens)
+        if loading:
+            self._pending_loads.append(KVLoad(seq.request_id, copies, seq.num_tokens - seq.num_computed_tokens))
         return loading
 
     def adopt(self, request_id: str, addrs: list[int], num_tokens: int) -> None:
@@ -160,6 +163,25 @@ class KVCacheManager:
         blocks.loading, blocks.loading_dst, blocks.loading_seq = [], [], None
         self.num_loaded_blocks += intact
         return True
+
+    def fail_load(self, request_id: str) -> bool:
+        """The runner's copy of the request's prefix failed: drop the sources and never
+        index the device blocks (they hold garbage; ``free`` returns them with the
+        request). False when the request left meanwhile (its blocks are freed now)."""
+        abandoned = self._abandoned.pop(request_id, None)
+        if abandoned is not None:
+            self.mempool.free_mem(abandoned.loading + abandoned.addrs)
+            return False
+        blocks = self._blocks[request_id]
+        self.mempool.free_mem(blocks.loading)
+        blocks.loading, blocks.loading_dst, blocks.loading_seq = [], [], None
+        return True
+
+    def load_in_flight(self, request_id: str) -> bool:
+        """A load of an earlier admission of this request (preempted while its prefix
+        was still streaming in) is still being copied: it is not admitted again until
+        that copy is done, so one request never has two loads."""
+        return request_id in self._abandoned
 
     # ----------------------------------------------------------------- slots
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -217,6 +239,8 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         blocks = self._blocks[seq.request_id]
+        if blocks.loading:  # a layer-wise preload not yet committed (``finish_load``): index after it
+            return
         full = seq.num_computed_tokens // self.block_size
         if full > blocks.num_indexed:
             self.mempool.insert(seq.token_slice(0, full * self.block_size), blocks.addrs[:full],

@@ -15,7 +15,7 @@ import torch
 from memserve.config import EngineConfig
 from memserve.kvcache.address import Tier
 from memserve.kvcache.blocks import contiguous_runs
-from memserve.workers.model.attention import allocate_kv_cache
+from memserve.workers.model.attention import allocate_kv_cache, layer_kv
 
 
 @dataclass
@@ -57,8 +57,20 @@ class KVPools:
 
     # ----------------------------------------------------------- BlockMover
     def copy_blocks(self, src_tier: Tier, src_blocks: list[int], dst_tier: Tier, dst_blocks: list[int]) -> None:
+        self._copy(self.pools[src_tier], src_blocks, self.pools[dst_tier], dst_blocks,
+                   0 if self.layout == "aggregated" else 2)
+
+    def copy_layer(self, src_tier: Tier, src_blocks: list[int], dst_tier: Tier, dst_blocks: list[int],
+                   layer: int) -> None:
+        """``copy_blocks`` of one layer's K and V only (layer-wise preloading)."""
         src, dst = self.pools[src_tier], self.pools[dst_tier]
-        dim = 0 if self.layout == "aggregated" else 2
+        if self.layout == "aggregated":
+            self._copy(src[:, layer], src_blocks, dst[:, layer], dst_blocks, 0)
+        else:
+            self._copy(src[layer], src_blocks, dst[layer], dst_blocks, 1)
+
+    @staticmethod
+    def _copy(src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor, dst_blocks: list[int], dim: int) -> None:
         src_idx = torch.tensor(src_blocks, device=src.device)
         dst_idx = torch.tensor(dst_blocks, device=dst.device)
         # Into host memory the copy must be complete on return (a save frees its source
@@ -82,3 +94,23 @@ class KVPools:
             dst = self._blocks(pool, start, length)
             src = torch.frombuffer(bytearray(buf) if isinstance(buf, bytes) else buf, dtype=pool.dtype)
             dst.copy_(src.view(dst.shape).to(dst.device))
+
+    # ------------------------------------------------------- by-layer transfer
+    def read_layer(self, blocks: list[int], layer: int) -> memoryview:
+        """A host copy of layer ``layer``'s K and V of device ``blocks``, as
+        ``[len(blocks), 2, block_size, kv_heads, head_dim]`` in either layout (by-layer
+        transfer: a copy, so the step may reuse the blocks before it is sent)."""
+        k, v = layer_kv(self.device, layer, self.layout)
+        idx = torch.tensor(blocks, device=self.device.device)
+        t = torch.stack((k.index_select(0, idx), v.index_select(0, idx)), dim=1).cpu()
+        return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+    def write_layer(self, tier: Tier, blocks: list[int], layer: int, buf: bytes | memoryview) -> None:
+        """Store what ``read_layer`` produced into ``blocks`` of ``tier``."""
+        pool = self.pools[tier]
+        k, v = layer_kv(pool, layer, self.layout)
+        data = torch.frombuffer(bytearray(buf) if isinstance(buf, bytes) else buf, dtype=pool.dtype)
+        data = data.view(len(blocks), 2, *k.shape[1:]).to(pool.device)
+        idx = torch.tensor(blocks, device=pool.device)
+        k.index_copy_(0, idx, data[:, 0])
+        v.index_copy_(0, idx, data[:, 1])

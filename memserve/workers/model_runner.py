@@ -6,14 +6,16 @@ it as finished; it never sees the scheduler's objects.
 
 KV loads (a slower tier's cached prefix) are copied by one background thread: torch
 releases the GIL in its copy kernels, so the copy overlaps the steps of other requests.
-The scheduler never schedules a request whose load is running, and no block being copied
-into is handed to anyone else, so steps and loads touch disjoint blocks. Saves of cached
+With layer-wise preloading (``layer_preload.py``) the copy goes layer by layer and the
+request's own prefill may run meanwhile, waiting per layer in the forward pass's hooks;
+otherwise the scheduler schedules it once its load is done. No block being copied into is
+handed to any other request, so steps and loads touch disjoint blocks. Saves of cached
 KV down the tiers run on another thread (``saver``); the MemPool pins what they read."""
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -26,11 +28,12 @@ from memserve.kvcache.tiered_mover import TieredMover
 from memserve.workers.engine import eos_token_ids
 from memserve.workers.kv_disk import open_disk_store
 from memserve.workers.kv_pools import KVPools
+from memserve.workers.layer_preload import LayerwisePreloader
 from memserve.workers.model.attention import AttentionMetadata
 from memserve.workers.model.dtype import resolve_dtype
 from memserve.workers.model.grammar import GrammarMatchers
 from memserve.workers.model.kv_shift import shift_blocks
-from memserve.workers.model.layer_hooks import NO_HOOKS, LayerHooks
+from memserve.workers.model.layer_hooks import NO_HOOKS, ChainedHooks, LayerHooks
 from memserve.workers.model.loader import load_model
 from memserve.workers.model.logprobs import PromptLogprobs, log_softmax_rows, sampled_logprobs
 from memserve.workers.model.penalties import TokenHistories
@@ -57,6 +60,8 @@ class ModelRunner:
         # CUDA, a saver whose thread copies on a stream of its own plugs in here.
         self.saver: Saver = ThreadSaver(self.mover) if cfg.async_save else InlineSaver(self.mover)
         self.hooks = hooks
+        # Hooks that depend on the step's plan (by-layer KV transfer), asked for each step.
+        self._step_hooks: list[Callable[[StepPlan], LayerHooks | None]] = []
         self.sampler = Sampler()
         self.prompt_logprobs = PromptLogprobs(self.model.compute_logits)
         self._params: dict[str, SamplingParams] = {}
@@ -64,8 +69,15 @@ class ModelRunner:
         eos = eos_token_ids(model_dir)
         self._histories = TokenHistories(eos)
         self._grammars = GrammarMatchers(model_dir, self.vocab_size, eos)
-        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-load")
-        self._loads: dict[str, Future] = {}
+        disk = getattr(self.mover, "disk", None)
+        self.preloader = LayerwisePreloader(
+            self.model_config.num_layers,
+            lambda tier, src, dst, layer: self.pools.copy_layer(tier, src, Tier.DEVICE, dst, layer),
+            lambda tier, src, dst: self.mover.copy_blocks(tier, src, Tier.DEVICE, dst),
+            (lambda slots: bool(disk.failed(slots))) if disk is not None else (lambda slots: False),
+            layerwise=cfg.layerwise_preload, ahead=cfg.preload_buffer_layers)
+        self.add_step_hooks(self.preloader.hooks_for)
+        self._failed_loads: dict[str, BaseException] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -91,6 +103,7 @@ class ModelRunner:
                 generator = self._generators[new.request_id] = torch.Generator(self.device).manual_seed(new.params.seed)
                 for _ in range(0 if new.params.greedy else len(new.output_token_ids)):
                     torch.rand(1, device=self.device, generator=generator)  # one draw per token sampled elsewhere
+        self.preloader.release(plan.finished_ids + plan.preempted_ids)
         if plan.loads:
             self.start_loads(plan.loads)
         if not plan.chunks:
@@ -131,7 +144,7 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.long, device=self.device),
             self.pools.device,
             meta,
-            self.hooks,
+            self._hooks_for(plan),
         )
         prompt_logprobs = self.prompt_logprobs.step(plan.chunks, query_start_loc, hidden, self._params)
         if not sample_ids:
@@ -145,20 +158,33 @@ class ModelRunner:
         return StepResult(dict(zip(sample_ids, tokens)),
                           sampled_logprobs(logprob_rows, log_probs, tokens, params, sample_ids), prompt_logprobs)
 
+    def add_step_hooks(self, make: Callable[[StepPlan], LayerHooks | None]) -> None:
+        """Have ``make(plan)`` give each step's extra layer hooks, called after ``hooks``."""
+        self._step_hooks.append(make)
+
+    def _hooks_for(self, plan: StepPlan) -> LayerHooks:
+        extra = [h for make in self._step_hooks if (h := make(plan)) is not None]
+        return ChainedHooks([self.hooks, *extra]) if extra else self.hooks
+
     # ------------------------------------------------------------------ loads
     def start_loads(self, loads: list[KVLoad]) -> None:
         for load in loads:
-            self._loads[load.request_id] = self._copier.submit(self._copy, load)
-
-    def _copy(self, load: KVLoad) -> None:
-        for tier, src, dst in load.copies:
-            self.mover.copy_blocks(Tier(tier), src, Tier.DEVICE, dst)
+            self.preloader.start(load)
 
     def finished_loads(self) -> list[str]:
-        done = [rid for rid, f in self._loads.items() if f.done()]
-        for rid in done:
-            self._loads.pop(rid).result()  # a failed copy raises here, in the engine's step
+        done, failed = self.preloader.finished()
+        self._failed_loads.update(failed)
         return done
+
+    def failed_loads(self) -> dict[str, BaseException]:
+        """Loads whose copy raised, found by ``finished_loads``: the engine fails those
+        requests only."""
+        failed, self._failed_loads = self._failed_loads, {}
+        return failed
+
+    def streamable_loads(self) -> list[str]:
+        """Requests whose prefill may run while their load streams in, layer by layer."""
+        return self.preloader.streamable()
 
     # ------------------------------------------------------------ kv-shift
     def shift_blocks(self, src_blocks: list[int], dst_blocks: list[int], delta_positions: int) -> None:

@@ -7,7 +7,10 @@ instance's cached prefix of them for the ticket, so the sender moves only the bl
 missing here (pd-caching-2's incremental transfer). KV that arrives for a request waits
 here, held, until the gateway's resume request (an ``AddRequest`` carrying the first
 token and ``kv_ticket``) hands it to the KV manager as that request's computed prefix.
-Aborts cancel the ticket; KV nobody resumes within ``hold_s`` is freed."""
+Aborts cancel the ticket; KV nobody resumes within ``hold_s`` is freed. A by-layer
+transfer (``--transfer-mode by-layer``) is expected before the sender's prefill runs; its
+layers are written into the ticket's blocks as they arrive (``ipc/kv_transfer.py``) and
+reach this side whole, like any other transfer."""
 
 from __future__ import annotations
 

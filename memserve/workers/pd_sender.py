@@ -9,21 +9,30 @@ sender thread, so the engine keeps stepping, and freed once the decode instance 
 ``HandoffStart`` without destination frees them too: nothing outlives its request.
 
 The first output is passed on unfinished: for the client the request goes on, on the
-decode instance."""
+decode instance.
+
+``--transfer-mode by-layer``: the gateway names the decode instance before the prefill
+(its ``HandoffStart`` arrives ahead of the ``AddRequest``), and the KV goes out layer by
+layer during the prefill step (``pd_layer_sender.py``); the blocks are freed when the
+request leaves, since the sends carry copies. A request whose destination comes only
+after its first token (the early naming failed) is sent after the step, one frame per
+layer's K or V of each block, as in by-request."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from memserve.ipc.kv_transfer import KVTransferEndpoint
+from memserve.ipc.kv_transfer import KVTransferEndpoint, LayerStream
 from memserve.ipc.messages import AddRequest, HandoffDone, HandoffStart, RequestOutput
 from memserve.kvcache.address import addr_block
 from memserve.kvcache.blocks import contiguous_runs
+from memserve.workers.pd_layer_sender import LayerSender
 
 if TYPE_CHECKING:
     from memserve.workers.engine import Engine
@@ -39,6 +48,17 @@ class _Sending:
     started: float
     num_bytes: int
     num_messages: int
+    num_blocks: int
+    parked: float  # when the prefill step ended
+    stream: LayerStream | None = None  # by-layer
+    finished: float | None = None  # when the receiver answered (set on the sender thread)
+
+
+@dataclass
+class _Parked:
+    prompt: list[int]
+    addrs: list[int]
+    at: float
 
 
 class HandoffSender:
@@ -47,10 +67,19 @@ class HandoffSender:
         self.endpoint = endpoint
         self.clock = clock
         self._prompts: dict[str, list[int]] = {}  # handoff requests not yet parked
-        self._parked: dict[str, tuple[list[int], list[int]]] = {}  # request -> (prompt, blocks)
+        self._parked: dict[str, _Parked] = {}
         self._sending: list[_Sending] = []
+        # by-layer: destinations named before the prefill, and the transfers of the
+        # requests still prefilling (request -> (HandoffStart, stream)).
+        self.layers: LayerSender | None = None
+        if engine.cfg.transfer_mode == "by-layer":
+            self.layers = LayerSender(engine.runner.pools)  # type: ignore[attr-defined]
+            engine.runner.add_step_hooks(self.layers.hooks_for)  # type: ignore[attr-defined]
+        self._early: dict[str, HandoffStart] = {}
+        self._streams: dict[str, tuple[HandoffStart, LayerStream]] = {}
+        # kv_ready_s: from the end of the prefill step to the KV being at the receiver.
         self.counts = {"handoffs": 0, "failed": 0, "blocks_sent": 0, "blocks_skipped": 0, "bytes_sent": 0,
-                       "messages": 0, "transfer_s": 0.0}
+                       "messages": 0, "transfer_s": 0.0, "kv_ready_s": 0.0}
 
     @property
     def busy(self) -> bool:
@@ -63,7 +92,24 @@ class HandoffSender:
         out = self.engine.add_request(dataclasses.replace(msg, params=dataclasses.replace(msg.params, max_tokens=1)))
         if out is not None:  # rejected at once
             self._drop(msg.request_id)
+        elif msg.request_id in self._early:
+            self._open(msg.request_id)
         return out
+
+    def _open(self, request_id: str) -> None:
+        """by-layer: open the transfer of a request about to prefill (the receiver
+        allocates the blocks it lacks meanwhile) and arm its prefill step."""
+        start = self._early.pop(request_id)
+        prompt = self._prompts[request_id]
+        block_size = self.engine.cfg.block_size
+        num_blocks = math.ceil(len(prompt) / block_size)
+        skip = min(start.first_block, num_blocks - 1)  # at least the prompt's tail block goes
+        tokens = prompt[: len(prompt) // block_size * block_size] if start.insert else None
+        layers = self.engine.runner.model_config.num_layers  # type: ignore[attr-defined]
+        stream = self.endpoint.open_layers(start.dst_instance, num_blocks - skip, layers, start.ticket, tokens, skip,
+                                           self.clock)
+        self._streams[request_id] = (dataclasses.replace(start, first_block=skip), stream)
+        self.layers.arm(request_id, stream, skip)  # type: ignore[union-attr]
 
     def filter(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Park the KV of handoff requests that produced their first token; their output
@@ -75,16 +121,39 @@ class HandoffSender:
                 continue
             if out.finish_reason == "length" and out.new_token_ids:
                 del self._prompts[out.request_id]
-                self._parked[out.request_id] = (prompt, self.engine.scheduler.kv.take_retained(out.request_id))
+                addrs = self.engine.scheduler.kv.take_retained(out.request_id)
+                if out.request_id in self._streams:
+                    self._sent_by_layer(out.request_id, addrs)
+                else:
+                    self._parked[out.request_id] = _Parked(prompt, addrs, self.clock())
                 out.finished, out.finish_reason = False, None
             else:
                 self._drop(out.request_id)
         return outputs
 
+    def _sent_by_layer(self, request_id: str, addrs: list[int]) -> None:
+        """The prefill step handed every layer to the sender thread (copies): free the
+        blocks now and watch the transfer like any send."""
+        self.engine.mempool.free_mem(addrs)
+        start, stream = self._streams.pop(request_id)
+        if stream.handed < stream.num_layers:  # the step failed and ran again: the layers went only in part
+            stream.cancel("the prefill step did not send every layer")
+        nbytes = stream.num_blocks * self.engine.mempool.mover.block_nbytes  # type: ignore[union-attr]
+        self.counts["blocks_skipped"] += start.first_block
+        self._watch(_Sending(start, [], stream.future, stream.first_layer_at or self.clock(), nbytes,
+                             stream.num_layers, stream.num_blocks, self.clock(), stream))
+
     def start(self, msg: HandoffStart) -> HandoffDone | None:
         """Send a parked request's KV from block ``first_block`` on; an answer now when
-        there is nothing to send (unknown request, no destination), else at ``poll``."""
-        prompt, addrs = self._parked.pop(msg.request_id, ([], []))
+        there is nothing to send (unknown request, no destination), else at ``poll``.
+        by-layer: a destination named before the prefill is kept for it."""
+        if self.layers is not None and msg.dst_instance >= 0 and msg.request_id not in self._parked:
+            self._early[msg.request_id] = msg
+            if msg.request_id in self._prompts:  # already queued: its prefill has not run yet
+                self._open(msg.request_id)
+            return None
+        parked = self._parked.pop(msg.request_id, None)
+        prompt, addrs = (parked.prompt, parked.addrs) if parked else ([], [])
         if msg.dst_instance < 0 or not addrs:
             if addrs:
                 self.engine.mempool.free_mem(addrs)
@@ -106,12 +175,18 @@ class HandoffSender:
             future = Future()
             future.set_exception(exc)
         self.counts["blocks_skipped"] += skip
-        self._sending.append(_Sending(msg, send, future, self.clock(), nbytes, frames))
+        self._watch(_Sending(msg, send, future, self.clock(), nbytes, frames, len(send), parked.at))  # type: ignore[union-attr]
         return None
+
+    def _watch(self, s: _Sending) -> None:
+        """Track a send until ``poll``; its end is stamped when the receiver answers."""
+        s.future.add_done_callback(lambda _: setattr(s, "finished", self.clock()))
+        self._sending.append(s)
 
     def _frame_nbytes(self) -> int | None:
         """by-request-agg: None (a frame per run of blocks, each block holding every
-        layer's K and V); by-request: one layer's K or V of one block per frame."""
+        layer's K and V); by-request (and by-layer's sends after the step): one layer's
+        K or V of one block per frame."""
         if self.engine.cfg.transfer_mode == "by-request-agg":
             return None
         layers = self.engine.runner.model_config.num_layers  # type: ignore[attr-defined]
@@ -124,16 +199,21 @@ class HandoffSender:
             if not s.future.done():
                 pending.append(s)
                 continue
-            self.engine.mempool.free_mem(s.addrs)
-            seconds = self.clock() - s.started
+            if s.addrs:
+                self.engine.mempool.free_mem(s.addrs)
+            # by-layer: often done before the step that sent it ended, before ``_watch``
+            finished = s.stream.done_at if s.stream is not None else s.finished
+            finished = finished if finished is not None else self.clock()
+            seconds = finished - s.started
             error = s.future.exception()
             if error is None:
                 self.counts["handoffs"] += 1
-                self.counts["blocks_sent"] += len(s.addrs)
+                self.counts["blocks_sent"] += s.num_blocks
                 self.counts["bytes_sent"] += s.num_bytes
                 self.counts["messages"] += s.num_messages
                 self.counts["transfer_s"] += seconds
-                done.append(HandoffDone(s.start.request_id, s.start.ticket, len(s.addrs), s.num_bytes,
+                self.counts["kv_ready_s"] += max(0.0, finished - s.parked)
+                done.append(HandoffDone(s.start.request_id, s.start.ticket, s.num_blocks, s.num_bytes,
                                         s.num_messages, seconds))
             else:
                 log.warning("handoff of %s to instance %d failed: %s", s.start.request_id, s.start.dst_instance,
@@ -144,14 +224,24 @@ class HandoffSender:
         return done
 
     def abort(self, request_id: str) -> None:
-        """The request was aborted: free its kept KV (a send in flight frees at ``poll``)."""
+        """The request was aborted: free its kept KV (a send in flight frees at ``poll``;
+        a by-layer one stops waiting for its receiver)."""
         self._drop(request_id)
-        _, addrs = self._parked.pop(request_id, ([], []))
-        if addrs:
-            self.engine.mempool.free_mem(addrs)
+        parked = self._parked.pop(request_id, None)
+        if parked is not None and parked.addrs:
+            self.engine.mempool.free_mem(parked.addrs)
+        for s in self._sending:
+            if s.stream is not None and s.start.request_id == request_id:
+                s.stream.cancel("the request was aborted")
 
     def _drop(self, request_id: str) -> None:
         self._prompts.pop(request_id, None)
+        self._early.pop(request_id, None)
+        if self.layers is not None:
+            self.layers.disarm(request_id)
+        _, stream = self._streams.pop(request_id, (None, None))
+        if stream is not None:
+            stream.cancel("the request ended on the prefill instance")
         addrs = self.engine.scheduler.kv.take_retained(request_id)
         if addrs:
             self.engine.mempool.free_mem(addrs)

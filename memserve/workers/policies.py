@@ -70,6 +70,12 @@ class SchedulePolicy(Protocol):
     def preempt_kind(self, victim: Sequence) -> PreemptKind:
         ...
 
+    def make_room(self, running: list[Sequence], now: float, budget: int) -> list[Sequence]:
+        """Called once per ``schedule()`` before ``begin_step``: running requests to
+        preempt now so that waiting ones can be admitted this step (preemptions made
+        here do not stop admission, as a running request's own need does)."""
+        ...
+
     def begin_step(self, running: list[Sequence], now: float, budget: int) -> int:
         """Called once per ``schedule()`` before running requests get their slots; may
         reorder ``running`` in place (the order they are served in). Returns the step's
@@ -120,6 +126,9 @@ class FCFS:
 
     def preempt_kind(self, victim: Sequence) -> PreemptKind:
         return PreemptKind.RECOMPUTE
+
+    def make_room(self, running: list[Sequence], now: float, budget: int) -> list[Sequence]:
+        return []
 
     def begin_step(self, running: list[Sequence], now: float, budget: int) -> int:
         return budget

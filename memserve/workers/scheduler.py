@@ -10,10 +10,14 @@ Mechanics: every step has a token budget. Running requests go first (one token e
 decoding, or their next prefill chunk), oldest first unless the policy reorders them
 (``begin_step``); when blocks run out (or the policy's ``KVGate`` refuses them), the
 policy's victim is preempted: recomputed later (its blocks freed, its full blocks kept
-as cached KV) or swapped (its full blocks copied to the host tier), as the policy says.
-Waiting requests are admitted in the policy's order while budget, request slots and
+as cached KV) or swapped (its full blocks copied to the host tier), as the policy says;
+the policy may also name running requests to preempt before the step so that waiting
+ones fit (``make_room``), which, unlike a running request going short, still lets the
+step admit. Waiting requests are admitted in the policy's order while budget, request slots and
 blocks last; an admitted request skips its cached prefix, and waits
-(``WAITING_FOR_KV``) while the slower-tier part of that prefix is copied in.
+(``WAITING_FOR_KV``) while the slower-tier part of that prefix is copied in, or, with
+layer-wise preloading, only until the runner says the copy may stream under its prefill
+(``stream_loads``).
 
 Invariant: a request is in exactly one of ``policy`` (waiting), ``loading`` (waiting for
 KV), ``running``, or none (finished); the KV manager holds blocks exactly for requests in
@@ -107,16 +111,33 @@ class Scheduler:
         next step on (their first chunk's slots were reserved at admission)."""
         for rid in request_ids:
             if self.kv.finish_load(rid):
-                seq = self.loading.pop(rid)
-                seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
-                self._unseen.add(rid)
+                self._run_loading(rid)
+
+    def stream_loads(self, request_ids: list[str]) -> None:
+        """Layer-wise preloading: these requests run from the next step on while the rest
+        of their prefix is copied in; their forward pass waits for each layer's copy."""
+        for rid in request_ids:
+            self._run_loading(rid)
+
+    def _run_loading(self, rid: str) -> None:
+        seq = self.loading.pop(rid, None)
+        if seq is None:  # already streaming (or left)
+            return
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self._unseen.add(rid)
 
     # ----------------------------------------------------------------- schedule
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.config.max_num_batched_tokens
-        budget = self.policy.begin_step(self.running, self.clock(), budget)
+        now = self.clock()
+        for victim in self.policy.make_room(self.running, now, budget):  # for waiting requests
+            self.running.remove(victim)
+            self._preempt(victim)
+            plan.preempted_ids.append(victim.request_id)
+        made_room = len(plan.preempted_ids)
+        budget = self.policy.begin_step(self.running, now, budget)
         running, allocate_slots, chunks = self.running, self.kv.allocate_slots, plan.chunks
         i = 0
         while i < len(running) and budget > 0:
@@ -133,7 +154,7 @@ class Scheduler:
                 chunks.append(self._chunk(seq, num_new))
                 budget -= num_new
                 i += 1
-        if not plan.preempted_ids:
+        if len(plan.preempted_ids) == made_room:  # no running request went short
             self._admit(plan, budget)
         plan.loads = self.kv.take_loads()
         if self._unseen:
@@ -151,7 +172,7 @@ class Scheduler:
         first chunk now too, so it can run as soon as the load is done."""
         while budget > 0 and len(self.running) + len(self.loading) < self.config.max_num_seqs:
             seq = self.policy.peek()
-            if seq is None:
+            if seq is None or self.kv.load_in_flight(seq.request_id):
                 break
             loading = self.kv.admit(seq, self.kv.get_computed_blocks(seq))
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)

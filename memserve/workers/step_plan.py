@@ -44,6 +44,7 @@ class KVLoad:
 
     request_id: str
     copies: list[tuple[int, list[int], list[int]]]  # (source tier, source block ids, device block ids)
+    num_new_tokens: int = 0  # tokens the request computes after the load (sizes a preload's read buffer)
 
 
 @dataclass
