@@ -1,12 +1,16 @@
 """Paged attention against plain per-sequence attention: decode batches whose context
 lengths differ widely are split into groups (bounded padding), and every row must still
-attend to exactly its own context, in both KV layouts and in bfloat16."""
+attend to exactly its own context, in both KV layouts, in bfloat16, with grouped (GQA,
+folded into the query rows) as well as one KV head per query head, and when large groups
+are attended a few block columns at a time (chunks made small here so that the test's
+groups have several, some ending inside one and some before one)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from memserve.workers.model import attention
 from memserve.workers.model.attention import (
     DECODE_GROUP_MAX_PAD_TOKENS,
     AttentionMetadata,
@@ -36,21 +40,29 @@ def test_decode_groups_keep_close_lengths_together():
 
 def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
     """q [heads, dim] against one sequence's keys/values [ctx, kv_heads, dim]."""
-    group = HEADS // KV_HEADS
+    group = q.shape[0] // keys.shape[1]
     k = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, ctx, dim]
     v = values.repeat_interleave(group, dim=1).transpose(0, 1)
     weights = torch.softmax((q[:, None, :] @ k.transpose(1, 2)).squeeze(1) * scale, dim=-1)
     return (weights[:, None, :] @ v).squeeze(1)
 
 
-@pytest.mark.parametrize(("layout", "dtype"), [("aggregated", torch.float32), ("layer-major", torch.float32),
-                                               ("aggregated", torch.bfloat16)])
-def test_mixed_lengths_decode_and_prefill_match_reference(layout, dtype):
+@pytest.mark.parametrize(("layout", "dtype", "kv_heads", "chunk_blocks"), [
+    ("aggregated", torch.float32, KV_HEADS, None), ("layer-major", torch.float32, KV_HEADS, None),
+    ("aggregated", torch.bfloat16, KV_HEADS, None), ("aggregated", torch.float32, HEADS, None),
+    ("aggregated", torch.bfloat16, HEADS, None),  # one query row per KV head: bf16 decode upcasts
+    ("aggregated", torch.float32, KV_HEADS, 1), ("layer-major", torch.float32, KV_HEADS, 4),
+    ("aggregated", torch.bfloat16, KV_HEADS, 4), ("aggregated", torch.bfloat16, HEADS, 1),
+])
+def test_mixed_lengths_decode_and_prefill_match_reference(layout, dtype, kv_heads, chunk_blocks, monkeypatch):
+    if chunk_blocks is not None:
+        monkeypatch.setattr(attention, "DECODE_CHUNK_MIN_TOKENS", 0)
+        monkeypatch.setattr(attention, "DECODE_CHUNK_BLOCKS", chunk_blocks)
     gen = torch.Generator().manual_seed(0)
     contexts = [700, 20, 300, 45, 310]  # decode rows: context includes the new token
     prefill_cached, prefill_new = 40, 9  # and one prefill chunk after a cached prefix
     num_blocks = 1 + sum(-(-c // BLOCK_SIZE) for c in contexts) + -(-(prefill_cached + prefill_new) // BLOCK_SIZE)
-    cache = allocate_kv_cache(num_blocks, LAYERS, BLOCK_SIZE, KV_HEADS, DIM, dtype, "cpu", layout)
+    cache = allocate_kv_cache(num_blocks, LAYERS, BLOCK_SIZE, kv_heads, DIM, dtype, "cpu", layout)
     cache.normal_(generator=gen)
     free = torch.randperm(num_blocks - 1, generator=gen).add(1).tolist()
     tables, slots, starts = [], [], [0]
@@ -65,10 +77,16 @@ def test_mixed_lengths_decode_and_prefill_match_reference(layout, dtype):
                              torch.tensor([t + [0] * (width - len(t)) for t in tables]), BLOCK_SIZE, layout)
     plan = AttentionPlan.build(meta, torch.device("cpu"))
     assert len(plan.decodes) == 3  # [700], [300, 310], [20, 45]
+    if chunk_blocks is not None:  # every group spanning more than one chunk is chunked
+        expected = [-(-blocks // chunk_blocks) if blocks > chunk_blocks else 0 for blocks in (44, 20, 3)]
+        assert [len(g.chunks) for g in plan.decodes] == expected
+        # one-block chunks: rows 300 and 20 end before their group's last chunk
+        assert any(c.empty_rows is not None for g in plan.decodes for c in g.chunks) == (chunk_blocks == 1)
     num_tokens, scale = starts[-1], DIM**-0.5
-    q = torch.randn(num_tokens, HEADS, DIM, generator=gen).to(dtype)
-    k = torch.randn(num_tokens, KV_HEADS, DIM, generator=gen).to(dtype)
-    v = torch.randn(num_tokens, KV_HEADS, DIM, generator=gen).to(dtype)
+    # a view into a wider tensor, as q is a view into the fused QKV projection
+    q = torch.randn(num_tokens, HEADS + 2 * kv_heads, DIM, generator=gen).to(dtype)[:, :HEADS]
+    k = torch.randn(num_tokens, kv_heads, DIM, generator=gen).to(dtype)
+    v = torch.randn(num_tokens, kv_heads, DIM, generator=gen).to(dtype)
     k_cache, v_cache = layer_kv(cache, 1, layout)
     out = paged_attention(q, k, v, k_cache, v_cache, plan, scale)
 

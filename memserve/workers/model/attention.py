@@ -15,9 +15,25 @@ indices, gather indices, masks) once; every layer reuses them, so no layer rebui
 or waits on the host. Decode sequences (one new token) are attended in padded batched
 calls with a key-padding mask, one per group of similar context lengths: every sequence of
 a group is padded to its longest, and a short sequence batched with long ones would
-otherwise copy and attend over mostly padding each layer. Prefill chunks are attended per
+otherwise copy and attend over mostly padding each layer. The query heads that share a KV
+head are folded into that head's query rows (GQA without reading each key once per query
+head); with as many rows, bf16 is attended in bf16. Prefill chunks are attended per
 sequence, with a causal mask aligned bottom-right so that chunks after a cached prefix see
 the whole prefix.
+
+On CPU, a decode group of at least DECODE_CHUNK_MIN_TOKENS padded context tokens (and
+more than one chunk) never has its padded context materialised: it is gathered and
+attended DECODE_CHUNK_BLOCKS (16) block columns at a time, each chunk by torch's CPU flash
+kernel (the private op, the one fused kernel that also returns the log-sum-exp), and the
+chunks merged by their log-sum-exp (flash-decoding). A 256-token chunk stays in cache from
+its copy to its use; one multi-megabyte gather does not. Measured 1.1-1.5x faster
+(float32; more in bf16) from 8 x 1024 tokens up, and slower below, where everything fits
+in cache and the merge's ops cost more than they save: hence the rule
+(benchmarks/paged_attention_micro.py, issue 15).
+Reading blocks strictly in place measured slower everywhere: a one-block-column loop pays
+~10 ops per column per layer (0.02-0.7x), and torch 2.13's inductor flex_attention over
+the cache as one long key sequence costs time that grows with the pool (0.01-0.05x over
+4k blocks), compiles for tens of seconds per batch size, and does not compile at batch 1.
 
 On CUDA with xformers installed, the whole batch instead goes through one
 memory-efficient-attention call with a block-diagonal, bottom-right-causal mask over
@@ -44,6 +60,10 @@ KV_LAYOUTS = ("aggregated", "layer-major")
 # per layer costs less than copying and attending over the padding.
 DECODE_GROUP_MAX_PAD_TOKENS = 128
 DECODE_GROUP_MAX_PAD_SHARE = 0.25
+# On CPU, a decode group of at least this many (padded) context tokens in all is gathered
+# and attended DECODE_CHUNK_BLOCKS block columns at a time (see the module docstring).
+DECODE_CHUNK_MIN_TOKENS = 8192
+DECODE_CHUNK_BLOCKS = 16
 
 
 @dataclass
@@ -100,6 +120,16 @@ class DecodeGroup:
     tokens: slice | torch.Tensor  # their rows in the flat batch
     block_tables: torch.Tensor  # [B, blocks needed by the longest]
     key_mask: torch.Tensor  # [B, 1, 1, blocks * block_size] bool, True = attend
+    chunks: list[DecodeChunk]  # empty: attended in one call
+
+
+@dataclass
+class DecodeChunk:
+    """DECODE_CHUNK_BLOCKS block columns of a decode group, attended on their own."""
+
+    start: int  # first key position
+    masked: bool  # some row ends inside (or before) this chunk
+    empty_rows: torch.Tensor | None  # [B, 1, 1] 0 / -inf: -inf where a row ends before it
 
 
 @dataclass
@@ -173,6 +203,15 @@ class AttentionPlan:
         tokens = out.view(*block_tables.shape[:-1], -1, *cache.shape[-2:])
         return tokens.transpose(-3, -2)
 
+    def additive_mask(self, group: DecodeGroup, dtype: torch.dtype, buffer: str) -> torch.Tensor:
+        """The group's key mask as 0 / -inf in ``dtype`` (what the CPU flash kernel takes),
+        built by the first layer that needs it."""
+        out = self._buffers.get(buffer)
+        if out is None or out.dtype != dtype:
+            out = torch.zeros(group.key_mask.shape, dtype=dtype, device=group.key_mask.device)
+            out = self._buffers[buffer] = out.masked_fill_(~group.key_mask, float("-inf"))
+        return out
+
     def to_float32(self, x: torch.Tensor, buffer: str) -> torch.Tensor:
         """A contiguous float32 copy of ``x`` in a buffer that every layer reuses."""
         out = self._buffers.get(buffer)
@@ -214,7 +253,15 @@ def _plan_decode(
     tables = block_tables[_as_index(seqs, device), :max_blocks]
     key_pos = torch.arange(max_blocks * bs, device=device)
     key_mask = key_pos[None, :] < torch.tensor(lens, device=device)[:, None]
-    return DecodeGroup(_as_index([starts[i] for i in seqs], device), tables, key_mask[:, None, None, :])
+    chunks = []
+    if device.type == "cpu" and max_blocks > DECODE_CHUNK_BLOCKS and len(seqs) * max_blocks * bs >= DECODE_CHUNK_MIN_TOKENS:
+        for start in range(0, max_blocks * bs, DECODE_CHUNK_BLOCKS * bs):
+            empty = [n <= start for n in lens]
+            empty_rows = None
+            if any(empty):
+                empty_rows = torch.tensor([float("-inf") if e else 0.0 for e in empty], device=device).view(-1, 1, 1)
+            chunks.append(DecodeChunk(start, min(lens) < start + DECODE_CHUNK_BLOCKS * bs, empty_rows))
+    return DecodeGroup(_as_index([starts[i] for i in seqs], device), tables, key_mask[:, None, None, :], chunks)
 
 
 def _plan_prefill(
@@ -251,19 +298,27 @@ def paged_attention(
     if plan.xformers is not None:
         return _xformers_paged_attention(q, k_cache, v_cache, plan, scale)
     out = q.new_empty(q.shape)  # contiguous even where q is a view into the fused projection
+    num_heads, head_dim = q.shape[1:]
+    kv_heads = k_cache.shape[-2]
     for i, group in enumerate(plan.decodes):
-        queries = q[group.tokens].unsqueeze(2)  # [B, heads, 1, dim]
+        # GQA folded into the query length: the heads sharing a KV head are that head's
+        # query rows, so each key is read once, not once per query head.
+        queries = q[group.tokens].view(-1, kv_heads, num_heads // kv_heads, head_dim)
+        upcast = q.device.type == "cpu" and q.dtype != torch.float32 and num_heads == kv_heads
+        if group.chunks and not upcast:
+            attended = _chunked_decode(queries, k_cache, v_cache, plan, group, f"decode-{i}", scale)
+            out[group.tokens] = attended.reshape(-1, num_heads, head_dim)
+            continue
         keys = plan.gather(k_cache, group.block_tables, f"decode-{i}-k")
         values = plan.gather(v_cache, group.block_tables, f"decode-{i}-v")
-        if q.device.type == "cpu" and q.dtype != torch.float32:
-            # torch's CPU kernel attends one query row in bf16 30x slower than in float32
-            # (measured, torch 2.13): upcasting the gathered context is far cheaper.
+        if upcast:
+            # torch's CPU kernel attends a single query row in bf16 several times slower
+            # than in float32 (measured, torch 2.13; from 2 rows on bf16 is the faster):
+            # upcasting the gathered context is far cheaper.
             queries = queries.float()
             keys, values = plan.to_float32(keys, f"decode-{i}-k32"), plan.to_float32(values, f"decode-{i}-v32")
-        attended = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=group.key_mask, scale=scale, enable_gqa=True
-        )
-        out[group.tokens] = attended.squeeze(2).to(q.dtype)
+        attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.key_mask, scale=scale)
+        out[group.tokens] = attended.reshape(-1, num_heads, head_dim).to(q.dtype)
     for i, seq in enumerate(plan.prefills):
         queries = q[seq.tokens].transpose(0, 1)[None]  # [1, heads, q, dim]
         if seq.block_ids is None:
@@ -282,6 +337,44 @@ def paged_attention(
         )
         out[seq.tokens] = attended[0].transpose(0, 1)
     return out
+
+
+def _chunked_decode(
+    queries: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: AttentionPlan,
+    group: DecodeGroup,
+    name: str,
+    scale: float,
+) -> torch.Tensor:
+    """Flash-decoding over a decode group's block columns, DECODE_CHUNK_BLOCKS at a time:
+    each chunk is gathered (small enough to stay in cache while it is attended), attended
+    by torch's CPU flash kernel, which also returns its log-sum-exp, and merged into the
+    running output. queries [B, kv_heads, group, dim] -> [B, kv_heads, group, dim]."""
+    block_size = k_cache.shape[1]
+    mask = plan.additive_mask(group, queries.dtype, f"{name}-mask") if any(c.masked for c in group.chunks) else None
+    out = lse = None
+    for chunk in group.chunks:
+        first = chunk.start // block_size
+        blocks = group.block_tables[:, first : first + DECODE_CHUNK_BLOCKS]
+        width = blocks.shape[1] * block_size
+        keys = plan.gather(k_cache, blocks, f"{name}-k{width}")
+        values = plan.gather(v_cache, blocks, f"{name}-v{width}")
+        chunk_mask = mask[..., chunk.start : chunk.start + width] if chunk.masked else None
+        part, part_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            queries, keys, values, attn_mask=chunk_mask, scale=scale
+        )
+        part_lse = part_lse.unsqueeze(-1)  # [B, kv_heads, group, 1], float32
+        if chunk.empty_rows is not None:  # the kernel gives a row without keys lse 0, output 0
+            part_lse = part_lse + chunk.empty_rows[..., None]
+        if out is None:
+            out, lse = part.float(), part_lse
+            continue
+        merged = torch.logaddexp(lse, part_lse)
+        out = out * (lse - merged).exp_() + part * (part_lse - merged).exp_()
+        lse = merged
+    return out.to(queries.dtype)
 
 
 def _xformers_paged_attention(
