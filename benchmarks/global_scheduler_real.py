@@ -1,13 +1,14 @@
-"""MemServe Fig. 15 on real workers: for each routing policy, start `memserve up` with 3
-CPU workers (one thread each, OMP_NUM_THREADS=1, so they share a small machine fairly),
-replay long-doc-qa and ShareGPT with a share ratio (every session replayed k times as
-distinct sessions) with `memserve bench`, and stop it. Prints P99/mean TTFT, mean JCT
-and the cached-token ratio per policy, and writes the results files and a summary.
+"""MemServe Fig. 15 on real workers: for each share ratio and routing policy, start
+`memserve up` with 3 CPU workers (one thread each, OMP_NUM_THREADS=1, so they share a
+small machine fairly), replay long-doc-qa and ShareGPT with that share ratio (every
+session replayed k times as distinct sessions) with `memserve bench`, and stop it (every
+point starts from cold caches). Prints P99/mean TTFT, mean JCT and the cached-token
+ratio per policy, and writes the results files and a summary.
 
 The ``cost`` policy needs this machine's cost model: ``memserve profile --quick
 --threads 1 --dtype float32 --output cpu-1t.json`` then ``--cost-model cpu-1t.json``.
 
-    python benchmarks/global_scheduler_real.py --out /tmp/gs-real --cost-model cpu-1t.json
+    python benchmarks/global_scheduler_real.py --out /tmp/gs-real --cost-model cpu-1t.json --share-ratios 1,2,3,4
 """
 
 from __future__ import annotations
@@ -19,23 +20,21 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from serve_process import start_memserve
+from serve_process import serving
 
 POLICIES = ("least-load", "session", "prompt-tree", "cost")
 
 
-def start(args: argparse.Namespace, policy: str, log: Path) -> tuple[subprocess.Popen, str]:
+def server_flags(args: argparse.Namespace, policy: str) -> list[str]:
     flags = ["--cpu-workers", "3", "--num-blocks", str(args.num_blocks), "--router", policy]
-    if args.cost_model:
-        flags += ["--cost-model", args.cost_model]
-    return start_memserve(flags, log)
+    return flags + ["--cost-model", args.cost_model] if args.cost_model else flags
 
 
-def bench(args: argparse.Namespace, url: str, workload: str, out: Path) -> dict:
+def bench(args: argparse.Namespace, url: str, workload: str, share_ratio: int, out: Path) -> dict:
     flags = {"long-doc-qa": ["--doc-len", str(args.doc_len), "--questions-per-doc", "3"],
              "sharegpt": ["--max-turns", "3", "--max-session-tokens", "1500"]}[workload]
     cmd = [sys.executable, "-m", "memserve.cli", "bench", "--base-url", url, "--workload", workload,
-           "--num-sessions", str(args.num_sessions), "--share-ratio", str(args.share_ratio), "--rate", str(args.rate),
+           "--num-sessions", str(args.num_sessions), "--share-ratio", str(share_ratio), "--rate", str(args.rate),
            "--max-tokens", str(args.max_tokens), "--no-progress", "--output", str(out), *flags]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     r = json.loads(out.read_text())
@@ -53,31 +52,32 @@ def main() -> None:
     p.add_argument("--workloads", default="long-doc-qa,sharegpt")
     p.add_argument("--cost-model", help="required by the cost policy (see above)")
     p.add_argument("--num-sessions", type=int, default=8, help="sessions before sharing")
-    p.add_argument("--share-ratio", type=int, default=2)
+    p.add_argument("--share-ratios", default="2", help="comma-separated, e.g. 1,2,3,4")
     p.add_argument("--rate", type=float, default=0.5, help="session starts per second")
     p.add_argument("--doc-len", type=int, default=768)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=512, help="KV blocks per worker")
     args = p.parse_args()
+    if "cost" in args.policies.split(",") and not args.cost_model:
+        p.error("the cost policy needs --cost-model (see above)")
     args.out.mkdir(parents=True, exist_ok=True)
     summary: dict = {}
-    for policy in args.policies.split(","):
-        proc, url = start(args, policy, args.out / f"server-{policy}.log")
-        try:
-            for workload in args.workloads.split(","):  # each workload's text is its own: caches do not carry over
-                m = summary.setdefault(workload, {})[policy] = bench(args, url, workload,
-                                                                      args.out / f"{workload}-{policy}.json")
-                print(f"{workload:12s} share {args.share_ratio}  {policy:11s}  P99 TTFT {m['ttft_p99_ms']:8.1f} ms  "
-                      f"mean TTFT {m['ttft_mean_ms']:7.1f} ms  JCT {m['jct_mean_ms']:7.0f} ms  "
-                      f"cached {m['cached_token_ratio']:.3f}  ({m['requests']} requests)", flush=True)
-        finally:
-            proc.terminate()
-            proc.wait(60)
-    for workload, row in summary.items():
-        if "session" in row and "prompt-tree" in row:
-            print(f"{workload}: prompt-tree P99 TTFT {1 - row['prompt-tree']['ttft_p99_ms'] / row['session']['ttft_p99_ms']:+.0%}"
-                  " lower than session" + (f"; cost/prompt-tree P99 {row['cost']['ttft_p99_ms'] / row['prompt-tree']['ttft_p99_ms']:.2f}"
-                                           if "cost" in row else ""))
+    for ratio in (int(r) for r in args.share_ratios.split(",")):
+        for policy in args.policies.split(","):
+            with serving(server_flags(args, policy), args.out / f"server-sr{ratio}-{policy}.log") as url:
+                for workload in args.workloads.split(","):  # each workload's text is its own: no carry-over
+                    m = summary.setdefault(workload, {}).setdefault(str(ratio), {})[policy] = bench(
+                        args, url, workload, ratio, args.out / f"{workload}-sr{ratio}-{policy}.json")
+                    print(f"{workload:12s} share {ratio}  {policy:11s}  P99 TTFT {m['ttft_p99_ms']:8.1f} ms  "
+                          f"mean TTFT {m['ttft_mean_ms']:7.1f} ms  JCT {m['jct_mean_ms']:7.0f} ms  "
+                          f"cached {m['cached_token_ratio']:.3f}  ({m['requests']} requests)", flush=True)
+    for workload, by_ratio in summary.items():
+        for ratio, row in by_ratio.items():
+            if "session" in row and "prompt-tree" in row:
+                cost = (f"; cost/prompt-tree P99 {row['cost']['ttft_p99_ms'] / row['prompt-tree']['ttft_p99_ms']:.2f}"
+                        if "cost" in row else "")
+                gain = 1 - row["prompt-tree"]["ttft_p99_ms"] / row["session"]["ttft_p99_ms"]
+                print(f"{workload} share {ratio}: prompt-tree P99 TTFT {gain:+.0%} lower than session{cost}")
     (args.out / "summary.json").write_text(json.dumps({"config": {k: str(v) for k, v in vars(args).items()},
                                                        "results": summary}, indent=1))
 

@@ -41,6 +41,7 @@ def main() -> None:
     p.add_argument("--in-flight", type=int, default=16, help="requests in flight per instance")
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--cost-model", default="llama2-13b-h800")
+    p.add_argument("--step-tokens", type=int, default=2048, help="the workers' max_num_batched_tokens")
     args = p.parse_args()
     rng = random.Random(0)
     bs = args.block_size
@@ -61,7 +62,7 @@ def main() -> None:
     print(f"{args.instances} instances, {total} cached blocks in the mirrors ({len(docs)} documents of "
           f"{args.doc_len} tokens), prompts of {len(requests[0])} tokens, {args.in_flight} requests in flight each")
     for name in ROUTING_POLICIES:
-        router = Router.named(name, cost)
+        router = Router.named(name, cost, step_tokens=args.step_tokens)
         views = [WorkerView(i, "ok", args.in_flight, {}, m) for i, m in enumerate(mirrors)]
         for i in range(args.instances):
             for k in range(args.in_flight):

@@ -2,7 +2,8 @@
 only healthy workers, degraded ones as a last resort, none left is a 503 with
 Retry-After; each policy's choice by hand-computed expectation (least-load, session,
 prompt-tree, cost = MemServe eqs. 1-2 with its pull flipping exactly at the predicted
-break-even); the load-imbalance guard; the queued-work ledger; the /metrics export."""
+break-even); the load-imbalance guard; the queued-work ledger (chunked prefills); the
+/metrics export."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from memserve.gateway.route_types import (
 )
 from memserve.gateway.router import LeastLoad, Router, RouteRequest, WorkerView
 from memserve.gateway.routing_metrics import RouterStatsCollector
+from memserve.gateway.routing_policies import exec_s
 from memserve.kvcache.events import STORED, KVEvent
 from memserve.kvcache.hashing import block_hashes
 from memserve.kvcache.mirror import PromptTreeMirror
@@ -194,6 +196,22 @@ def test_cost_pulls_exactly_when_eq2_holds(latency: float, expected: RouteDecisi
     assert router.route(RouteRequest("r", PROMPT), [view(0, cached=PROMPT[:32]), view(1)]) == expected
 
 
+@pytest.mark.parametrize("step_tokens, expected", [
+    (16, RouteDecision(1, "pull", pull_from=0, pull_blocks=8)),  # 16 + 0 + 16 = 32 <= 64 - 32: pull
+    (None, RouteDecision(1, "load")),  # 36 + 0 + 16 = 52 > 32: recompute the prefix on worker 1
+])
+def test_a_pull_waits_for_the_sources_current_chunk_not_its_whole_prefill(step_tokens, expected):
+    """Worker 0 holds 8 blocks (32 tokens) and prefills 36 tokens in chunks of at most
+    ``step_tokens``: it serves a push after its current step, the first 16-token chunk
+    (16 s), not after all 36 s. Eq. 1 sends the request to idle worker 1 either way
+    (worker 0: 36 + exec(64, 0.5) = 68 against 64); eq. 2 then holds with chunks (16 s
+    wait + 16 s transfer <= exec(64, 0) - exec(64, 0.5) = 32) and fails without them,
+    where worker 1 would recompute, and so duplicate, the cached prefix."""
+    router = Router.named("cost", cost=linear_cost(2.0), step_tokens=step_tokens)
+    router.ledger.admit("queued", 0, 36, 0, max_tokens=8)
+    assert router.route(RouteRequest("r", PROMPT), [view(0, cached=PROMPT[:32]), view(1)]) == expected
+
+
 def test_cost_queued_work_flips_the_choice_at_its_break_even():
     """Without a pull (transfer too slow), worker 0 (32 cached) wins while its queue is
     under exec(64, 0) - exec(64, 0.5) = 32 s and loses past it."""
@@ -213,6 +231,35 @@ def test_the_current_step_is_the_oldest_waiting_prefill_with_the_decode_batch():
     ledger.admit("second", 0, 30, 0, max_tokens=4)
     assert ledger.step_s(0) == 6 + 0.5
     assert ledger.step_s(1) == 0.0
+
+
+def test_a_long_prefill_runs_in_chunks_of_the_step_budget():
+    """With a budget of 16 tokens a step, a 40-token prefill takes three steps (16, 16,
+    8): the current step is its first chunk, exec(16, 0) = 16, with the decode batch
+    (0.5); the queue is its 40 s plus a decode step for each of its 3 chunks and for the
+    new request's first: 40 + 4 * 0.5. A prefill with 32 of 40 tokens cached is one step."""
+    cost = linear_cost(decode_per_step=0.5)
+    ledger = QueuedWork(cost, lambda: 0.0, step_tokens=16)
+    ledger.admit("decoding", 0, 10, 0, max_tokens=4)
+    ledger.observe("decoding", 1)
+    ledger.admit("long", 0, 40, 0, max_tokens=4)
+    assert ledger.step_s(0) == 16 + 0.5
+    assert ledger.work_s(0) == 40 + 4 * 0.5
+    ledger.admit("cached", 1, 40, 32, max_tokens=4)
+    assert ledger.step_s(1) == pytest.approx(8) and ledger.work_s(1) == pytest.approx(8)
+    unchunked = QueuedWork(cost, lambda: 0.0)
+    unchunked.admit("long", 0, 40, 0, max_tokens=4)
+    assert unchunked.step_s(0) == 40 and unchunked.work_s(0) == 40
+
+
+def test_a_new_requests_later_chunks_each_carry_a_decode_step():
+    """exec of a new 40-token prompt in 16-token chunks where the decode batch takes 0.5 s
+    a step: 16 + 16 + 8 s of prefill and two more decode steps (the first chunk's is in
+    the queued work); 32 tokens cached leave one chunk; no budget, one step."""
+    cost = linear_cost()
+    assert exec_s(cost, 40, 0, BS, step_tokens=16, decode_s=0.5) == 40 + 2 * 0.5
+    assert exec_s(cost, 40, 8, BS, step_tokens=16, decode_s=0.5) == pytest.approx(8)
+    assert exec_s(cost, 40, 0, BS, decode_s=0.5) == 40
 
 
 def test_queued_work_counts_prefills_and_the_running_decode_batch():

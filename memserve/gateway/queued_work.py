@@ -1,9 +1,11 @@
 """The gateway's ledger of the requests it has in flight on each worker, priced by the
 cost model: MemServe eq. 1's first term (the work queued on instance p) from prompt
 tokens still to prefill and the decode batch still expected to run, rather than from
-request counts. It
-also remembers what the router predicted for each request's TTFT so that the error of
-the cost model can be measured against the first token's real arrival.
+request counts. A prompt longer than the workers' token budget per step
+(``step_tokens``, the engine's ``max_num_batched_tokens``) is prefilled in chunks, one a
+step, each step also running the decode batch. It also remembers what the router
+predicted for each request's TTFT so that the error of the cost model can be measured
+against the first token's real arrival.
 
 Pure Python on an injected clock: the simulator runs it unchanged."""
 
@@ -19,11 +21,25 @@ from memserve.gateway.cost_model import CostModel
 EXPECTED_OUTPUT_CAP = 512
 
 
+def prefill_chunks_s(cost: CostModel, prompt_tokens: int, cached_tokens: int, step_tokens: int | None) -> list[float]:
+    """exec() of each step a prefill takes: its uncached tokens in chunks of at most
+    ``step_tokens`` (all in one without a budget), each attending to everything before
+    it. At least one token is computed (the engine needs its logits)."""
+    start, chunks = min(cached_tokens, prompt_tokens - 1), []
+    while start < prompt_tokens:
+        end = min(prompt_tokens, start + (step_tokens or prompt_tokens))
+        chunks.append(cost.prefill_s(end, start / end))
+        start = end
+    return chunks
+
+
 @dataclass
 class _Entry:
     instance: int
     prompt_tokens: int
     prefill_s: float  # exec(x, y) predicted at routing time
+    first_step_s: float  # its first chunk's share of prefill_s: the step a prefix push waits behind
+    steps: int  # prefill chunks it takes
     expected_tokens: int  # decode steps expected over all choices
     routed_at: float
     predicted_ttft_s: float | None
@@ -37,9 +53,10 @@ class TTFTSample:
 
 
 class QueuedWork:
-    def __init__(self, cost: CostModel | None, clock: Callable[[], float]) -> None:
+    def __init__(self, cost: CostModel | None, clock: Callable[[], float], step_tokens: int | None = None) -> None:
         self.cost = cost
         self.clock = clock
+        self.step_tokens = step_tokens  # None: a prompt is prefilled in one step
         self._entries: dict[str, _Entry] = {}
         self._on: dict[int, dict[str, _Entry]] = {}  # the same entries by instance
 
@@ -49,10 +66,11 @@ class QueuedWork:
     def admit(self, request_id: str, instance: int, prompt_tokens: int, cached_tokens: int,
               max_tokens: int | None, n: int = 1, predicted_ttft_s: float | None = None) -> None:
         """Record a routed request (again, when it is re-routed after its worker died)."""
-        prefill = self.cost.prefill_s(prompt_tokens, cached_tokens / prompt_tokens) if self.cost and prompt_tokens else 0.0
+        chunks = prefill_chunks_s(self.cost, prompt_tokens, cached_tokens, self.step_tokens) if self.cost else []
+        prefill, first, steps = sum(chunks), chunks[0] if chunks else 0.0, max(len(chunks), 1)
         expected = min(max_tokens or EXPECTED_OUTPUT_CAP, EXPECTED_OUTPUT_CAP) * max(n, 1)
         self.release(request_id)
-        entry = _Entry(instance, prompt_tokens, prefill, expected, self.clock(), predicted_ttft_s)
+        entry = _Entry(instance, prompt_tokens, prefill, first, steps, expected, self.clock(), predicted_ttft_s)
         self._entries[request_id] = self._on.setdefault(instance, {})[request_id] = entry
 
     def observe(self, request_id: str, new_tokens: int, at: float | None = None) -> TTFTSample | None:
@@ -73,33 +91,26 @@ class QueuedWork:
             del self._on[entry.instance][request_id]
 
     def step_s(self, instance: int) -> float:
-        """Predicted length of the step ``instance`` runs now: its oldest waiting prefill
-        with its decode batch. A worker serves a prefix push between two steps, so a pull
-        from it starts after about this long."""
+        """Predicted length of the step ``instance`` runs now: the first chunk of its
+        oldest waiting prefill with its decode batch. A worker serves a prefix push
+        between two steps, so a pull from it starts after about this long (not after the
+        whole of a long prefill)."""
+        waiting = [e for e in self._on.get(instance, {}).values() if e.generated == 0]  # admission order
+        return (waiting[0].first_step_s if waiting else 0.0) + self.decode_s(instance)
+
+    def decode_s(self, instance: int) -> float:
+        """Predicted length of one step of the decode batch running on ``instance``: the
+        requests that produced tokens and are still expected to be generating."""
         if self.cost is None:
             return 0.0
-        prefill, decoding, context = 0.0, 0, 0
-        for e in self._on.get(instance, {}).values():  # admission order: the first waiting one runs first
-            if e.generated == 0 and not prefill:
-                prefill = e.prefill_s
-            elif 0 < e.generated < e.expected_tokens:
-                decoding += 1
-                context += e.prompt_tokens + e.generated
-        return prefill + self.cost.decode_step_s(decoding, context)
+        decoding = [e for e in self._on.get(instance, {}).values() if 0 < e.generated < e.expected_tokens]
+        return self.cost.decode_step_s(len(decoding), sum(e.prompt_tokens + e.generated for e in decoding))
 
     def work_s(self, instance: int) -> float:
         """Predicted delay before a new request's prefill on ``instance`` finishes its
         queue: the prefills still to run there (eq. 1's sum of exec(x', y')) plus one step
-        of the running decode batch per prefill step, since the engine batches prefills
-        with the decodes of the requests still expected to be generating."""
-        if self.cost is None:
-            return 0.0
-        prefill, waiting, decoding, context = 0.0, 0, 0, 0
-        for e in self._on.get(instance, {}).values():
-            if e.generated == 0:
-                prefill += e.prefill_s
-                waiting += 1
-            elif e.generated < e.expected_tokens:
-                decoding += 1
-                context += e.prompt_tokens + e.generated
-        return prefill + (waiting + 1) * self.cost.decode_step_s(decoding, context)
+        of the running decode batch per prefill step (each chunk of each waiting prefill,
+        and the new request's first), since the engine batches prefills with the decodes
+        of the requests still expected to be generating."""
+        waiting = [e for e in self._on.get(instance, {}).values() if e.generated == 0]
+        return sum(e.prefill_s for e in waiting) + (sum(e.steps for e in waiting) + 1) * self.decode_s(instance)

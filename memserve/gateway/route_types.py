@@ -47,6 +47,7 @@ class Candidate:
     cached_blocks: int = 0  # its longest cached prefix of the prompt (0 for a worker that is not ok)
     queued_s: float = 0.0  # predicted work of the requests in flight there (0 without a cost model)
     step_s: float = 0.0  # predicted length of its current step (0 without a cost model)
+    decode_s: float = 0.0  # predicted length of one step of its decode batch (0 without a cost model)
 
     @property
     def instance_id(self) -> int:
@@ -83,6 +84,7 @@ class RoutingContext:
     cost: CostModel | None
     balance: Balance
     block_size: int
+    step_tokens: int | None = None  # the workers' token budget per step: longer prefills run in chunks
 
 
 @dataclass(frozen=True)

@@ -44,14 +44,14 @@ RESTART_RETRY_AFTER_S = 5.0
 
 class Router:
     def __init__(self, policy: RoutingPolicy, cost: CostModel | None = None, balance: Balance | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, step_tokens: int | None = None) -> None:
         if getattr(policy, "needs_cost", False) and cost is None:
             raise ValueError(f"the {policy.name} router needs a cost model: run `memserve profile` "
                              "or pass --cost-model")
         self.policy = policy
         self.cost = cost
         self.balance = balance or Balance()
-        self.ledger = QueuedWork(cost, clock)
+        self.ledger = QueuedWork(cost, clock, step_tokens)  # step_tokens: the workers' max_num_batched_tokens
         self.decisions: Counter[str] = Counter()  # by reason
         self.routed: Counter[int] = Counter()  # by instance
         self.pulls: Counter[str] = Counter()
@@ -59,8 +59,8 @@ class Router:
 
     @classmethod
     def named(cls, name: str, cost: CostModel | None = None, balance: Balance | None = None,
-              clock: Callable[[], float] = time.monotonic) -> Router:
-        return cls(make(ROUTING_POLICIES, name, "router"), cost, balance, clock)
+              clock: Callable[[], float] = time.monotonic, step_tokens: int | None = None) -> Router:
+        return cls(make(ROUTING_POLICIES, name, "router"), cost, balance, clock, step_tokens)
 
     def candidates(self, request: RouteRequest, workers: list[WorkerView]) -> list[Candidate]:
         """The workers that may take ``request`` now, scored with their cached prefix and
@@ -73,13 +73,15 @@ class Router:
         scored = self.policy.uses_cache or self.cost is not None
         hashes = block_hashes(request.prompt_token_ids, block_size) if scored else []
         return [Candidate(w, len(w.mirror.match_hashes(hashes)) if scored and w.state == "ok" else 0,
-                          self.ledger.work_s(w.instance_id), self.ledger.step_s(w.instance_id))
+                          self.ledger.work_s(w.instance_id), self.ledger.step_s(w.instance_id),
+                          self.ledger.decode_s(w.instance_id))
                 for w in live]
 
     def route(self, request: RouteRequest, workers: list[WorkerView]) -> RouteDecision:
         candidates = self.candidates(request, workers)
         block_size = candidates[0].view.mirror.block_size
-        decision = self.policy.choose(request, candidates, RoutingContext(self.cost, self.balance, block_size))
+        ctx = RoutingContext(self.cost, self.balance, block_size, self.ledger.step_tokens)
+        decision = self.policy.choose(request, candidates, ctx)
         self._record(request, decision, candidates, block_size)
         return decision
 
@@ -90,7 +92,8 @@ class Router:
         cached_blocks = decision.pull_blocks if decision.reason == PULL else chosen.cached_blocks
         predicted = None
         if self.cost is not None:
-            predicted = chosen.queued_s + exec_s(self.cost, x, cached_blocks, block_size)
+            predicted = chosen.queued_s + exec_s(self.cost, x, cached_blocks, block_size, self.ledger.step_tokens,
+                                                 chosen.decode_s)
             if decision.reason == PULL:
                 source = next(c for c in candidates if c.instance_id == decision.pull_from)
                 predicted += source.step_s + self.cost.transfer_s(cached_blocks * block_size

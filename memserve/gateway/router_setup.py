@@ -23,7 +23,8 @@ def build_router(cfg: ServeConfig, model_name: str) -> Router:
         raise RouterConfigError(f"cannot load the cost model {cfg.cost_model or 'profile'}: {exc}") from exc
     try:
         return Router.named(cfg.router, cost, Balance(cfg.router_balance_abs, cfg.router_balance_rel,
-                                                           cfg.router_cache_threshold))
+                                                           cfg.router_cache_threshold),
+                            step_tokens=cfg.engine.max_num_batched_tokens)
     except ValueError as exc:
         raise RouterConfigError(str(exc)) from exc
 

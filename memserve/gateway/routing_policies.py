@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from memserve.gateway.cost_model import CostModel
+from memserve.gateway.queued_work import prefill_chunks_s
 from memserve.gateway.route_types import (
     CACHE_HIT,
     FALLBACK,
@@ -107,10 +108,10 @@ class CostAware:
         best: tuple[float, int, int] | None = None
         decision: RouteDecision | None = None
         for c in candidates:
-            own = exec_s(cost, x, c.cached_blocks, ctx.block_size)
+            own = exec_s(cost, x, c.cached_blocks, ctx.block_size, ctx.step_tokens, c.decode_s)
             exec_here, pull = own, None
             if source is not None and source.cached_blocks > c.cached_blocks and c.view.state == "ok":
-                pulled = exec_s(cost, x, source.cached_blocks, ctx.block_size)
+                pulled = exec_s(cost, x, source.cached_blocks, ctx.block_size, ctx.step_tokens, c.decode_s)
                 transfer = source.step_s + cost.transfer_s(source.cached_blocks * ctx.block_size
                                                            * cost.kv_bytes_per_token)
                 if transfer <= own - pulled:  # eq. 2
@@ -135,9 +136,14 @@ def cached_ratio(x: int, cached_blocks: int, block_size: int) -> float:
     return min(cached_blocks * block_size, x - 1) / x if x > 1 else 0.0
 
 
-def exec_s(cost: CostModel, x: int, cached_blocks: int, block_size: int) -> float:
-    """exec(x, y) for a prompt with ``cached_blocks`` cached."""
-    return cost.prefill_s(x, cached_ratio(x, cached_blocks, block_size))
+def exec_s(cost: CostModel, x: int, cached_blocks: int, block_size: int, step_tokens: int | None = None,
+           decode_s: float = 0.0) -> float:
+    """exec(x, y) for a prompt with ``cached_blocks`` cached, as an engine with a budget
+    of ``step_tokens`` a step runs it: chunk by chunk, each chunk after the first with
+    one more step of the decode batch (``decode_s``; the first chunk's is in the queued
+    work)."""
+    chunks = prefill_chunks_s(cost, x, cached_blocks * block_size, step_tokens)
+    return sum(chunks) + (len(chunks) - 1) * decode_s
 
 
 ROUTING_POLICIES: dict[str, type] = {p.name: p for p in (LeastLoad, SessionAffinity, PromptTree, CostAware)}
