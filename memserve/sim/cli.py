@@ -27,6 +27,7 @@ from memserve.bench.report import RunPoint, print_run
 from memserve.bench.runner import ReplayResult
 from memserve.config import EngineConfig
 from memserve.gateway.cost_model import CostModel
+from memserve.gateway.pd_topology import PD_MODES, parse_instances
 from memserve.gateway.router import ROUTING_POLICIES, Balance, Router
 from memserve.kvcache.eviction import EVICTION_POLICIES
 from memserve.sim.predictor import PADDINGS, NoisyOracle
@@ -42,7 +43,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sim = p.add_argument_group("cluster")
     sim.add_argument("--cost-model", required=True, help="a cost-model JSON (memserve profile) or a preset name")
-    sim.add_argument("--instances", type=int, default=1, help="colocated instances")
+    sim.add_argument("--instances", default="1",
+                     help="N colocated instances, or one role per instance as memserve up takes them: "
+                          "'prefill,prefill,decode,decode' (disaggregated prefill/decode, sim/pd_flow.py)")
+    sim.add_argument("--pd-mode", default="pd-caching-3", choices=PD_MODES,
+                     help="disaggregated caching milestone (MemServe Table 4), as memserve up")
     sim.add_argument("--router", default="least-load", choices=sorted(ROUTING_POLICIES))
     sim.add_argument("--router-balance-abs", type=int, default=Balance.abs_threshold,
                      help="load-imbalance guard of prompt-tree/cost (as memserve up)")
@@ -75,12 +80,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run_simulate_command(args: argparse.Namespace) -> int:
     try:
+        roles = ["colocated"] * int(args.instances) if args.instances.isdigit() else parse_instances(args.instances)[0]
         cost = CostModel.load(args.cost_model)
         rate = args.rate or args.request_rate or math.inf
         spec, parts, dataset = build_sessions(args, 1)
         tokenizer = HFTokenizer(args.tokenizer) if args.tokenizer else SyntheticTokenizer()
         router = Router.named(args.router, cost, Balance(args.router_balance_abs, args.router_balance_rel,
-                                                                    args.router_cache_threshold))
+                                                                    args.router_cache_threshold),
+                              step_tokens=args.max_num_batched_tokens)
     except (ValueError, FileNotFoundError, OSError, KeyError) as e:
         return fail(str(e), EXIT_USAGE)
     engine_cfg = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks,
@@ -93,15 +100,15 @@ def run_simulate_command(args: argparse.Namespace) -> int:
     if args.predict_error is not None:
         predict = NoisyOracle(args.predict_error, 0.0 if math.isinf(rate) else rate, args.padding, seed=args.seed)
     try:
-        sim = Simulation(cost, engine_cfg, args.instances, router, tokenizer, replay_options(args, rate),
-                         args.num_disk_blocks, predict)
+        sim = Simulation(cost, engine_cfg, len(roles), router, tokenizer, replay_options(args, rate),
+                         args.num_disk_blocks, predict, roles, args.pd_mode)
     except ValueError as e:
         return fail(str(e), EXIT_USAGE)
     started = time.perf_counter()
     duration = sim.run(parts[0])
     wall = time.perf_counter() - started
     console = Console(soft_wrap=True)
-    label = args.label or f"sim:{cost.key.model}x{args.instances}"
+    label = args.label or f"sim:{cost.key.model}x{len(roles)}"
     result = point_result(ReplayResult(records=sim.records, duration_s=duration))
     result["simulation"] = {"wall_s": round(wall, 3), "simulated_s": round(duration, 3), "steps": sim.num_steps,
                             "requests_per_wall_s": round(len(sim.records) / wall, 1) if wall else None}
@@ -110,6 +117,9 @@ def run_simulate_command(args: argparse.Namespace) -> int:
                                            for kind in engines[0]["preemptions"]}
     if "kv_allocation" in engines[0]:
         result["simulation"]["kv_allocation"] = [e["kv_allocation"] for e in engines]
+    if sim.pd is not None:
+        result["simulation"]["roles"] = roles
+        result["simulation"]["pd"] = sim.pd.stats()
     point = RunPoint(label, None, result)
     print_run(console, point)
     console.print(f"simulated {duration:.1f} s of traffic ({len(sim.records)} requests, {sim.num_steps} steps) "

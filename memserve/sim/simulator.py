@@ -3,7 +3,8 @@
 Each instance is a real ``Engine`` (scheduler, KV cache manager, MemPool, policies) over
 a ``SimulatedRunner``; requests are routed by the real gateway ``Router`` over mirrors
 fed by the engines' own KV events. Nothing here re-implements a policy: it only decides
-*when* things happen. Sessions replay as ``memserve bench`` replays them (Poisson session
+*when* things happen. With prefill and decode roles, ``sim/pd_flow.py`` hands each
+request from its prefill instance to a decode instance. Sessions replay as ``memserve bench`` replays them (Poisson session
 starts from the same seeded generator, turn k+1 sent when turn k's answer is complete,
 exponential think times), and the records are the bench's, so ``results.json`` has the
 same shape and ``memserve bench compare`` works across real and simulated runs.
@@ -23,18 +24,20 @@ import itertools
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from memserve.bench.records import RequestRecord
 from memserve.bench.runner import ReplayOptions, arrival_offsets
 from memserve.bench.workloads import Session
 from memserve.config import EngineConfig
 from memserve.gateway.cost_model import CostModel
-from memserve.gateway.router import RouteRequest, Router, WorkerView
-from memserve.ipc.messages import AddRequest, SamplingParams
+from memserve.gateway.pd_topology import is_disaggregated, role_caches
+from memserve.gateway.router import Router, RouteRequest, WorkerView
+from memserve.ipc.messages import AddRequest, RequestOutput, SamplingParams
 from memserve.kvcache.blocks import OutOfBlocks
 from memserve.kvcache.events import KVEvents
 from memserve.kvcache.mirror import PromptTreeMirror
+from memserve.sim.pd_flow import SimPDFlow
 from memserve.sim.runner import SimulatedRunner
 from memserve.sim.tokens import TextTokenizer, chat_tokens
 from memserve.workers.engine import Engine
@@ -48,6 +51,7 @@ class _Instance:
     engine: Engine
     runner: SimulatedRunner
     mirror: PromptTreeMirror
+    role: str = "colocated"  # colocated | prefill | decode (sim/pd_flow.py)
     busy: bool = False  # a step event is scheduled
     step_end: float = 0.0  # when its latest step ends (a prefix push waits for it)
 
@@ -67,7 +71,8 @@ class _Turn:
 class Simulation:
     def __init__(self, cost: CostModel, engine_cfg: EngineConfig, num_instances: int, router: Router,
                  tokenizer: TextTokenizer, options: ReplayOptions, num_disk_blocks: int = 0,
-                 predict: Callable[[str, int], int] | None = None) -> None:
+                 predict: Callable[[str, int], int] | None = None, roles: list[str] | None = None,
+                 pd_mode: str = "pd-caching-3") -> None:
         self.now = 0.0
         self.predict = predict  # the gateway predictor's part: (request id, true output length) -> predicted
         self.cost = cost
@@ -75,17 +80,22 @@ class Simulation:
         self.tokenizer = tokenizer
         self.options = options
         router.ledger.clock = self.clock  # queued work and TTFT samples on the virtual clock
+        roles = roles or ["colocated"] * num_instances
+        if len(roles) != num_instances:
+            raise ValueError(f"{num_instances} instances but {len(roles)} roles")
         self.instances: list[_Instance] = []
-        for i in range(num_instances):
+        for i, role in enumerate(roles):
             runner = SimulatedRunner(cost, engine_cfg.num_blocks, engine_cfg.block_size,
                                      engine_cfg.max_model_len or 1 << 30, self.clock, num_disk_blocks)
-            engine = Engine(engine_cfg, runner, set(), i, self.clock)
-            self.instances.append(_Instance(engine, runner, PromptTreeMirror(i, engine_cfg.block_size)))
+            caching = engine_cfg.enable_prefix_caching and role_caches(role, pd_mode)
+            engine = Engine(replace(engine_cfg, enable_prefix_caching=caching), runner, set(), i, self.clock)
+            self.instances.append(_Instance(engine, runner, PromptTreeMirror(i, engine_cfg.block_size), role))
         self._events: list[tuple[float, int, str, tuple]] = []
         self._seq = itertools.count()
         self._in_flight: dict[str, _Turn] = {}
         self.records: list[RequestRecord] = []
         self.num_steps = 0
+        self.pd = SimPDFlow(self, pd_mode) if is_disaggregated(roles) else None
 
     def clock(self) -> float:
         return self.now
@@ -105,12 +115,18 @@ class Simulation:
                 self._arrive(*data)
             elif kind == "admit":
                 self._admit(*data)
+            elif kind == "call":
+                data[0]()
             else:
                 self._step(*data)
         return self.now
 
     def _push(self, at: float, kind: str, data: tuple) -> None:
         heapq.heappush(self._events, (at, next(self._seq), kind, data))
+
+    def schedule(self, at: float, fn: Callable[[], None]) -> None:
+        """Run ``fn`` at virtual time ``at`` (transfers, handoffs)."""
+        self._push(at, "call", (fn,))
 
     # ------------------------------------------------------------- arrivals
     def _arrive(self, s: int, k: int, history: list[tuple[str, list[int] | str]]) -> None:
@@ -138,7 +154,8 @@ class Simulation:
             self._push(self.now + self._pull(decision.pull_from, decision.instance, prompt), "admit", (add, turn))
 
     def _admit(self, add: AddRequest, turn: _Turn) -> None:
-        refused = self.instances[turn.instance].engine.add_request(add, self.now)
+        refused = (self.pd.admit(add, turn.instance) if self.pd is not None
+                   else self.instances[turn.instance].engine.add_request(add, self.now))
         if refused is not None:
             self.router.release(add.request_id)
             turn.record.end, turn.record.status, turn.record.error = self.now, "400", refused.error
@@ -173,7 +190,7 @@ class Simulation:
         in_flight = [0] * len(self.instances)
         for t in self._in_flight.values():
             in_flight[t.instance] += 1
-        return [WorkerView(i, "ok", in_flight[i], {}, inst.mirror) for i, inst in enumerate(self.instances)]
+        return [WorkerView(i, "ok", in_flight[i], {}, inst.mirror, inst.role) for i, inst in enumerate(self.instances)]
 
     def _wake(self, i: int, at: float) -> None:
         if not self.instances[i].busy:
@@ -188,22 +205,7 @@ class Simulation:
         outputs = inst.engine.step()
         done_at = inst.step_end = self.now + inst.runner.last_step_s
         self.num_steps += inst.runner.last_step_s > 0
-        events = inst.engine.drain_kv_events()
-        if events:
-            inst.mirror.apply(KVEvents(i, events))
-        for out in outputs:
-            turn = self._in_flight.get(out.request_id)
-            if turn is None:
-                continue
-            rec = turn.record
-            rec.cached_tokens = out.num_cached_tokens
-            self.router.observe(out.request_id, len(out.new_token_ids), done_at)
-            if out.new_token_ids:
-                rec.chunk_times.append(done_at)
-                rec.chunk_tokens.append(len(out.new_token_ids))
-                turn.output += out.new_token_ids
-            if out.finished:
-                self._finish(out.request_id, turn, done_at, out.error)
+        self.schedule(done_at, lambda: self._deliver(i, outputs))  # before the next step's event
         if inst.engine.has_work:
             if inst.runner.last_step_s > 0:
                 self._wake(i, done_at)
@@ -211,9 +213,39 @@ class Simulation:
                 load_done = inst.runner.next_load_done()
                 self._wake(i, load_done if load_done is not None and load_done > self.now else self.now + IDLE_POLL_S)
 
+    def _deliver(self, i: int, outputs: list[RequestOutput]) -> None:
+        """A step's results leave the worker when the step ends, not when it starts: its
+        KV events reach the mirror, its tokens the client and the router's ledger then (the
+        engine ran the step at its start; a router told early would see a prefill done and
+        its instance idle while it still computes)."""
+        self.publish(i)
+        if self.pd is not None:
+            outputs = self.pd.filter(i, outputs, self.now)
+        for out in outputs:
+            turn = self._in_flight.get(out.request_id)
+            if turn is None:
+                continue
+            rec = turn.record
+            rec.cached_tokens = out.num_cached_tokens
+            self.router.observe(out.request_id, len(out.new_token_ids), self.now)
+            if out.new_token_ids:
+                rec.chunk_times.append(self.now)
+                rec.chunk_tokens.append(len(out.new_token_ids))
+                turn.output += out.new_token_ids
+            if out.finished:
+                self._finish(out.request_id, turn, self.now, out.error)
+
+    def publish(self, i: int) -> None:
+        """Instance ``i``'s KV events reach the router's mirror of its prompt tree."""
+        events = self.instances[i].engine.drain_kv_events()
+        if events:
+            self.instances[i].mirror.apply(KVEvents(i, events))
+
     def _finish(self, rid: str, turn: _Turn, at: float, error: str | None) -> None:
         del self._in_flight[rid]
         self.router.release(rid)
+        if self.pd is not None:
+            self.pd.finished(rid, turn.output, at, error is None)
         rec = turn.record
         rec.end = at
         rec.completion_tokens = len(turn.output)
