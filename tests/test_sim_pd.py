@@ -124,3 +124,13 @@ def test_cli_runs_roles_and_rejects_a_topology_without_decode(tmp_path, capsys):
     sim = json.loads(out.read_text())["simulation"]
     assert sim["roles"] == ["prefill", "decode"] and sim["pd"]["mode"] == "pd-caching-2"
     assert sim["pd"]["handoffs"] == json.loads(out.read_text())["num_requests"]["ok"]
+
+
+def test_a_decode_instance_short_of_blocks_never_stalls_on_kv_held_by_its_queue():
+    """Handoffs fail on a small decode pool, so the head of D's queue recomputes while
+    requests behind it hold the KV they received and nothing runs: the scheduler releases
+    that KV (those requests recompute too) instead of waiting forever."""
+    sim = simulate(["prefill", "prefill", "decode"], "pd-caching-2", [conversation(i, 3) for i in range(8)],
+                   num_blocks=64)
+    assert len(sim.records) == 24 and all(r.ok for r in sim.records)
+    assert_nothing_held(sim)

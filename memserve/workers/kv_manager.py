@@ -129,6 +129,17 @@ class KVCacheManager:
         computed prefix; the request owns their references from now on."""
         self._adopted[request_id] = ComputedPrefix(list(addrs), num_tokens=num_tokens)
 
+    def release_adopted(self, keep: str) -> bool:
+        """Free the adopted KV of the most recently resumed waiting request other than
+        ``keep`` (that request will recompute, from cache where the blocks stay indexed);
+        False when there is none. For a queue whose head cannot get blocks while requests
+        behind it hold theirs and nothing runs: without it, nothing would ever move."""
+        victim = next((rid for rid in reversed(self._adopted) if rid != keep), None)
+        if victim is None:
+            return False
+        self.mempool.free_mem(self._adopted.pop(victim).device)
+        return True
+
     def retain(self, request_id: str) -> None:
         """When the request leaves, keep its blocks (in ``retained``) for a handoff."""
         self._retain.add(request_id)

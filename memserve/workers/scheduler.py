@@ -179,6 +179,8 @@ class Scheduler:
             if not self.kv.allocate_slots(seq, num_new):
                 self.kv.free(seq)
                 seq.num_computed_tokens = 0
+                if not self.running and not self.loading and self.kv.release_adopted(keep=seq.request_id):
+                    continue  # nothing else would free blocks: KV held by requests behind it goes
                 break
             self.policy.pop()
             self._count_admission(seq)
