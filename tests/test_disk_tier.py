@@ -6,6 +6,10 @@ publishes them as KV events that rebuild the gateway's mirror exactly."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 from test_mempool import BS, prompt
@@ -19,7 +23,7 @@ from test_tier_cascade import (
 )
 
 from memserve.kvcache.address import Tier, addr_tier
-from memserve.kvcache.disk_store import HEADER_NBYTES
+from memserve.kvcache.disk_store import HEADER_NBYTES, DiskStore
 from memserve.kvcache.events import REMOVED, STORED, KVEvents
 from memserve.kvcache.hashing import block_hashes
 from memserve.kvcache.mirror import PromptTreeMirror
@@ -138,3 +142,40 @@ def test_another_model_or_instance_never_reads_the_files(tmp_path):
     again, _ = tiered_pool(tmp_path)
     assert [addr_tier(a) for a in again.match(tokens, take_ref=False)] == [Tier.DISK] * 2
     again.close()
+
+
+_SAVER_SCRIPT = """
+import sys
+from memserve.kvcache.disk_store import DiskStore
+root, nbytes, blocks = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+store = DiskStore(root, blocks * (nbytes + 64), nbytes, 7)
+store.scan(0)
+for i in range(store.num_blocks):
+    store.name(i, i + 1, i if i else None)  # one chain: block i+1's parent is block i
+    store.write(i, bytes([i % 251]) * nbytes)
+    print(i, flush=True)
+"""
+
+
+def test_a_saver_killed_mid_write_leaves_only_whole_blocks(tmp_path):
+    """``kill -9`` of a real process while it writes block files: a store opened on the
+    directory afterwards adopts every block the dead process finished, each byte for byte,
+    nothing else, and deletes what the kill cut short."""
+    nbytes, blocks = 1 << 24, 24  # 16 MiB blocks: a write takes tens of ms, long enough to be cut
+    proc = subprocess.Popen([sys.executable, "-c", _SAVER_SCRIPT, str(tmp_path), str(nbytes), str(blocks)],
+                            stdout=subprocess.PIPE, text=True)
+    start, finished = time.perf_counter(), -1
+    while finished < 5:
+        finished = int(proc.stdout.readline())
+    time.sleep((time.perf_counter() - start) / (finished + 1) / 2)  # about half-way into the next write
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    finished = max([finished, *(int(line) for line in proc.stdout.read().split())])
+
+    store = DiskStore(tmp_path, blocks * (nbytes + 64), nbytes, 7)
+    adopted = store.scan(0)
+    assert adopted[: finished + 1] == [(i + 1, i if i else None) for i in range(finished + 1)]
+    assert len(adopted) <= finished + 2  # at most the one block written after the last report
+    for slot, (block_hash, _) in enumerate(adopted):
+        assert store.read(slot) == bytes([(block_hash - 1) % 251]) * nbytes
+    assert sorted(p.name for p in store.dir.iterdir()) == sorted(f"{h:016x}.kv" for h, _ in adopted)
