@@ -132,7 +132,7 @@ async def by_layer_scenario() -> None:
         assert stats["blocks_skipped"] > 0  # the second turns: the decode instance had their first blocks
         assert stats["blocks_sent"] + stats["blocks_skipped"] == total
         assert stats["bytes_sent"] == stats["blocks_sent"] * BLOCK_BYTES
-        assert client.cluster.workers[DECODE].stats["pd"]["resumed"] == 4
+        assert await wait_stats(client, DECODE, "resumed", 4) == 4  # reported with its next heartbeat
 
         for i, prompt in enumerate(prompts):  # the prefill instance alone (colocated) answers the same
             alone, _, _, _ = await collect(client.generate(f"ref{i}", prompt, GREEDY, instance=PREFILL))
