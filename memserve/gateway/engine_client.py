@@ -179,11 +179,7 @@ class ZmqEngineClient:
                 finished = unfinished == 0 or out.finish_reason == "error"
                 yield out
         finally:
-            if self.predictor is not None:
-                self.predictor.forget(request_id)
-            self._streams.pop(request_id, None)
-            self.router.release(request_id)
-            self.admission.notify()
+            self._release(request_id)
             if not finished:
                 await self._send_abort(stream.worker, request_id)
 
@@ -270,6 +266,15 @@ class ZmqEngineClient:
                      else self.predictor.predict(request_id, prompt_token_ids, params.max_tokens))
         return AddRequest(request_id, list(prompt_token_ids), params, session_id, time.time(),
                           slo.get("priority", 0), slo.get("ttft_ms"), slo.get("tbt_ms"), predicted, handoff=handoff)
+
+    def _release(self, request_id: str) -> None:
+        """A request is over, colocated or disaggregated: forget its stream, prediction and
+        routing load, and let a queued admission look again."""
+        if self.predictor is not None:
+            self.predictor.forget(request_id)
+        self._streams.pop(request_id, None)
+        self.router.release(request_id)
+        self.admission.notify()
 
     def _learn(self, request_id: str, output_tokens: int, finish_reason: str | None) -> None:
         """Feed a finished choice back to the predictor; a due refit runs off the event loop."""

@@ -180,11 +180,7 @@ class PDFlow:
                     self._return_kv(stream.worker, prefill, prompt + tokens)
                 yield out
         finally:
-            if c.predictor is not None:
-                c.predictor.forget(request_id)
-            c._streams.pop(request_id, None)
-            c.router.release(request_id)
-            c.admission.notify()
+            c._release(request_id)
             if handoff is not None:
                 handoff.cancel()
             if not finished or (early and phase == "prefill"):  # (D holds what P sent for a request that ended on P)
