@@ -58,6 +58,12 @@ class ScriptedRunner:
         done, self.done_loads = self.done_loads, []
         return done
 
+    def failed_loads(self) -> dict[str, BaseException]:
+        return {}
+
+    def streamable_loads(self) -> list[str]:
+        return []
+
 
 class Clock:
     def __init__(self) -> None:

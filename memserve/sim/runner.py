@@ -80,3 +80,9 @@ class SimulatedRunner:
             del self._loads[rid]
         return done
 
+    def failed_loads(self) -> dict[str, BaseException]:
+        return {}  # simulated loads never fail
+
+    def streamable_loads(self) -> list[str]:
+        return []  # a simulated load is whole: its request runs once it is done
+

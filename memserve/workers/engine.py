@@ -150,14 +150,12 @@ class Engine:
         if loaded:
             self.scheduler.finish_loads(loaded)
         lost: list[RequestOutput] = []
-        for rid, error in getattr(self.runner, "failed_loads", dict)().items():
+        for rid, error in self.runner.failed_loads().items():
             if self.scheduler.kv.fail_load(rid):
                 out = self.abort(rid)
                 out.finish_reason, out.error = "error", f"loading its cached KV failed: {error!r}"  # type: ignore[union-attr]
                 lost.append(out)  # type: ignore[arg-type]
-        streamable = getattr(self.runner, "streamable_loads", None)
-        if streamable is not None:
-            self.scheduler.stream_loads(streamable())
+        self.scheduler.stream_loads(self.runner.streamable_loads())
         return lost
 
     def _tier_upkeep(self) -> None:

@@ -28,3 +28,11 @@ class Runner(Protocol):
         """Request ids whose loads completed since the last call."""
         ...
 
+    def failed_loads(self) -> dict[str, BaseException]:
+        """Request ids whose load failed since the last call, with the error."""
+        ...
+
+    def streamable_loads(self) -> list[str]:
+        """Request ids whose prefill may run while their load is still arriving."""
+        ...
+
