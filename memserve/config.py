@@ -15,6 +15,7 @@ class EngineConfig:
     device: str = "cpu"  # "cpu" or "cuda:N"
     cpu_threads: int | None = None  # a CPU worker's compute threads (default: one per bound CPU, else torch's)
     cpu_threads_bind: str | None = None  # CPUs of each CPU worker, "0-1|2-3" (workers/cpu_threads.py)
+    cpu_gemm: str = "onednn"  # onednn (prepacked weights) | torch (F.linear); workers/model/packed_linear.py
     block_size: int = 16
     num_blocks: int | None = None  # overrides kv_cache_gb
     kv_cache_gb: float = 1.0

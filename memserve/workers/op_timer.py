@@ -19,6 +19,7 @@ from typing import Callable
 from torch import nn
 
 from memserve.workers.model.llama import MLP, Attention, DecoderLayer, RMSNorm
+from memserve.workers.model.packed_linear import PackedLinear
 
 
 def llama_operator_classes(model: nn.Module) -> dict[nn.Module, str]:
@@ -30,7 +31,7 @@ def llama_operator_classes(model: nn.Module) -> dict[nn.Module, str]:
                nn.Embedding: "embedding"}
     classes: dict[nn.Module, str] = {}
     for name, module in model.named_modules():
-        if isinstance(module, nn.Linear):
+        if isinstance(module, (nn.Linear, PackedLinear)):
             classes[module] = name.rsplit(".", 1)[-1]
         elif type(module) in by_type:
             classes[module] = by_type[type(module)]

@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from memserve.workers.model.llama import LlamaForCausalLM
 from memserve.workers.model.model_config import ModelConfig
+from memserve.workers.model.packed_linear import CPU_GEMMS, pack_linears, packing_supported
 
 # Our fused parameter -> the Hugging Face parameters concatenated (along the output dim) into it.
 _FUSED = {
@@ -53,8 +54,14 @@ def fuse_hf_weights(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_model(folder: str | Path, dtype: torch.dtype, device: str | torch.device) -> LlamaForCausalLM:
-    """Load the model in ``folder`` onto ``device`` in ``dtype``, ready for inference."""
+def load_model(
+    folder: str | Path, dtype: torch.dtype, device: str | torch.device, cpu_gemm: str = "onednn"
+) -> LlamaForCausalLM:
+    """Load the model in ``folder`` onto ``device`` in ``dtype``, ready for inference. On CPU
+    its linear layers run through oneDNN-packed weights (``packed_linear.py``) unless
+    ``cpu_gemm`` is "torch" or oneDNN cannot pack ``dtype`` here."""
+    if cpu_gemm not in CPU_GEMMS:
+        raise ValueError(f"unknown CPU GEMM {cpu_gemm!r}; expected one of {CPU_GEMMS}")
     folder = Path(folder)
     config = ModelConfig.from_folder(folder)
     weights = fuse_hf_weights(read_safetensors(folder, dtype, device))
@@ -73,4 +80,6 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: str | torch.devic
     model.load_state_dict(weights, strict=False, assign=True)
     if tie:
         model.lm_head.weight = model.model.embed_tokens.weight
+    if cpu_gemm == "onednn" and packing_supported(dtype, torch.device(device)):
+        pack_linears(model)
     return model.eval()
