@@ -103,10 +103,9 @@ class Engine:
                        predicted_output_tokens=req.predicted_output_tokens,
                        output_token_ids=list(req.output_token_ids))
         name_first_choice(seq)
-        shift = getattr(self.runner, "shift_blocks", None)  # the simulator's runner has no KV to shift
-        if req.params.dropped_token_ids and shift is not None:
+        if req.params.dropped_token_ids:
             reuse_truncated(self.mempool, seq.prompt_token_ids, req.params.dropped_at, req.params.dropped_token_ids,
-                            shift)
+                            self.runner.shift_blocks)
         self._arrivals += 1
         return self.scheduler.add(seq)
 

@@ -36,3 +36,7 @@ class Runner(Protocol):
         """Request ids whose prefill may run while their load is still arriving."""
         ...
 
+    def shift_blocks(self, src_blocks: list[int], dst_blocks: list[int], delta_positions: int) -> None:
+        """Copy KV blocks into ``dst_blocks`` re-rotated ``delta_positions`` earlier (a
+        truncated conversation reuses its cache after the dropped turns)."""
+        ...
