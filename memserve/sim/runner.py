@@ -86,3 +86,6 @@ class SimulatedRunner:
     def streamable_loads(self) -> list[str]:
         return []  # a simulated load is whole: its request runs once it is done
 
+    def shift_blocks(self, src_blocks: list[int], dst_blocks: list[int], delta_positions: int) -> None:
+        """Nothing to move: the simulator keeps no KV, only the index the shift fills."""
+
