@@ -5,6 +5,13 @@ distinct sessions). Writes one ``memserve simulate`` results file per point, a
 ``summary.json`` (P99/mean TTFT, mean JCT, cached-token ratio per policy) and a plot.
 
     python benchmarks/global_scheduler_sim.py --out /tmp/global-scheduler-sim
+
+The real run's setting (``global_scheduler_real.py``'s defaults on a ``memserve profile``
+of the CPU workers) on the simulator:
+
+    python benchmarks/global_scheduler_sim.py --out /tmp/gs-sim-cpu --cost-model cpu-1t.json --instances 3 \
+        --num-sessions 8 --rate 0.5 --share-ratios 2,3 --doc-len 768 --questions-per-doc 3 --max-tokens 16 \
+        --num-blocks 512 --sharegpt-max-turns 3 --sharegpt-max-session-tokens 1500
 """
 
 from __future__ import annotations
@@ -18,10 +25,7 @@ from pathlib import Path
 from memserve.cli import main as memserve
 
 POLICIES = ("least-load", "session", "prompt-tree", "cost")
-WORKLOADS = {  # flags of each workload, and its session-start rate (per second)
-    "long-doc-qa": ["--workload", "long-doc-qa", "--doc-len", "3000", "--questions-per-doc", "4"],
-    "sharegpt": ["--workload", "sharegpt"],
-}
+WORKLOADS = ("long-doc-qa", "sharegpt")
 METRICS = (("ttft_p99_ms", "P99 TTFT (ms)"), ("ttft_mean_ms", "mean TTFT (ms)"), ("jct_mean_ms", "mean JCT (ms)"),
            ("cached_token_ratio", "cached-token ratio"))
 
@@ -29,14 +33,28 @@ METRICS = (("ttft_p99_ms", "P99 TTFT (ms)"), ("ttft_mean_ms", "mean TTFT (ms)"),
 def run_point(out: Path, args: argparse.Namespace, workload: str, share_ratio: int, policy: str) -> dict:
     path = out / f"{workload}-sr{share_ratio}-{policy}.json"
     argv = ["simulate", "--cost-model", args.cost_model, "--instances", str(args.instances), "--router", policy,
-            *WORKLOADS[workload], "--num-sessions", str(args.num_sessions), "--share-ratio", str(share_ratio),
-            "--rate", str(args.rate), "--seed", str(args.seed), "--no-progress", "--output", str(path)]
+            *workload_flags(args, workload), "--num-sessions", str(args.num_sessions), "--share-ratio",
+            str(share_ratio), "--rate", str(args.rate), "--seed", str(args.seed), "--num-blocks", str(args.num_blocks),
+            "--no-progress", "--output", str(path)]
+    if args.max_tokens:
+        argv += ["--max-tokens", str(args.max_tokens)]
     with contextlib.redirect_stdout(io.StringIO()):
         if memserve(argv) != 0:
             raise RuntimeError(f"memserve {' '.join(argv)} failed")
     r = json.loads(path.read_text())
     return {"ttft_p99_ms": r["ttft_ms"]["p99"], "ttft_mean_ms": r["ttft_ms"]["mean"], "jct_mean_ms": r["jct_ms"]["mean"],
             "cached_token_ratio": r["cached_token_ratio"], "requests": r["num_requests"]["ok"]}
+
+
+def workload_flags(args: argparse.Namespace, workload: str) -> list[str]:
+    if workload == "long-doc-qa":
+        return ["--workload", workload, "--doc-len", str(args.doc_len), "--questions-per-doc", str(args.questions_per_doc)]
+    flags = ["--workload", workload]
+    if args.sharegpt_max_turns:
+        flags += ["--max-turns", str(args.sharegpt_max_turns)]
+    if args.sharegpt_max_session_tokens:
+        flags += ["--max-session-tokens", str(args.sharegpt_max_session_tokens)]
+    return flags
 
 
 def plot(summary: dict, path: Path) -> None:
@@ -72,6 +90,12 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=8.0, help="session starts per second")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--doc-len", type=int, default=3000, help="long-doc-qa document tokens")
+    p.add_argument("--questions-per-doc", type=int, default=4)
+    p.add_argument("--num-blocks", type=int, default=2048, help="device KV blocks per instance")
+    p.add_argument("--max-tokens", type=int, default=None, help="cap on answer tokens (default: the recorded ones)")
+    p.add_argument("--sharegpt-max-turns", type=int, default=None)
+    p.add_argument("--sharegpt-max-session-tokens", type=int, default=None)
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     summary: dict = {}

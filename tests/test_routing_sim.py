@@ -2,7 +2,8 @@
 cost-model clock): with shared sessions (share ratio 2) the prompt tree finds the
 copies' prefixes that session routing cannot, and the cost router's pulls really move
 the prefix into the destination's MemPool, whose prefill then starts from it; the
-router hears of a step's tokens when the step ends, never while it still runs."""
+router hears of a step's tokens when the step ends, never while it still runs; copies
+arriving together follow their original to its instance before any KV event."""
 
 from __future__ import annotations
 
@@ -22,18 +23,18 @@ from memserve.sim.tokens import SyntheticTokenizer
 
 # 24 sessions at 16 starts/s: loaded enough that the cost router pulls, spread enough that
 # most copies arrive after the first one's document is cached (a copy arriving while it is
-# still being prefilled finds it in no tree: the mirrors learn of KV when the step ends).
+# still being prefilled finds it only among the router's pending prefixes, which cannot be pulled).
 ARGS = ["--cost-model", "opt-13b-a100", "--instances", "4", "--workload", "long-doc-qa", "--doc-len", "1800",
         "--questions-per-doc", "3", "--dataset", str(SHARED_DATA / "sharegpt-sample.jsonl"), "--num-sessions", "12",
         "--share-ratio", "2", "--rate", "16", "--no-progress"]
 
 
-def simulate(router_name: str) -> tuple[Simulation, list[tuple[str, RouteDecision]], list[float]]:
-    """The run, its routing decisions, and for every token report the router got, how
-    long before the tokens' own time it got it."""
+def simulate(router_name: str, *extra: str) -> tuple[Simulation, list[tuple[str, RouteDecision]], list[float]]:
+    """The run (``extra`` flags override ``ARGS``), its routing decisions, and for every
+    token report the router got, how long before the tokens' own time it got it."""
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
-    args = parser.parse_args(["simulate", *ARGS, "--router", router_name])
+    args = parser.parse_args(["simulate", *ARGS, *extra, "--router", router_name])
     cost = CostModel.load(args.cost_model)
     _, parts, _ = build_sessions(args, 1)
     router = Router.named(router_name, cost, step_tokens=args.max_num_batched_tokens)
@@ -86,3 +87,16 @@ def test_the_router_hears_of_a_step_when_it_ends():
     instance idle, for the whole length of the step."""
     _, _, early = simulate("cost")
     assert early and max(early) == 0.0
+
+
+def test_copies_arriving_together_follow_their_original_before_any_kv_event():
+    """All 24 sessions start within about 10 ms, long before any first prefill ends: no
+    mirror holds anything yet, so only the pending prefixes can send each copy's first
+    turn to its original's instance. Every claim is gone at the end."""
+    for policy in ("prompt-tree", "cost"):
+        sim, decisions, _ = simulate(policy, "--rate", "2000")
+        first = {rid.split(":")[0]: d.instance for rid, d in decisions if rid.endswith(":1")}
+        copies = [sid for sid in first if "~" in sid]
+        assert len(copies) == 12
+        assert all(first[sid] == first[sid.split("~")[0]] for sid in copies), policy
+        assert sim.router.stats()["pending_hits"] >= 12 and len(sim.router.pending) == 0

@@ -344,6 +344,7 @@ class ZmqEngineClient:
                     stream.queue.put_nowait(out)
         elif isinstance(msg, KVEvents):
             self.mirrors[instance_id].apply(msg)
+            self.router.kv_events_applied(self.mirrors[instance_id])
         elif isinstance(msg, Heartbeat):
             self.cluster.heartbeat(instance_id, msg.stats)
         elif isinstance(msg, HandoffDone):

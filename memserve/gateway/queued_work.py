@@ -37,6 +37,7 @@ def prefill_chunks_s(cost: CostModel, prompt_tokens: int, cached_tokens: int, st
 class _Entry:
     instance: int
     prompt_tokens: int
+    uncached_tokens: int  # prompt tokens it computes (its KV blocks to allocate)
     prefill_s: float  # exec(x, y) predicted at routing time
     first_step_s: float  # its first chunk's share of prefill_s: the step a prefix push waits behind
     steps: int  # prefill chunks it takes
@@ -70,7 +71,8 @@ class QueuedWork:
         prefill, first, steps = sum(chunks), chunks[0] if chunks else 0.0, max(len(chunks), 1)
         expected = min(max_tokens or EXPECTED_OUTPUT_CAP, EXPECTED_OUTPUT_CAP) * max(n, 1)
         self.release(request_id)
-        entry = _Entry(instance, prompt_tokens, prefill, first, steps, expected, self.clock(), predicted_ttft_s)
+        entry = _Entry(instance, prompt_tokens, prompt_tokens - min(cached_tokens, prompt_tokens), prefill, first, steps,
+                       expected, self.clock(), predicted_ttft_s)
         self._entries[request_id] = self._on.setdefault(instance, {})[request_id] = entry
 
     def observe(self, request_id: str, new_tokens: int, at: float | None = None) -> TTFTSample | None:
@@ -89,6 +91,12 @@ class QueuedWork:
         entry = self._entries.pop(request_id, None)
         if entry is not None:
             del self._on[entry.instance][request_id]
+
+    def waiting_tokens(self, instance: int) -> int:
+        """Prompt tokens the requests on ``instance`` that have no token yet still compute:
+        the KV they allocate there, possibly after the worker's last report of its free
+        blocks (counted whether or not that report already shows them)."""
+        return sum(e.uncached_tokens for e in self._on.get(instance, {}).values() if e.generated == 0)
 
     def step_s(self, instance: int) -> float:
         """Predicted length of the step ``instance`` runs now: the first chunk of its

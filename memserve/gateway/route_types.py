@@ -48,6 +48,12 @@ class Candidate:
     queued_s: float = 0.0  # predicted work of the requests in flight there (0 without a cost model)
     step_s: float = 0.0  # predicted length of its current step (0 without a cost model)
     decode_s: float = 0.0  # predicted length of one step of its decode batch (0 without a cost model)
+    # Of cached_blocks, the blocks it holds only as prompts routed there and not yet in its mirror
+    # (``pending_prefixes``): skipped by this request once computed, but not there to pull yet.
+    pending_blocks: int = 0
+    # Device KV blocks it can still allocate (free plus evictable at its last report, less
+    # what the requests routed there and not started yet compute); None: not reported.
+    free_blocks: int | None = None
 
     @property
     def instance_id(self) -> int:
@@ -56,6 +62,11 @@ class Candidate:
     @property
     def in_flight(self) -> int:
         return self.view.in_flight
+
+    @property
+    def stored_blocks(self) -> int:
+        """The cached prefix its mirror shows: what a prefix pull can move from it now."""
+        return self.cached_blocks - self.pending_blocks
 
 
 @dataclass(frozen=True)

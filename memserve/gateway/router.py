@@ -4,7 +4,10 @@ healthy; none at all is ``EngineUnavailable``), scores the live workers for the 
 prefix in each mirrored radix tree, i.e. the global prompt tree, and the queued work
 priced by the cost model) and asks an injected ``RoutingPolicy`` (``routing_policies``)
 to choose. It keeps the ledger of the requests it routed, counts its decisions and
-measures the cost model's TTFT predictions against the real first tokens.
+measures the cost model's TTFT predictions against the real first tokens. A prompt it
+routed counts as cached on its instance until that instance's KV events show it
+(``pending_prefixes``), so a second copy arriving during the first one's prefill
+follows it instead of prefilling the same blocks elsewhere.
 
 Only workers that are ``ok`` show their trees: a worker whose heartbeats are late may
 have evicted what its mirror still shows, so its stale tree must not attract traffic
@@ -14,12 +17,14 @@ Pure Python on an injected clock: the simulator routes with the same code."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from collections.abc import Callable
 
 from memserve.gateway.cost_model import CostModel
 from memserve.gateway.engine_protocol import EngineUnavailable
+from memserve.gateway.pending_prefixes import PendingPrefixes
 from memserve.gateway.queued_work import QueuedWork
 from memserve.gateway.route_types import (
     PULL,
@@ -34,6 +39,7 @@ from memserve.gateway.route_types import (
 from memserve.gateway.routing_metrics import TTFTErrors
 from memserve.gateway.routing_policies import ROUTING_POLICIES, LeastLoad, exec_s
 from memserve.kvcache.hashing import block_hashes
+from memserve.kvcache.mirror import PromptTreeMirror
 from memserve.registry import make
 
 __all__ = ["ROUTING_POLICIES", "Balance", "LeastLoad", "RouteDecision", "RouteRequest", "Router", "WorkerView"]
@@ -52,9 +58,11 @@ class Router:
         self.cost = cost
         self.balance = balance or Balance()
         self.ledger = QueuedWork(cost, clock, step_tokens)  # step_tokens: the workers' max_num_batched_tokens
+        self.pending = PendingPrefixes(clock)
         self.decisions: Counter[str] = Counter()  # by reason
         self.routed: Counter[int] = Counter()  # by instance
         self.pulls: Counter[str] = Counter()
+        self.pending_hits = 0  # decisions that counted a prompt still in flight on the chosen worker as cached
         self.ttft = TTFTErrors()
 
     @classmethod
@@ -63,8 +71,12 @@ class Router:
         return cls(make(ROUTING_POLICIES, name, "router"), cost, balance, clock, step_tokens)
 
     def candidates(self, request: RouteRequest, workers: list[WorkerView]) -> list[Candidate]:
-        """The workers that may take ``request`` now, scored with their cached prefix and
-        queued work (admission control judges the request on the same scores)."""
+        """The workers that may take ``request`` now, scored with their cached prefix
+        (mirrored or pending) and queued work (admission control judges the request on the
+        same scores)."""
+        return self._scored(request, workers)[0]
+
+    def _scored(self, request: RouteRequest, workers: list[WorkerView]) -> tuple[list[Candidate], list[int]]:
         workers = [w for w in workers if w.role != "decode"]  # a prompt starts on a prefill-capable worker
         live = [w for w in workers if w.state == "ok"] or [w for w in workers if w.state == "degraded"]
         if not live:
@@ -72,17 +84,35 @@ class Router:
         block_size = live[0].mirror.block_size
         scored = self.policy.uses_cache or self.cost is not None
         hashes = block_hashes(request.prompt_token_ids, block_size) if scored else []
-        return [Candidate(w, len(w.mirror.match_hashes(hashes)) if scored and w.state == "ok" else 0,
-                          self.ledger.work_s(w.instance_id), self.ledger.step_s(w.instance_id),
-                          self.ledger.decode_s(w.instance_id))
-                for w in live]
+        out = []
+        for w in live:
+            stored = pending = 0
+            if scored and w.state == "ok":
+                stored = len(w.mirror.match_hashes(hashes))
+                pending = max(self.pending.match(w.instance_id, hashes) - stored, 0)
+            out.append(Candidate(w, stored + pending, pending_blocks=pending, queued_s=self.ledger.work_s(w.instance_id),
+                                 step_s=self.ledger.step_s(w.instance_id), decode_s=self.ledger.decode_s(w.instance_id),
+                                 free_blocks=self._free_blocks(w, block_size) if self.cost is not None else None))
+        return out, hashes
+
+    def _free_blocks(self, worker: WorkerView, block_size: int) -> int | None:
+        """Device KV blocks ``worker`` can still allocate: free plus evictable by its last
+        stats report (heartbeat), less the blocks of the requests routed there that have
+        not started (they may have been routed after that report)."""
+        device = worker.stats.get("mempool", {}).get("device")
+        if not device:
+            return None
+        waiting = math.ceil(self.ledger.waiting_tokens(worker.instance_id) / block_size)
+        return device["free"] + device["evictable"] - waiting
 
     def route(self, request: RouteRequest, workers: list[WorkerView]) -> RouteDecision:
-        candidates = self.candidates(request, workers)
+        self.pending.discard(request.request_id)  # re-routed: its old claim was never computed
+        candidates, hashes = self._scored(request, workers)
         block_size = candidates[0].view.mirror.block_size
         ctx = RoutingContext(self.cost, self.balance, block_size, self.ledger.step_tokens)
         decision = self.policy.choose(request, candidates, ctx)
         self._record(request, decision, candidates, block_size)
+        self.pending.add(request.request_id, decision.instance, hashes)
         return decision
 
     def _record(self, request: RouteRequest, decision: RouteDecision, candidates: list[Candidate],
@@ -101,6 +131,7 @@ class Router:
         self.ledger.admit(request.request_id, decision.instance, x, min(cached_blocks * block_size, max(x - 1, 0)),
                           request.max_tokens, request.n, predicted)
         self.decisions[decision.reason] += 1
+        self.pending_hits += decision.reason != PULL and chosen.pending_blocks > 0
         self.routed[decision.instance] += 1
 
     def observe(self, request_id: str, new_tokens: int, at: float | None = None) -> None:
@@ -110,8 +141,15 @@ class Router:
             self.ttft.add(sample.predicted_s, sample.actual_s)
 
     def release(self, request_id: str) -> None:
-        """The request ended (finished, failed or aborted): its work leaves the ledger."""
+        """The request ended (finished, failed or aborted): its work leaves the ledger
+        and its prompt no longer counts as pending."""
         self.ledger.release(request_id)
+        self.pending.discard(request_id)
+
+    def kv_events_applied(self, mirror: PromptTreeMirror) -> None:
+        """``mirror`` took a batch of its worker's KV events: the pending prompts they
+        cover are the mirror's from now on."""
+        self.pending.settle(mirror)
 
     def pull_done(self, ok: bool) -> None:
         self.pulls["ok" if ok else "failed"] += 1
@@ -119,4 +157,5 @@ class Router:
     def stats(self) -> dict:
         return {"policy": self.policy.name, "decisions": dict(self.decisions), "routed": dict(self.routed),
                 "pulls": dict(self.pulls),
-                "ttft_prediction": self.ttft.to_dict(), "in_flight": len(self.ledger)}
+                "ttft_prediction": self.ttft.to_dict(), "in_flight": len(self.ledger),
+                "pending_prefixes": len(self.pending), "pending_hits": self.pending_hits}

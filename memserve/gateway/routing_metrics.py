@@ -1,5 +1,5 @@
 """What the router exports on /metrics: decisions by policy and reason, prefix pulls by
-outcome, and how far the cost model's predicted TTFT was from the real one (a histogram
+outcome, decisions that counted a prompt still being prefilled as cached, and how far the cost model's predicted TTFT was from the real one (a histogram
 of the signed relative error plus both sums), so its error is visible in production.
 The router keeps plain counts (the simulator has no Prometheus); the collector reads
 them from ``engine.stats()["router"]`` at scrape time."""
@@ -66,6 +66,9 @@ class RouterStatsCollector(Collector):
                                     "a request (MemServe eq. 2), by outcome", labels=["outcome"])
         for outcome, n in router["pulls"].items():
             pulls.add_metric([outcome], n)
+        pending = CounterMetricFamily("memserve_router_pending_prefix_hits", "Routing decisions that counted a "
+                                      "prompt routed to the chosen worker and not yet in its KV events as cached")
+        pending.add_metric([], router["pending_hits"])
         ttft = router["ttft_prediction"]
         cumulative, buckets = 0, []
         for bound, n in zip([*RELATIVE_ERROR_BUCKETS, float("inf")], ttft["relative_error_counts"]):
@@ -80,4 +83,4 @@ class RouterStatsCollector(Collector):
         actual = CounterMetricFamily("memserve_router_ttft_actual_seconds",
                                      "Sum of the measured TTFTs of the same requests")
         actual.add_metric([], ttft["actual_sum_s"])
-        yield from (decisions, routed, pulls, error, predicted, actual)
+        yield from (decisions, routed, pulls, pending, error, predicted, actual)

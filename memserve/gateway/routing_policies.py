@@ -9,14 +9,18 @@
   ``exec(x, y_p)``, with eq. 2 folded in: a worker may pull a longer prefix from another
   first when the transfer costs less than the recompute it saves.
 
+Both cache-aware policies count a prompt routed to a worker and not yet in its mirror
+(pending, ``pending_prefixes``) as cached there.
+
 ``prompt-tree`` and ``cost`` yield to the load-imbalance guard (``Balance``)."""
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 
 from memserve.gateway.cost_model import CostModel
-from memserve.gateway.queued_work import prefill_chunks_s
+from memserve.gateway.queued_work import EXPECTED_OUTPUT_CAP, prefill_chunks_s
 from memserve.gateway.route_types import (
     CACHE_HIT,
     FALLBACK,
@@ -93,7 +97,23 @@ class CostAware:
     held elsewhere (ratio y_p') then computing the rest. The pull is taken exactly when
     eq. 2 holds: ``transfer <= exec(x, y_p) - exec(x, y_p')``. The transfer is priced
     at every block the source holds, since a prefix push moves all of them, and starts
-    when the source's current step ends (workers serve pushes between steps)."""
+    when the source's current step ends (workers serve pushes between steps).
+
+    A prefix pending on a worker (routed there, still being prefilled) is priced as
+    cached on it: the request waits behind that prefill, which the worker's queued work
+    already holds, then computes the rest. It cannot be pulled yet, so eq. 2 pulls only
+    what a mirror shows (``stored_blocks``). Eq. 1 alone would still send a copy
+    arriving mid-prefill to an idle worker to recompute it (its TTFT is about the same
+    either way), doing the work twice and caching the prefix twice; so a worker that
+    would recompute blocks another worker is computing right now is charged that
+    duplicate work once more (the time it takes from the requests that queue behind it).
+    The charge ranks workers only; the TTFT prediction does not include it.
+
+    KV memory: a worker whose free device blocks (``Candidate.free_blocks``) cannot hold
+    the request's uncached prompt and expected output would evict cached prefixes or
+    queue the request until blocks free up, neither of which exec() prices; it is
+    skipped when another worker can hold the request (all are kept when none can). It
+    may still be the source of a pull."""
 
     name = "cost"
     uses_cache = True
@@ -103,24 +123,31 @@ class CostAware:
         cost = ctx.cost
         assert cost is not None, "the Router refuses the cost policy without a cost model"
         x = len(request.prompt_token_ids)
+        roomy = [c for c in candidates if c.free_blocks is None
+                 or c.free_blocks >= kv_blocks_needed(request, c.cached_blocks, ctx.block_size)]
         source = min((c for c in candidates if c.view.state == "ok"),
-                     key=lambda c: (-c.cached_blocks, c.in_flight, c.instance_id), default=None)
+                     key=lambda c: (-c.stored_blocks, c.in_flight, c.instance_id), default=None)
+        computing = max((c for c in candidates if c.pending_blocks), key=lambda c: c.cached_blocks, default=None)
         best: tuple[float, int, int] | None = None
         decision: RouteDecision | None = None
-        for c in candidates:
+        for c in roomy or candidates:
             own = exec_s(cost, x, c.cached_blocks, ctx.block_size, ctx.step_tokens, c.decode_s)
-            exec_here, pull = own, None
-            if source is not None and source.cached_blocks > c.cached_blocks and c.view.state == "ok":
-                pulled = exec_s(cost, x, source.cached_blocks, ctx.block_size, ctx.step_tokens, c.decode_s)
-                transfer = source.step_s + cost.transfer_s(source.cached_blocks * ctx.block_size
+            exec_here, pull, blocks = own, None, c.cached_blocks
+            if source is not None and source.stored_blocks > c.cached_blocks and c.view.state == "ok":
+                pulled = exec_s(cost, x, source.stored_blocks, ctx.block_size, ctx.step_tokens, c.decode_s)
+                transfer = source.step_s + cost.transfer_s(source.stored_blocks * ctx.block_size
                                                            * cost.kv_bytes_per_token)
                 if transfer <= own - pulled:  # eq. 2
-                    exec_here, pull = transfer + pulled, source
-            key = (c.queued_s + exec_here, c.in_flight, c.instance_id)  # eq. 1
+                    exec_here, pull, blocks = transfer + pulled, source, source.stored_blocks
+            duplicate = 0.0
+            if computing is not None and computing.cached_blocks > blocks:  # the blocks it is computing, not stored ones
+                duplicate = (exec_s(cost, x, max(blocks, computing.stored_blocks), ctx.block_size, ctx.step_tokens)
+                             - exec_s(cost, x, computing.cached_blocks, ctx.block_size, ctx.step_tokens))
+            key = (c.queued_s + exec_here + duplicate, c.in_flight, c.instance_id)  # eq. 1
             if best is None or key < best:
                 best = key
                 if pull is not None:
-                    decision = RouteDecision(c.instance_id, PULL, pull.instance_id, pull.cached_blocks)
+                    decision = RouteDecision(c.instance_id, PULL, pull.instance_id, pull.stored_blocks)
                 else:
                     decision = RouteDecision(c.instance_id, CACHE_HIT if c.cached_blocks else LOAD)
         assert decision is not None
@@ -128,6 +155,14 @@ class CostAware:
         if ctx.balance.overloaded(chosen, candidates):
             return RouteDecision(least_loaded(candidates).instance_id, FALLBACK)
         return decision
+
+
+def kv_blocks_needed(request: RouteRequest, cached_blocks: int, block_size: int) -> int:
+    """Device KV blocks a worker with ``cached_blocks`` of the prompt cached allocates for
+    ``request``: its uncached prompt and its expected output (``max_tokens`` per choice,
+    capped as the queued work caps it)."""
+    output = min(request.max_tokens or EXPECTED_OUTPUT_CAP, EXPECTED_OUTPUT_CAP) * max(request.n, 1)
+    return max(math.ceil((len(request.prompt_token_ids) + output) / block_size) - cached_blocks, 0)
 
 
 def cached_ratio(x: int, cached_blocks: int, block_size: int) -> float:

@@ -54,6 +54,7 @@ class _Instance:
     role: str = "colocated"  # colocated | prefill | decode (sim/pd_flow.py)
     busy: bool = False  # a step event is scheduled
     step_end: float = 0.0  # when its latest step ends (a prefix push waits for it)
+    stats: dict = field(default_factory=dict)  # its MemPool's counts as of its latest step (a heartbeat's)
 
 
 @dataclass
@@ -79,7 +80,7 @@ class Simulation:
         self.router = router
         self.tokenizer = tokenizer
         self.options = options
-        router.ledger.clock = self.clock  # queued work and TTFT samples on the virtual clock
+        router.ledger.clock = router.pending.clock = self.clock  # queued work, TTFT samples, pending prompts
         roles = roles or ["colocated"] * num_instances
         if len(roles) != num_instances:
             raise ValueError(f"{num_instances} instances but {len(roles)} roles")
@@ -190,7 +191,8 @@ class Simulation:
         in_flight = [0] * len(self.instances)
         for t in self._in_flight.values():
             in_flight[t.instance] += 1
-        return [WorkerView(i, "ok", in_flight[i], {}, inst.mirror, inst.role) for i, inst in enumerate(self.instances)]
+        return [WorkerView(i, "ok", in_flight[i], inst.stats, inst.mirror, inst.role)
+                for i, inst in enumerate(self.instances)]
 
     def _wake(self, i: int, at: float) -> None:
         if not self.instances[i].busy:
@@ -217,8 +219,10 @@ class Simulation:
         """A step's results leave the worker when the step ends, not when it starts: its
         KV events reach the mirror, its tokens the client and the router's ledger then (the
         engine ran the step at its start; a router told early would see a prefill done and
-        its instance idle while it still computes)."""
+        its instance idle while it still computes). Its free KV blocks go with them, as a
+        worker's stats report (sent about as often as steps end while it is busy)."""
         self.publish(i)
+        self.instances[i].stats = {"mempool": self.instances[i].engine.mempool.stats()}
         if self.pd is not None:
             outputs = self.pd.filter(i, outputs, self.now)
         for out in outputs:
@@ -240,6 +244,7 @@ class Simulation:
         events = self.instances[i].engine.drain_kv_events()
         if events:
             self.instances[i].mirror.apply(KVEvents(i, events))
+            self.router.kv_events_applied(self.instances[i].mirror)
 
     def _finish(self, rid: str, turn: _Turn, at: float, error: str | None) -> None:
         del self._in_flight[rid]
