@@ -56,10 +56,12 @@ async def decode_failures(transfer_mode: str) -> None:
         assert reason == "length" and tokens == reference
         assert client.pd.counts["decode_lost"] == 1
 
-        # Decode instance 1, back, stops answering as the handoff starts: once its
-        # heartbeats are late the handoff is given up and the request goes to 2.
+        # Decode instance 2 caches the prompt now (the killed request finished there), so
+        # it takes the next one (pd-caching-2 follows the prefix) and stops answering as
+        # the handoff starts: once its heartbeats are late the handoff is given up and the
+        # request goes to 1, back by then.
         await wait_ready(client, 1)
-        frozen = client.cluster.workers[1].process.pid
+        frozen = client.cluster.workers[2].process.pid
         try:
             tokens = []
             async for out in client.generate("frozen-decode", prompt, long_answer(40)):
@@ -81,7 +83,7 @@ async def decode_failures(transfer_mode: str) -> None:
                 os.kill(frozen, signal.SIGKILL)
         await asyncio.sleep(1.5)  # the watcher sees it die and restarts it
         left = await settled(client)
-        assert not any(v for i, v in left.items() if i != 1), left
+        assert not any(v for i, v in left.items() if i != 2), left
 
 
 @pytest.mark.parametrize("transfer_mode", ["by-request-agg", "by-layer"])

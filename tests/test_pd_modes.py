@@ -11,10 +11,7 @@ import asyncio
 import pytest
 from pd_harness import BLOCK, collect, pd_cluster, settled, user_turns
 
-from memserve.gateway.engine_protocol import EngineUnavailable
-from memserve.gateway.pd_flow import pick_decode
 from memserve.gateway.pd_topology import PD_MODES, parse_instances, role_caches
-from memserve.gateway.route_types import WorkerView
 from memserve.ipc.messages import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
@@ -34,19 +31,6 @@ def test_table_4_caches():
     assert [(role_caches("prefill", m), role_caches("decode", m)) for m in PD_MODES] == [
         (False, False), (True, False), (True, True), (True, True)]
     assert role_caches("colocated", "pd-basic")
-
-
-def test_decode_instance_choice():
-    def view(i, state, in_flight, role="decode"):
-        return WorkerView(i, state, in_flight, {}, None, role)  # type: ignore[arg-type]
-
-    views = [view(0, "ok", 0, "prefill"), view(1, "ok", 2), view(2, "ok", 1), view(3, "degraded", 0)]
-    assert pick_decode(views) == 2  # fewest in flight among the healthy decode instances
-    assert pick_decode(views, exclude=2) == 1
-    assert pick_decode([view(1, "ok", 0)], exclude=1) == 1  # the only one left
-    assert pick_decode([view(1, "dead", 0), view(3, "degraded", 5)]) == 3
-    with pytest.raises(EngineUnavailable):
-        pick_decode([view(0, "ok", 0, "prefill"), view(1, "starting", 0)])
 
 
 async def serve(roles: list[str], mode: str, conversations: list[list[str]],

@@ -4,9 +4,11 @@ drives it; the client sees one ordinary stream.
 1. The router picks a prefill instance P among the prefill instances (its policy applies
    there: least-load, session, prompt-tree, cost). P prefills and samples the first
    token, which is streamed to the client at once, and keeps the request's KV.
-2. The least loaded decode instance D is told to expect the KV (``ExpectTransfer``); in
-   pd-caching-2/3 it pins its cached prefix of the prompt and answers how many blocks
-   it holds, so P sends only the rest (``HandoffStart``), inserted into D's index.
+2. A decode instance D (``pick_decode``: in pd-caching-2/3 the one holding the longest
+   prefix of the prompt, else the least loaded) is told to expect the KV
+   (``ExpectTransfer``); in pd-caching-2/3 it pins its cached prefix of the prompt and
+   answers how many blocks it holds, so P sends only the rest (``HandoffStart``),
+   inserted into D's index.
 3. When P reports the KV delivered (``HandoffDone``), D gets the request as a resume: an
    ``AddRequest`` with the first token as output and the KV's ticket. It recomputes
    nothing that was sent, and decodes the rest, streaming it under the same id.
@@ -35,13 +37,20 @@ import math
 import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
 from memserve.gateway.cluster import DEGRADED_AFTER_HEARTBEATS
 from memserve.gateway.engine_protocol import EngineUnavailable
 from memserve.gateway.pd_topology import role_caches
-from memserve.gateway.router import RouteRequest
+from memserve.gateway.route_types import (
+    Balance,
+    Candidate,
+    RouteRequest,
+    RoutingContext,
+    WorkerView,
+)
+from memserve.gateway.routing_policies import PromptTree
 from memserve.ipc.messages import (
     AddRequest,
     ExpectTransfer,
@@ -50,6 +59,7 @@ from memserve.ipc.messages import (
     RequestOutput,
     SamplingParams,
 )
+from memserve.kvcache.hashing import block_hashes
 
 if TYPE_CHECKING:
     from memserve.gateway.engine_client import ZmqEngineClient, _Stream
@@ -66,17 +76,36 @@ HANDOFF_MAX_S = 120.0
 MAX_RESUMES = 3
 # Reasons a request ends on the decode instance with its answer whole (its KV is worth keeping).
 COMPLETE = ("stop", "length")
+# The decode choice's load-imbalance guard: a decode instance with more than 2 requests in
+# flight beyond the least loaded one is passed over whatever it caches. Tighter than the
+# router's (16 by default): each request in a decode batch lengthens every step of it, while
+# a prefix D holds saves only a transfer (benchmarks/pd_sim.py, long-doc-qa, 4 P + 4 D: with
+# 16, 2-5% higher P99 JCT than least-loaded; with 2, within 2% and half the blocks sent).
+DECODE_BALANCE = Balance(abs_threshold=2, rel_threshold=1.0)
 
 
-def pick_decode(views: list, exclude: int | None = None) -> int:
-    """The least loaded live decode instance (fewest requests in flight), avoiding
-    ``exclude`` unless it is the only one left."""
+def pick_decode(views: list[WorkerView], exclude: int | None = None, prompt: Sequence[int] | None = None,
+                balance: Balance = DECODE_BALANCE) -> int:
+    """The live decode instance to take a request, avoiding ``exclude`` unless it is the
+    only one left.
+
+    Given the ``prompt`` (pd-caching-2/3, where decode instances cache), the prompt-tree
+    rule among the decode instances: the one whose mirrored tree holds the longest prefix
+    of it, so that P sends only the blocks D lacks and a conversation's turns keep
+    meeting their earlier KV on one D (MemServe §5.1 (c), §6). Ties, a prefix shorter than
+    ``balance.cache_threshold`` of the prompt and a choice the load-imbalance guard
+    overrides go by load. Without a prompt: the least loaded (fewest in flight)."""
     decode = [v for v in views if v.role == "decode"]
     live = [v for v in decode if v.state == "ok"] or [v for v in decode if v.state == "degraded"]
     if not live:
         raise EngineUnavailable("no live decode instance")
     others = [v for v in live if v.instance_id != exclude] or live
-    return min(others, key=lambda v: (v.in_flight, v.instance_id)).instance_id
+    block_size = others[0].mirror.block_size if prompt else 1
+    hashes = block_hashes(prompt, block_size) if prompt else []
+    candidates = [Candidate(v, len(v.mirror.match_hashes(hashes)) if hashes and v.state == "ok" else 0)
+                  for v in others]
+    request = RouteRequest("", list(prompt or ()))
+    return PromptTree().choose(request, candidates, RoutingContext(None, balance, block_size)).instance
 
 
 class PDFlow:
@@ -195,6 +224,11 @@ class PDFlow:
         return all(h.alive and now - h.last_heartbeat <= DEGRADED_AFTER_HEARTBEATS * h.config.heartbeat_s
                    for h in workers)
 
+    def _pick_decode(self, prompt: list[int], exclude: int | None = None) -> int:
+        """``pick_decode`` among the decode instances as they are now; by prefix only where
+        they cache."""
+        return pick_decode(self.client._views(), exclude, prompt if self.decode_caches else None)
+
     def _by_layer(self, prefill: int) -> bool:
         return self.client.cluster.workers[prefill].config.engine.transfer_mode == "by-layer"
 
@@ -206,7 +240,7 @@ class PDFlow:
         first token instead)."""
         c = self.client
         try:
-            stream.peer = decode = pick_decode(c._views())
+            stream.peer = decode = self._pick_decode(prompt)
             ticket = secrets.token_hex(16)
             num_blocks = math.ceil(len(prompt) / c.block_size)
             # At least the last block is sent: it holds the prompt's tail (a partial block).
@@ -237,7 +271,7 @@ class PDFlow:
         else (``fresh``) another live one, which recomputes it."""
         c = self.client
         old = stream.peer
-        decode = old if not fresh and old is not None else pick_decode(c._views(), exclude=old)
+        decode = old if not fresh and old is not None else self._pick_decode(add.prompt_token_ids, exclude=old)
         if fresh and old is not None:
             await c._send_abort(old, add.request_id)  # frees what it holds for the request
         stream.peer = stream.worker = decode

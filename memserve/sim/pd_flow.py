@@ -4,9 +4,11 @@
 
 1. The router picks a prefill instance P (decode instances never take a new prompt). P
    runs the request as a handoff: the prefill and the first token, its KV parked.
-2. When P's step ends, the least loaded decode instance D is picked (``pick_decode``),
-   told to expect the KV (pinning its cached prefix in pd-caching-2/3) and P sends the
-   blocks D lacks, inserted into D's index where D caches (``transfer_with_insert``).
+2. When P's step ends, a decode instance D is picked by the gateway's rule
+   (``pick_decode``: in pd-caching-2/3 the longest cached prefix of the prompt, else the
+   least loaded), told to expect the KV (pinning its cached prefix in pd-caching-2/3)
+   and P sends the blocks D lacks, inserted into D's index where D caches
+   (``transfer_with_insert``).
 3. When the link has carried them, D resumes the request with the first token as output
    and the KV as its computed prompt, and decodes the rest.
 4. pd-caching-3: when D finishes, the conversation's KV goes back to P, only the blocks
@@ -99,7 +101,7 @@ class SimPDFlow:
     def _start(self, rid: str) -> None:
         """Name the decode instance, let it pin what it caches, and start P's send."""
         h = self._handoffs[rid]
-        h.decode = pick_decode(self.sim._views())
+        h.decode = self._pick_decode(h.add.prompt_token_ids)
         self.sim._in_flight[rid].instance = h.decode
         prompt = h.add.prompt_token_ids
         ticket = f"handoff-{next(self._ids)}"
@@ -111,6 +113,10 @@ class SimPDFlow:
                                                           self.decode_caches))
         if done is not None:
             self._handoff_done(done)
+
+    def _pick_decode(self, prompt: list[int], exclude: int | None = None) -> int:
+        """The gateway's ``pick_decode`` over the simulated instances."""
+        return pick_decode(self.sim._views(), exclude, prompt if self.decode_caches else None)
 
     def _arrived(self, src: int, dst: int) -> None:
         """A transfer src -> dst ended: D takes what arrived, P reports its sends."""
@@ -128,7 +134,7 @@ class SimPDFlow:
         if done.error is not None:
             self.counts["handoff_failed"] += 1
             self.receivers[decode].abort(done.request_id)  # frees what D pinned for it
-            decode, ticket = pick_decode(self.sim._views(), exclude=decode), ""
+            decode, ticket = self._pick_decode(h.add.prompt_token_ids, exclude=decode), ""
             h.decode = decode
             self.sim._in_flight[done.request_id].instance = decode
         h.phase = "decode"
