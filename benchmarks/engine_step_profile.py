@@ -41,6 +41,7 @@ REPO = Path(__file__).resolve().parent.parent
 OP_KINDS = {
     "aten::mm": "matmul (linear, lm_head)",
     "aten::addmm": "matmul (linear, lm_head)",
+    "mkldnn::_linear_pointwise": "matmul (linear, lm_head)",  # --cpu-gemm onednn (packed weights)
     "aten::bmm": "attention",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
     "aten::_scaled_dot_product_attention_math": "attention",

@@ -7,7 +7,7 @@ prefill tokens/s of a 1,024-token prompt. Every request generates exactly
 same token ids, so the two sides do the same work. Prefix caching is off on the server
 so the engine itself is measured.
 
-    python benchmarks/serving_vs_transformers.py [--output-len 64] [--dtype float32]
+    python benchmarks/serving_vs_transformers.py [--output-len 64] [--dtype float32] [--server-args "--cpu-gemm torch"]
 """
 
 from __future__ import annotations
@@ -115,6 +115,7 @@ def main() -> int:
     ap.add_argument("--prefill-len", type=int, default=1024)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--output", default=None, help="write the figures as JSON here")
+    ap.add_argument("--server-args", default="", help="extra `memserve up` options, e.g. '--cpu-gemm torch'")
     args = ap.parse_args()
 
     model_dir = ensure_model_dir(None)
@@ -138,7 +139,7 @@ def main() -> int:
     print("starting memserve up...", flush=True)
     import tempfile
 
-    server = start_server(Path(tempfile.mkdtemp()), "--no-prefix-cache", "--dtype", args.dtype)
+    server = start_server(Path(tempfile.mkdtemp()), "--no-prefix-cache", "--dtype", args.dtype, *args.server_args.split())
     try:
         url, name = server.base_url, server.model
         asyncio.run(memserve_throughput(url, name, seq_prompts[:1], 4, 1))  # warm-up

@@ -94,8 +94,10 @@ run_workload() {  # $1: workload, $2: base URL, $3: results file
   local common=(--base-url "$2" --model "$NAME" --tokenizer "$MODEL_DIR" --no-progress --output "$3" --seed 0)
   case "$1" in
     sharegpt-0.5|sharegpt-1)
+      # Each rate draws its own conversations (its own seed): replaying the ones the server
+      # just served would find them all cached.
       "$PYTHON" -m memserve.cli bench "${common[@]}" --workload sharegpt --num-sessions 16 --max-turns 4 \
-        --rate "${1#sharegpt-}" --max-tokens 64 ;;
+        --rate "${1#sharegpt-}" --max-tokens 64 --seed "$([ "$1" = sharegpt-1 ] && echo 1 || echo 0)" ;;
     longdoc)
       "$PYTHON" -m memserve.cli bench "${common[@]}" --workload long-doc-qa --num-sessions 8 --doc-len 2048 \
         --questions-per-doc 4 --rate 0.2 --max-tokens 64 ;;
