@@ -70,6 +70,18 @@ def test_decode_copy_and_transfer(toy: CostModel):
     assert (toy.kv_bytes_per_token, toy.key) == (1000, CostKey("toy", "float32", "cpu-toy-1t"))
 
 
+def test_a_mixed_step_pays_the_shared_fixed_cost_once(toy: CostModel):
+    # Prefill only: as prefill_batch_s (4.21e-3, above); decode only: as decode_step_s (5.88e-3).
+    assert toy.step_s([(1000, 0.5)], 0, 0) == pytest.approx(4.21e-3)
+    assert toy.step_s([], 8, 8000) == pytest.approx(5.88e-3)
+    # Both in one step: the smaller per-step term (prefill's gemm 2e-3 < decode's 5e-3) once.
+    assert toy.shared_step_s() == pytest.approx(2e-3)
+    assert toy.step_s([(1000, 0.5)], 8, 8000) == pytest.approx(4.21e-3 + 5.88e-3 - 2e-3)
+    # A decode with the smaller per-step term (1e-3) shares that one: 4.21 + 1.88 - 1 ms.
+    light = dataclasses.replace(toy, decode=dataclasses.replace(toy.decode, per_step=1e-3))
+    assert light.step_s([(1000, 0.5)], 8, 8000) == pytest.approx(4.21e-3 + 1.88e-3 - 1e-3)
+    assert toy.step_s([], 0, 0) == 0.0
+
 def test_save_load_round_trip_and_default_location(toy: CostModel, tmp_path: Path, monkeypatch):
     monkeypatch.setenv("MEMSERVE_CACHE", str(tmp_path / "cache"))
     path = toy.save(default_path(toy.key))

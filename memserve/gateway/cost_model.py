@@ -136,6 +136,20 @@ class CostModel:
             total_context_tokens = batch_size * longest_context
         return d.per_step + d.per_seq * batch_size + d.per_context_token * total_context_tokens
 
+    def step_s(self, prefills: Iterable[tuple[int, float]], batch_size: int, total_context_tokens: int,
+               longest_context: int | None = None) -> float:
+        """One step that prefills ``prefills`` (as in ``prefill_batch_s``) and decodes
+        ``batch_size`` sequences (as in ``decode_step_s``) in one forward pass: its fixed
+        cost (the weights read, the launch overhead) is paid once, not once per part."""
+        prefill = self.prefill_batch_s(prefills)
+        decode = self.decode_step_s(batch_size, total_context_tokens, longest_context)
+        return prefill + decode - (self.shared_step_s() if prefill and decode else 0.0)
+
+    def shared_step_s(self) -> float:
+        """The fixed cost a prefill and a decode batch share when they run in one step:
+        the smaller of the two parts' per-step terms."""
+        return min(self.decode.per_step, sum(op.per_step for op in self.operators.values()))
+
     def transfer_s(self, nbytes: float) -> float:
         """Worker-to-worker KV transfer of ``nbytes`` (MemServe eq. 2's transfer())."""
         return self.transfer(nbytes) if nbytes > 0 else 0.0

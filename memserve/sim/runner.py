@@ -3,7 +3,7 @@
 It executes the same ``StepPlan``s as the real runner, so the simulator drives the real
 engine, scheduler, KV manager and MemPool. A step's duration is the cost model's prefill
 time for its prefill chunks (each with its cached ratio) plus its decode step time for
-the decoding requests; a KV load finishes ``copy_s(bytes)`` after it starts, plus the
+the decoding requests, their shared fixed cost (the weights read) counted once; a KV load finishes ``copy_s(bytes)`` after it starts, plus the
 disk read of its disk blocks (``DISK_READ_BYTES_S``). A disk tier of ``num_disk_blocks``
 is bookkeeping only; its saves and prefetches take no simulated time. Sampled
 tokens are synthetic and never end a request: the workload's lengths do (ignore_eos)."""
@@ -58,8 +58,7 @@ class SimulatedRunner:
                     for c in plan.chunks if len(c.token_ids) > 1 or c.start_pos == 0]
         decodes = [c for c in plan.chunks if len(c.token_ids) == 1 and c.start_pos > 0]
         contexts = [c.start_pos + 1 for c in decodes]
-        self.last_step_s = self.cost.prefill_batch_s(prefills) + self.cost.decode_step_s(
-            len(decodes), sum(contexts), max(contexts, default=0))
+        self.last_step_s = self.cost.step_s(prefills, len(decodes), sum(contexts), max(contexts, default=0))
         return StepResult({c.request_id: 1 + zlib.crc32(f"{c.request_id}:{c.start_pos}".encode()) % (SIM_VOCAB - 2)
                            for c in plan.chunks if c.sample})
 
