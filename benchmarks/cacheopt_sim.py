@@ -31,12 +31,15 @@ METRICS = (("ttft_p99_ms", "P99 TTFT (ms)"), ("tbt_p99_ms", "P99 TBT (ms)"), ("t
            ("tbt_attainment", "TBT SLO attainment"))
 
 
-def variants() -> dict[str, list[str]]:
-    """Label -> the simulate flags of that variant."""
-    out = {"fcfs": ["--schedule-policy", "fcfs"], "cacheopt": ["--schedule-policy", "cacheopt"]}
+def variants(options: str = "") -> dict[str, list[str]]:
+    """Label -> the simulate flags of that variant (``options``: cacheopt's, for every
+    cacheopt variant, before the ablation's ``disable``)."""
+    out = {"fcfs": ["--schedule-policy", "fcfs"],
+           "cacheopt": ["--schedule-policy", "cacheopt", "--schedule-policy-options", options]}
     for name in ABLATIONS:
         flags = ["--schedule-policy", "cacheopt"]
-        flags += ["--padding", "fixed"] if name == "CKA" else ["--schedule-policy-options", f"disable={name}"]
+        flags += (["--padding", "fixed", "--schedule-policy-options", options] if name == "CKA"
+                  else ["--schedule-policy-options", f"{options} disable={name}".strip()])
         out[f"/{name}"] = flags
     return out
 
@@ -104,10 +107,12 @@ def main() -> None:
     p.add_argument("--variants", default=None, help="comma-separated subset of labels (default: all)")
     p.add_argument("--sustain-rates", default="", help="more rates for fcfs and cacheopt only (same SLOs)")
     p.add_argument("--sustain-attainment", type=float, default=0.9)
+    p.add_argument("--cacheopt-options", default="", help="--schedule-policy-options of every cacheopt variant")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     rates = [float(r) for r in args.rates.split(",")]
-    base = [run_point(args.out / f"base-{r}.json", args, r, variants()["fcfs"], None) for r in rates]
+    table = variants(args.cacheopt_options)
+    base = [run_point(args.out / f"base-{r}.json", args, r, table["fcfs"], None) for r in rates]
     slo = (sum(b["ttft_mean_ms"] for b in base) / len(base), sum(b["tbt_mean_ms"] for b in base) / len(base))
     print(f"SLO base (fcfs means over the rates): TTFT {slo[0]:.1f} ms, TBT {slo[1]:.1f} ms; scale U[0.5, 2.5]")
     print(f"{'rate':>5s} {'variant':9s} {'P99 TTFT ms':>12s} {'P99 TBT ms':>11s} {'TTFT att':>9s} {'TBT att':>8s} "
@@ -115,7 +120,7 @@ def main() -> None:
     results: dict = {}
     for r in rates:
         row = results.setdefault(str(r), {})
-        for name, flags in variants().items():
+        for name, flags in table.items():
             if args.variants and name not in args.variants.split(","):
                 continue
             m = row[name] = run_point(args.out / f"{name.strip('/')}-{r}.json", args, r, flags, slo)
@@ -131,7 +136,7 @@ def main() -> None:
             points = {r: results[str(r)][name] for r in rates if name in results[str(r)]}
             for r in (float(x) for x in args.sustain_rates.split(",")):
                 if r not in points:
-                    points[r] = run_point(args.out / f"sustain-{name}-{r}.json", args, r, variants()[name], slo)
+                    points[r] = run_point(args.out / f"sustain-{name}-{r}.json", args, r, table[name], slo)
             sustain[name] = {"rate": sustained(points, args.sustain_attainment),
                              "points": {str(r): points[r] for r in sorted(points)}}
             print(f"{name}: TTFT attainment by rate " + ", ".join(

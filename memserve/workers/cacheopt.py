@@ -6,7 +6,10 @@ Per step (``begin_step``), with T_max the longest recent step:
 - Request selection: waiting requests are admitted by ascending remaining time to
   their SLO (RT: to the TTFT deadline, or for a preempted request to its next-token
   deadline under the TBT SLO), earliest deadline first; running requests whose RT minus
-  T_max is below epsilon (critical) are served first.
+  T_max is below epsilon (critical) are served first, then the decodes, then prefills.
+- Step size (``cacheopt_budget``): the step's prompt tokens are bounded so that its
+  predicted time keeps the tightest attainable next-token deadline, but never below a
+  minimum chunk nor below what the prompts need to meet their TTFT deadlines.
 - KV allocation (``cacheopt_ledger.KVLedger``): the requests expected to be admitted
   this step are first embedded in running requests' unused allocations where they fit,
   the rest allocated their predicted demand, amortised when the free KV is short
@@ -46,7 +49,7 @@ from memserve.workers.cacheopt_alloc import (
     demand_tokens,
     embedding_host,
 )
-from memserve.workers.cacheopt_budget import prefill_tokens_within
+from memserve.workers.cacheopt_budget import step_prefill_tokens
 from memserve.workers.cacheopt_ledger import KVLedger
 from memserve.workers.cacheopt_options import CacheOptOptions
 from memserve.workers.cacheopt_preempt import (
@@ -230,32 +233,32 @@ class CacheOpt:
         self._sorted = False  # deadlines moved with the tokens just produced
         if self.opt.on("RSA"):
             deadline, late, eps = self.deadline, self.max_step_s, self.opt.epsilon_ms / 1000
-            critical = [deadline(s) - now - late < eps for s in running]  # self.critical(s), inlined
-            if any(critical) and not all(critical):  # critical first, otherwise oldest first
-                running[:] = ([s for s, c in zip(running, critical) if c]
-                              + [s for s, c in zip(running, critical) if not c])
+            # Critical first, then decodes, then prefills, otherwise oldest first: a prefill
+            # chunk never takes the token a decode needs to keep its TBT deadline.
+            rank = [0 if deadline(s) - now - late < eps else 1 if _decoding(s) else 2 for s in running]
+            if rank != sorted(rank):
+                running[:] = [running[i] for i in sorted(range(len(running)), key=rank.__getitem__)]
             budget = self._tbt_budget(running, budget)
         self._plan(running, budget)
         return budget
 
     def _tbt_budget(self, running: list[Sequence], budget: int) -> int:
-        """The step's tokens: the decodes, plus as many prompt tokens as fit before the
-        tightest decoding request's next-token deadline (``cacheopt_budget``). A
-        deadline that only a step of fewer than ``min_prefill_tokens`` prompt tokens
-        would meet is given up (the next one counts) rather than stall every prefill."""
+        """The step's tokens: the decodes, plus the prompt tokens ``cacheopt_budget``
+        allows beside them: bounded by the tightest next-token deadline that a chunk of
+        ``min_prefill_tokens`` can meet, but never below what the prompts (running, then
+        waiting in admission order) need to meet their TTFT deadlines."""
         if self.cost is None:
             return budget
-        decoding = [s for s in running if s.output_token_ids and s.num_computed_tokens == s.num_tokens - 1]
+        decoding = [s for s in running if _decoding(s)]
         if not decoding:
             return budget
-        contexts = [s.num_tokens for s in decoding]
-        # A deadline that even a decode-only step misses is lost already: it bounds nothing.
-        floor = self.cost.decode_step_s(len(decoding), sum(contexts), max(contexts))
-        slacks = {rt for s in decoding if (rt := self.remaining_s(s)) >= floor}
-        allowances = [p for rt in slacks
-                      if (p := prefill_tokens_within(self.cost, rt, len(decoding), sum(contexts), max(contexts)))
-                      >= self.opt.min_prefill_tokens]
-        return min(budget, len(running) + min(allowances)) if allowances else budget
+        prefills = [(self.remaining_s(s), s.num_tokens - s.num_computed_tokens)
+                    for s in [*(s for s in running if not _decoding(s)), *reversed(self._order())]
+                    if not s.output_token_ids]  # TTFT-bound: a preempted request's next token is a TBT one
+        prefill = step_prefill_tokens(self.cost, [self.remaining_s(s) for s in decoding],
+                                      [s.num_tokens for s in decoding], prefills,
+                                      max(0, budget - len(decoding)), self.opt.min_prefill_tokens)
+        return min(budget, len(decoding) + prefill)
 
     def _basic_blocks(self, seq: Sequence) -> int:
         """A request's basic need (§3.3.2): its tokens so far and B more, but never more
@@ -435,3 +438,8 @@ class CacheOpt:
             "allocation_cuts_total": self.num_cuts,
             "room_preemptions_total": self.num_room_preemptions,
         }, "max_step_ms": self.max_step_s * 1000, "sweet_spot_tokens": self.sweet_spot}
+
+
+def _decoding(seq: Sequence) -> bool:
+    """The request has its prompt computed and generates one token a step."""
+    return bool(seq.output_token_ids) and seq.num_computed_tokens == seq.num_tokens - 1

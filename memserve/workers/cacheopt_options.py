@@ -34,7 +34,7 @@ class CacheOptOptions:
     block_tokens: int = 8  # B: basic allocation of a critical request, and the embedding buffer b (tokens)
     lookahead: int = 2  # m: iterations ahead that proactive allocation tops a request up
     reserve_blocks: int = 8  # global reserve (KV blocks)
-    min_prefill_tokens: int = 256  # a step's prompt tokens are never cut below this (prefills progress)
+    min_prefill_tokens: int = 64  # TBT deadlines only a smaller chunk meets are given up (prefills progress)
     epsilon_ms: float = 5.0  # a request whose remaining time minus the longest step is below this is critical
     step_window: int = 64  # the longest step is taken over this many recent steps
     default_ttft_ms: float = 10_000.0  # SLOs of requests that carry none
