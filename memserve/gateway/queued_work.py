@@ -21,6 +21,12 @@ from memserve.gateway.cost_model import CostModel
 EXPECTED_OUTPUT_CAP = 512
 
 
+def expected_output_tokens(max_tokens: int | None, n: int = 1) -> int:
+    """Tokens a request is expected to generate, all choices together: ``max_tokens`` per
+    choice, capped at ``EXPECTED_OUTPUT_CAP``."""
+    return min(max_tokens or EXPECTED_OUTPUT_CAP, EXPECTED_OUTPUT_CAP) * max(n, 1)
+
+
 def prefill_chunks_s(cost: CostModel, prompt_tokens: int, cached_tokens: int, step_tokens: int | None) -> list[float]:
     """exec() of each step a prefill takes: its uncached tokens in chunks of at most
     ``step_tokens`` (all in one without a budget), each attending to everything before
@@ -69,7 +75,7 @@ class QueuedWork:
         """Record a routed request (again, when it is re-routed after its worker died)."""
         chunks = prefill_chunks_s(self.cost, prompt_tokens, cached_tokens, self.step_tokens) if self.cost else []
         prefill, first, steps = sum(chunks), chunks[0] if chunks else 0.0, max(len(chunks), 1)
-        expected = min(max_tokens or EXPECTED_OUTPUT_CAP, EXPECTED_OUTPUT_CAP) * max(n, 1)
+        expected = expected_output_tokens(max_tokens, n)
         self.release(request_id)
         entry = _Entry(instance, prompt_tokens, prompt_tokens - min(cached_tokens, prompt_tokens), prefill, first, steps,
                        expected, self.clock(), predicted_ttft_s)

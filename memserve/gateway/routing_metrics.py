@@ -1,6 +1,7 @@
 """What the router exports on /metrics: decisions by policy and reason, prefix pulls by
-outcome, decisions that counted a prompt still being prefilled as cached, and how far the cost model's predicted TTFT was from the real one (a histogram
-of the signed relative error plus both sums), so its error is visible in production.
+outcome, decisions that counted a prompt still being prefilled as cached, and how far
+the cost model's predicted TTFT was from the real one (a histogram of the signed
+relative error plus both sums), so its error is visible in production.
 The router keeps plain counts (the simulator has no Prometheus); the collector reads
 them from ``engine.stats()["router"]`` at scrape time."""
 

@@ -20,7 +20,7 @@ import math
 from collections import OrderedDict
 
 from memserve.gateway.cost_model import CostModel
-from memserve.gateway.queued_work import EXPECTED_OUTPUT_CAP, prefill_chunks_s
+from memserve.gateway.queued_work import expected_output_tokens, prefill_chunks_s
 from memserve.gateway.route_types import (
     CACHE_HIT,
     FALLBACK,
@@ -161,7 +161,7 @@ def kv_blocks_needed(request: RouteRequest, cached_blocks: int, block_size: int)
     """Device KV blocks a worker with ``cached_blocks`` of the prompt cached allocates for
     ``request``: its uncached prompt and its expected output (``max_tokens`` per choice,
     capped as the queued work caps it)."""
-    output = min(request.max_tokens or EXPECTED_OUTPUT_CAP, EXPECTED_OUTPUT_CAP) * max(request.n, 1)
+    output = expected_output_tokens(request.max_tokens, request.n)
     return max(math.ceil((len(request.prompt_token_ids) + output) / block_size) - cached_blocks, 0)
 
 

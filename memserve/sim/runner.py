@@ -3,7 +3,8 @@
 It executes the same ``StepPlan``s as the real runner, so the simulator drives the real
 engine, scheduler, KV manager and MemPool. A step's duration is the cost model's prefill
 time for its prefill chunks (each with its cached ratio) plus its decode step time for
-the decoding requests, their shared fixed cost (the weights read) counted once; a KV load finishes ``copy_s(bytes)`` after it starts, plus the
+the decoding requests, their shared fixed cost (the weights read) counted once
+(``CostModel.step_s``); a KV load finishes ``copy_s(bytes)`` after it starts, plus the
 disk read of its disk blocks (``DISK_READ_BYTES_S``). A disk tier of ``num_disk_blocks``
 is bookkeeping only; its saves and prefetches take no simulated time. Sampled
 tokens are synthetic and never end a request: the workload's lengths do (ignore_eos)."""
