@@ -44,6 +44,7 @@ class PendingPrefixes:
         self.ttl_s = ttl_s
         self.max_blocks = max_blocks
         self._requests: OrderedDict[str, _Pending] = OrderedDict()  # oldest first
+        self._requests_on: dict[int, set[str]] = {}  # instance -> its claims (settle reads only these)
         self._on: dict[int, Counter[int]] = {}  # instance -> block name -> requests claiming it
         self._blocks = 0
 
@@ -62,6 +63,7 @@ class PendingPrefixes:
             return
         hashes = list(hashes[: self.max_blocks])  # a longer prompt claims its beginning only
         self._requests[request_id] = _Pending(instance, hashes, self.clock())
+        self._requests_on.setdefault(instance, set()).add(request_id)
         self._on.setdefault(instance, Counter()).update(hashes)
         self._blocks += len(hashes)
         while self._blocks > self.max_blocks:
@@ -71,6 +73,7 @@ class PendingPrefixes:
         entry = self._requests.pop(request_id, None)
         if entry is None:
             return
+        self._requests_on[entry.instance].discard(request_id)
         names = self._on[entry.instance]
         for h in entry.hashes:
             left = names[h] - 1
@@ -84,8 +87,8 @@ class PendingPrefixes:
         """``mirror``'s instance sent KV events: claims it now holds are the mirror's. A
         chained name implies its whole prefix, and a radix index removes leaves first,
         so a claim is covered when its last block is in the index."""
-        covered = [rid for rid, e in self._requests.items()
-                   if e.instance == mirror.instance_id and mirror.index.get(e.hashes[-1]) is not None]
+        covered = [rid for rid in self._requests_on.get(mirror.instance_id, ())
+                   if mirror.index.get(self._requests[rid].hashes[-1]) is not None]
         for rid in covered:
             self.discard(rid)
 
