@@ -3,7 +3,8 @@ lengths differ widely are split into groups (bounded padding), and every row mus
 attend to exactly its own context, in both KV layouts, in bfloat16, with grouped (GQA,
 folded into the query rows) as well as one KV head per query head, and when large groups
 are attended a few block columns at a time (chunks made small here so that the test's
-groups have several, some ending inside one and some before one)."""
+groups have several, some ending inside one and some before one). Prefill chunks are
+attended a block of queries at a time on CPU; blocks made small here too."""
 
 from __future__ import annotations
 
@@ -47,20 +48,29 @@ def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: 
     return (weights[:, None, :] @ v).squeeze(1)
 
 
-@pytest.mark.parametrize(("layout", "dtype", "kv_heads", "chunk_blocks"), [
-    ("aggregated", torch.float32, KV_HEADS, None), ("layer-major", torch.float32, KV_HEADS, None),
-    ("aggregated", torch.bfloat16, KV_HEADS, None), ("aggregated", torch.float32, HEADS, None),
-    ("aggregated", torch.bfloat16, HEADS, None),  # one query row per KV head: bf16 decode upcasts
-    ("aggregated", torch.float32, KV_HEADS, 1), ("layer-major", torch.float32, KV_HEADS, 4),
-    ("aggregated", torch.bfloat16, KV_HEADS, 4), ("aggregated", torch.bfloat16, HEADS, 1),
+PREFILL = (40, 9, None)  # tokens cached before the prefill chunk, its new tokens, query block (None: as shipped)
+
+
+@pytest.mark.parametrize(("layout", "dtype", "kv_heads", "chunk_blocks", "prefill"), [
+    ("aggregated", torch.float32, KV_HEADS, None, PREFILL), ("layer-major", torch.float32, KV_HEADS, None, PREFILL),
+    ("aggregated", torch.bfloat16, KV_HEADS, None, PREFILL), ("aggregated", torch.float32, HEADS, None, PREFILL),
+    ("aggregated", torch.bfloat16, HEADS, None, PREFILL),  # one query row per KV head: bf16 decode upcasts
+    ("aggregated", torch.float32, KV_HEADS, 1, PREFILL), ("layer-major", torch.float32, KV_HEADS, 4, PREFILL),
+    ("aggregated", torch.bfloat16, KV_HEADS, 4, PREFILL), ("aggregated", torch.bfloat16, HEADS, 1, PREFILL),
+    # prefill chunks spanning several query blocks, the last one partial, with and without a prefix
+    ("aggregated", torch.float32, KV_HEADS, None, (40, 37, 16)), ("aggregated", torch.bfloat16, KV_HEADS, None, (0, 37, 16)),
+    ("layer-major", torch.float32, HEADS, None, (0, 50, 16)), ("aggregated", torch.bfloat16, HEADS, None, (23, 50, 16)),
 ])
-def test_mixed_lengths_decode_and_prefill_match_reference(layout, dtype, kv_heads, chunk_blocks, monkeypatch):
+def test_mixed_lengths_decode_and_prefill_match_reference(layout, dtype, kv_heads, chunk_blocks, prefill, monkeypatch):
     if chunk_blocks is not None:
         monkeypatch.setattr(attention, "DECODE_CHUNK_MIN_TOKENS", 0)
         monkeypatch.setattr(attention, "DECODE_CHUNK_BLOCKS", chunk_blocks)
+    prefill_cached, prefill_new, query_block = prefill
+    if query_block is not None:
+        monkeypatch.setattr(attention, "PREFILL_QUERY_BLOCK", query_block)
     gen = torch.Generator().manual_seed(0)
     contexts = [700, 20, 300, 45, 310]  # decode rows: context includes the new token
-    prefill_cached, prefill_new = 40, 9  # and one prefill chunk after a cached prefix
+    # and one prefill chunk (after a cached prefix when prefill_cached > 0)
     num_blocks = 1 + sum(-(-c // BLOCK_SIZE) for c in contexts) + -(-(prefill_cached + prefill_new) // BLOCK_SIZE)
     cache = allocate_kv_cache(num_blocks, LAYERS, BLOCK_SIZE, kv_heads, DIM, dtype, "cpu", layout)
     cache.normal_(generator=gen)

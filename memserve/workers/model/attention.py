@@ -64,6 +64,9 @@ DECODE_GROUP_MAX_PAD_SHARE = 0.25
 # and attended DECODE_CHUNK_BLOCKS block columns at a time (see the module docstring).
 DECODE_CHUNK_MIN_TOKENS = 8192
 DECODE_CHUNK_BLOCKS = 16
+# Queries per block of the CPU prefill path: from 64 to 128 measured the same or better
+# at 1 and 2 threads; 256 rows of scores per query head fall out of the L2 cache.
+PREFILL_QUERY_BLOCK = 128
 
 
 @dataclass
@@ -139,7 +142,7 @@ class PrefillSequence:
     tokens: slice
     block_ids: torch.Tensor | None  # blocks holding its context; None = no cached prefix
     context_len: int
-    causal_mask: torch.Tensor | None  # [1, 1, q, context] bool; None = plain causal (no prefix)
+    causal_mask: torch.Tensor | None  # [1, 1, q, context] bool; None = plain causal (no prefix) or blocked
 
 
 @dataclass
@@ -160,6 +163,7 @@ class AttentionPlan:
     decodes: list[DecodeGroup]
     prefills: list[PrefillSequence]
     xformers: XformersBatch | None
+    blocked_prefill: bool = False  # prefills through _blocked_prefill (CPU with oneDNN)
     _buffers: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -180,14 +184,15 @@ class AttentionPlan:
             return cls(meta.layout, slots // bs, slots % bs, [], [], xformers)
 
         decode_seqs = [i for i, q in enumerate(query_lens) if q == 1]
+        blocked = device.type == "cpu" and torch.backends.mkldnn.is_available()
         prefills = [
-            _plan_prefill(slice(starts[i], starts[i + 1]), block_tables[i], ctx[i], bs, device)
+            _plan_prefill(slice(starts[i], starts[i + 1]), block_tables[i], ctx[i], bs, device, blocked)
             for i, q in enumerate(query_lens)
             if q > 1
         ]
         decodes = [_plan_decode(group, starts, ctx, block_tables, bs, device)
                    for group in decode_groups(decode_seqs, ctx)]
-        return cls(meta.layout, slots // bs, slots % bs, decodes, prefills, None)
+        return cls(meta.layout, slots // bs, slots % bs, decodes, prefills, None, blocked)
 
     def gather(self, cache: torch.Tensor, block_tables: torch.Tensor, buffer: str) -> torch.Tensor:
         """[..., blocks] block ids -> [..., heads, blocks * block_size, dim] keys or values.
@@ -265,11 +270,13 @@ def _plan_decode(
 
 
 def _plan_prefill(
-    tokens: slice, block_table: torch.Tensor, context_len: int, bs: int, device: torch.device
+    tokens: slice, block_table: torch.Tensor, context_len: int, bs: int, device: torch.device, blocked: bool
 ) -> PrefillSequence:
     query_len = tokens.stop - tokens.start
     if context_len == query_len:  # nothing cached before this chunk: attend to its own K/V
         return PrefillSequence(tokens, None, context_len, None)
+    if blocked:  # masks its own causal triangle
+        return PrefillSequence(tokens, block_table[: _blocks_for(context_len, bs)], context_len, None)
     first_query_pos = context_len - query_len
     query_pos = torch.arange(first_query_pos, context_len, device=device)
     key_pos = torch.arange(context_len, device=device)
@@ -320,16 +327,18 @@ def paged_attention(
         attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.key_mask, scale=scale)
         out[group.tokens] = attended.reshape(-1, num_heads, head_dim).to(q.dtype)
     for i, seq in enumerate(plan.prefills):
-        queries = q[seq.tokens].transpose(0, 1)[None]  # [1, heads, q, dim]
         if seq.block_ids is None:
-            keys, values = k[seq.tokens].transpose(0, 1)[None], v[seq.tokens].transpose(0, 1)[None]
+            keys, values = k[seq.tokens].transpose(0, 1), v[seq.tokens].transpose(0, 1)
         else:
-            keys = plan.gather(k_cache, seq.block_ids, f"prefill-{i}-k")[None, :, : seq.context_len]
-            values = plan.gather(v_cache, seq.block_ids, f"prefill-{i}-v")[None, :, : seq.context_len]
+            keys = plan.gather(k_cache, seq.block_ids, f"prefill-{i}-k")[:, : seq.context_len]
+            values = plan.gather(v_cache, seq.block_ids, f"prefill-{i}-v")[:, : seq.context_len]
+        if plan.blocked_prefill:
+            out[seq.tokens] = _blocked_prefill(q[seq.tokens], keys, values, scale)
+            continue
         attended = F.scaled_dot_product_attention(
-            queries,
-            keys,
-            values,
+            q[seq.tokens].transpose(0, 1)[None],  # [1, heads, q, dim]
+            keys[None],
+            values[None],
             attn_mask=seq.causal_mask,
             is_causal=seq.causal_mask is None,
             scale=scale,
@@ -337,6 +346,43 @@ def paged_attention(
         )
         out[seq.tokens] = attended[0].transpose(0, 1)
     return out
+
+
+def _blocked_prefill(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a prefill chunk's queries [n, heads, dim] to its context's keys
+    and values [kv_heads, context, dim] (the chunk's own tokens last), PREFILL_QUERY_BLOCK
+    queries at a time, both products through oneDNN (see the module docstring).
+
+    Per KV head, the query heads sharing it are stacked into one [group * block, dim]
+    matrix; its scores against the keys up to the block's last position are one GEMM
+    (keys as the weight), the causal triangle is masked on the block's own columns only,
+    and the softmaxed scores multiply the values as the transposed product
+    values^T [dim, keys] x scores^T, so that both weights are contiguous rows."""
+    n, num_heads, head_dim = queries.shape
+    kv_heads, context = keys.shape[:2]
+    group = num_heads // kv_heads
+    prefix = context - n
+    keys = keys.contiguous()
+    values_t = values.transpose(1, 2).contiguous()  # [kv_heads, dim, context]
+    heads_first = (queries * scale).view(n, kv_heads, group, head_dim).permute(1, 2, 0, 3).contiguous()
+    out = queries.new_empty(kv_heads, group, n, head_dim)
+    block = min(PREFILL_QUERY_BLOCK, n)
+    future = torch.full((block, block), float("-inf"), dtype=queries.dtype, device=queries.device).triu_(1)
+    for start in range(0, n, block):
+        stop = min(start + block, n)
+        rows, end = stop - start, prefix + stop
+        for h in range(kv_heads):
+            scores = _onednn_linear(heads_first[h, :, start:stop].reshape(group * rows, head_dim), keys[h, :end])
+            scores.view(group, rows, end)[..., end - rows :].add_(future[:rows, :rows])
+            probs = torch.softmax(scores, -1)
+            out[h, :, start:stop] = _onednn_linear(values_t[h, :, :end], probs).t().view(group, rows, head_dim)
+    return out.permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
+
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [m, k] @ weight [n, k]^T through oneDNN: on AMD CPUs torch's float32 matmul goes
+    to MKL's AVX2 path, at less than half oneDNN's speed (benchmarks/prefill_attention_micro.py)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
 def _chunked_decode(
