@@ -18,8 +18,17 @@ a group is padded to its longest, and a short sequence batched with long ones wo
 otherwise copy and attend over mostly padding each layer. The query heads that share a KV
 head are folded into that head's query rows (GQA without reading each key once per query
 head); with as many rows, bf16 is attended in bf16. Prefill chunks are attended per
-sequence, with a causal mask aligned bottom-right so that chunks after a cached prefix see
-the whole prefix.
+sequence, causally aligned bottom-right so that chunks after a cached prefix see the whole
+prefix.
+
+On CPU (with oneDNN), a prefill chunk is attended PREFILL_QUERY_BLOCK queries at a time:
+the block's scores against the keys up to its last position are one oneDNN GEMM per KV
+head, its own causal triangle masked, then softmax and a second GEMM with the values
+(FlashAttention's blocking without its online softmax: a block's scores fit in L2). Keys
+past a block's last query are never touched, where SDPA with a bottom-right mask computes
+them all, and both products run at oneDNN's speed: on AMD CPUs torch's float32 matmul (and
+the SDPA CPU kernel's) goes to MKL's AVX2 path at less than half of it. Measured 1.3-1.9x
+SDPA in float32 and 1.8-3x in bf16 (benchmarks/prefill_attention_micro.py, issue 15).
 
 On CPU, a decode group of at least DECODE_CHUNK_MIN_TOKENS padded context tokens (and
 more than one chunk) never has its padded context materialised: it is gathered and
