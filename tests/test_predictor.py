@@ -23,6 +23,7 @@ from memserve.predictor.arrival_rate import ArrivalRate
 from memserve.predictor.dataset import DEFAULT_TABLE, load_table, tokenizer_fingerprint
 from memserve.predictor.features import FeatureExtractor, FeatureSet
 from memserve.predictor.length_model import LengthModel, bucket_of
+from memserve.predictor.online import OnlineLearner
 from memserve.predictor.padding import (
     PaddingConfig,
     hoeffding_padding,
@@ -313,3 +314,25 @@ def test_engine_client_sends_a_capped_prediction_and_learns() -> None:
     assert wide.predicted_output_tokens is not None and 1 <= wide.predicted_output_tokens <= 512
     assert narrow.predicted_output_tokens == 8  # capped by max_tokens
     assert predictor.num_observed == observed + 2 and not predictor._pending
+
+
+def test_bootstrap_labels_do_not_make_the_first_served_label_refit() -> None:
+    """The bootstrap's rows are in the bootstrap fit: the next refit waits for
+    ``refit_every`` served labels (it came with the first one, and cost a serving run 3 s)."""
+    learner = OnlineLearner(2, lambda: LengthModel("bucket", 64, 512), capacity=256, refit_every=16)
+    rng = np.random.default_rng(0)
+    for _ in range(100):  # as Predictor.bootstrap does
+        learner.add(rng.normal(size=2).astype(np.float32), float(rng.integers(1, 500)))
+    learner.refit()
+    due = [learner.add(rng.normal(size=2).astype(np.float32), 50.0) for _ in range(16)]
+    assert due == [False] * 15 + [True]
+
+
+def test_background_refit_swaps_the_model_in() -> None:
+    learner = OnlineLearner(2, lambda: LengthModel("bucket", 64, 512), capacity=256, refit_every=16)
+    rng = np.random.default_rng(1)
+    for _ in range(40):
+        learner.add(rng.normal(size=2).astype(np.float32), float(rng.integers(1, 500)))
+    assert learner.model is None
+    learner.refit_in_background().join(timeout=60)
+    assert learner.model is not None and learner.num_refits == 1

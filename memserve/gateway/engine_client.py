@@ -277,9 +277,10 @@ class ZmqEngineClient:
         self.admission.notify()
 
     def _learn(self, request_id: str, output_tokens: int, finish_reason: str | None) -> None:
-        """Feed a finished choice back to the predictor; a due refit runs off the event loop."""
+        """Feed a finished choice back to the predictor; a due refit runs off the event loop,
+        on idle CPU cycles only."""
         if self.predictor is not None and self.predictor.observe(request_id, output_tokens, finish_reason):
-            asyncio.get_running_loop().run_in_executor(None, self.predictor.refit)
+            self.predictor.refit_in_background()
 
     def _pick_worker(self, request: RouteRequest) -> RouteDecision:
         """The router's choice among the workers as they are now."""

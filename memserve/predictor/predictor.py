@@ -104,7 +104,8 @@ class Predictor:
     def observe(self, request_id: str, output_tokens: int, finish_reason: str | None) -> bool:
         """Learn from a finished request (or choice). Answers cut by the request's own
         ``max_tokens`` below ``max_length`` only bound the length from below, and aborted
-        ones say nothing: neither is a label. True when a refit is due (run ``refit``)."""
+        ones say nothing: neither is a label. True when a refit is due (run ``refit`` or
+        ``refit_in_background``)."""
         entry = self._pending.get(request_id)
         if entry is None or not (finish_reason == "stop" or output_tokens >= self.max_length):
             return False
@@ -122,6 +123,9 @@ class Predictor:
 
     def refit(self) -> None:
         self.online.refit()
+
+    def refit_in_background(self) -> None:
+        self.online.refit_in_background()
 
     def stats(self) -> dict:
         rate = self.arrivals.rate()
