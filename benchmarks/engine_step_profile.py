@@ -1,8 +1,8 @@
 """Where an engine step's time goes, and how far decode is from the memory roofline.
 
 Runs ``ModelRunner.execute`` in-process on the real SmolLM2 over hand-built step plans:
-decode batches of 1, 8 and 32 sequences (``--context`` tokens each) and a mixed step
-(decode rows plus a prefill chunk after a cached prefix). For each: the median step time,
+decode batches of 1, 8 and 32 sequences (``--context`` tokens each), a mixed step
+(decode rows plus a prefill chunk after a cached prefix) and optionally a cold prefill. For each: the median step time,
 and with ``--profile`` the torch profiler's self time grouped by kind of op (the rest of
 the wall time is Python and dispatch). The roofline is the bytes a decode step must read
 (every weight once, the lm_head included, plus the batch's KV) over the bandwidth of a
@@ -61,6 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=512, help="tokens in each decode sequence's KV")
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes")
     p.add_argument("--prefill", type=int, default=256, help="mixed step: new prompt tokens after as many cached (0: no mixed step)")
+    p.add_argument("--cold-prefill", type=int, default=0, help="also a step prefilling this many tokens, none cached")
     p.add_argument("--reps", type=int, default=20, help="timed steps per step kind")
     p.add_argument("--profile", action="store_true", help="print where each step kind's time goes")
     p.add_argument("--roofline", default="1,16", help="decode batch sizes to hold against the memory roofline")
@@ -120,6 +121,8 @@ def step_kinds(args: argparse.Namespace, maker: PlanMaker) -> dict[str, object]:
         decodes = [maker.chunk(ctx, 1) for ctx in contexts(args, 7)]
         kinds[f"mixed: 7 decode + {args.prefill}-token prefill"] = maker.plan(
             decodes + [maker.chunk(args.prefill, args.prefill)])
+    if args.cold_prefill:
+        kinds[f"cold prefill of {args.cold_prefill} tokens"] = maker.plan([maker.chunk(0, args.cold_prefill)])
     return kinds
 
 
@@ -127,7 +130,7 @@ def blocks_needed(args: argparse.Namespace, block_size: int) -> int:
     """Enough for the largest plan (the longest decode context is 3/2 of the mean)."""
     per_seq = -(-(3 * args.context // 2 + 1) // block_size)
     largest = max(map(int, args.batches.split(",") + args.roofline.split(",") + ["7"]))
-    return 2 + largest * per_seq + -(-2 * args.prefill // block_size)
+    return 2 + largest * per_seq + -(-2 * args.prefill // block_size) + -(-args.cold_prefill // block_size)
 
 
 # --------------------------------------------------------------------------- timing
