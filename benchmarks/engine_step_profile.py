@@ -46,6 +46,7 @@ OP_KINDS = {
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
     "aten::_scaled_dot_product_attention_math": "attention",
     "aten::_softmax": "attention",
+    "memserve::paged_decode_attention": "attention",  # --cpu-attention kernel
     "aten::index_select": "KV gather",
     "aten::_index_put_impl_": "KV write",
     "aten::index_copy_": "KV write",
@@ -58,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--cpu-gemm", default="onednn", choices=["onednn", "torch"], help="see memserve up --help")
+    p.add_argument("--cpu-attention", default="kernel", choices=["kernel", "torch"], help="see memserve up --help")
     p.add_argument("--context", type=int, default=512, help="tokens in each decode sequence's KV")
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes")
     p.add_argument("--prefill", type=int, default=256, help="mixed step: new prompt tokens after as many cached (0: no mixed step)")
@@ -201,7 +203,7 @@ def setup(args: argparse.Namespace):
     if args.threads:
         torch.set_num_threads(args.threads)
     block_size = 16
-    cfg = EngineConfig(dtype=args.dtype, cpu_gemm=args.cpu_gemm, num_blocks=blocks_needed(args, block_size), block_size=block_size,
+    cfg = EngineConfig(dtype=args.dtype, cpu_gemm=args.cpu_gemm, cpu_attention=args.cpu_attention, num_blocks=blocks_needed(args, block_size), block_size=block_size,
                        async_save=False)
     runner = ModelRunner(cfg, ensure_model_dir(None))
     runner.pools.device.normal_()

@@ -53,6 +53,10 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cpu-gemm", default="onednn", choices=["onednn", "torch"],
                    help="CPU matrix products: oneDNN over weights prepacked at load (default, 2x faster here) "
                         "or torch's F.linear")
+    p.add_argument("--cpu-attention", default="kernel", choices=["kernel", "torch"],
+                   help="CPU decode attention: a compiled kernel reading the KV blocks in place (default; built "
+                        "on first use with g++, falls back to torch where it cannot be) or torch's SDPA over "
+                        "gathered blocks")
     p.add_argument("--gpus", default=None, help="comma-separated GPU ids, one worker each (e.g. 0,1)")
     p.add_argument("--instances", default=None,
                    help="one role per worker, colocated|prefill|decode: 'prefill,decode' (CPU workers) or "
@@ -167,6 +171,7 @@ def _run_up(args: argparse.Namespace) -> int:
         cpu_threads=args.cpu_threads,
         cpu_threads_bind=args.cpu_threads_bind,
         cpu_gemm=args.cpu_gemm,
+        cpu_attention=args.cpu_attention,
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         kv_cache_gb=args.kv_cache_gb,

@@ -16,6 +16,7 @@ class EngineConfig:
     cpu_threads: int | None = None  # a CPU worker's compute threads (default: one per bound CPU, else torch's)
     cpu_threads_bind: str | None = None  # CPUs of each CPU worker, "0-1|2-3" (workers/cpu_threads.py)
     cpu_gemm: str = "onednn"  # onednn (prepacked weights) | torch (F.linear); workers/model/packed_linear.py
+    cpu_attention: str = "kernel"  # kernel (compiled decode attention, workers/model/cpu_kernels.py) | torch (SDPA)
     block_size: int = 16
     num_blocks: int | None = None  # overrides kv_cache_gb
     kv_cache_gb: float = 1.0

@@ -4,14 +4,15 @@ attend to exactly its own context, in both KV layouts, in bfloat16, with grouped
 folded into the query rows) as well as one KV head per query head, and when large groups
 are attended a few block columns at a time (chunks made small here so that the test's
 groups have several, some ending inside one and some before one). Prefill chunks are
-attended a block of queries at a time on CPU; blocks made small here too."""
+attended a block of queries at a time on CPU; blocks made small here too. Decode rows
+also go through the compiled CPU kernel where it builds (it has tests of its own)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from memserve.workers.model import attention
+from memserve.workers.model import attention, cpu_kernels
 from memserve.workers.model.attention import (
     DECODE_GROUP_MAX_PAD_TOKENS,
     AttentionMetadata,
@@ -51,6 +52,9 @@ def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: 
 PREFILL = (40, 9, None)  # tokens cached before the prefill chunk, its new tokens, query block (None: as shipped)
 
 
+KERNEL = "kernel"  # chunk_blocks value: decode rows through the compiled CPU kernel
+
+
 @pytest.mark.parametrize(("layout", "dtype", "kv_heads", "chunk_blocks", "prefill"), [
     ("aggregated", torch.float32, KV_HEADS, None, PREFILL), ("layer-major", torch.float32, KV_HEADS, None, PREFILL),
     ("aggregated", torch.bfloat16, KV_HEADS, None, PREFILL), ("aggregated", torch.float32, HEADS, None, PREFILL),
@@ -60,8 +64,14 @@ PREFILL = (40, 9, None)  # tokens cached before the prefill chunk, its new token
     # prefill chunks spanning several query blocks, the last one partial, with and without a prefix
     ("aggregated", torch.float32, KV_HEADS, None, (40, 37, 16)), ("aggregated", torch.bfloat16, KV_HEADS, None, (0, 37, 16)),
     ("layer-major", torch.float32, HEADS, None, (0, 50, 16)), ("aggregated", torch.bfloat16, HEADS, None, (23, 50, 16)),
+    ("aggregated", torch.float32, KV_HEADS, KERNEL, PREFILL), ("layer-major", torch.bfloat16, KV_HEADS, KERNEL, PREFILL),
+    ("aggregated", torch.float32, HEADS, KERNEL, (0, 37, 16)),
 ])
 def test_mixed_lengths_decode_and_prefill_match_reference(layout, dtype, kv_heads, chunk_blocks, prefill, monkeypatch):
+    kernel = chunk_blocks == KERNEL
+    if kernel and not cpu_kernels.available():
+        pytest.skip("the CPU kernels cannot be built here")
+    chunk_blocks = None if kernel else chunk_blocks
     if chunk_blocks is not None:
         monkeypatch.setattr(attention, "DECODE_CHUNK_MIN_TOKENS", 0)
         monkeypatch.setattr(attention, "DECODE_CHUNK_BLOCKS", chunk_blocks)
@@ -84,9 +94,13 @@ def test_mixed_lengths_decode_and_prefill_match_reference(layout, dtype, kv_head
         starts.append(starts[-1] + new)
     width = max(map(len, tables))
     meta = AttentionMetadata(torch.tensor(slots), starts, lens,
-                             torch.tensor([t + [0] * (width - len(t)) for t in tables]), BLOCK_SIZE, layout)
+                             torch.tensor([t + [0] * (width - len(t)) for t in tables]), BLOCK_SIZE, layout,
+                             "kernel" if kernel else "torch")
     plan = AttentionPlan.build(meta, torch.device("cpu"))
-    assert len(plan.decodes) == 3  # [700], [300, 310], [20, 45]
+    if kernel:  # every decode row in one call, no groups
+        assert plan.decodes == [] and plan.kernel_decodes.context_lens.tolist() == contexts
+    else:
+        assert len(plan.decodes) == 3  # [700], [300, 310], [20, 45]
     if chunk_blocks is not None:  # every group spanning more than one chunk is chunked
         expected = [-(-blocks // chunk_blocks) if blocks > chunk_blocks else 0 for blocks in (44, 20, 3)]
         assert [len(g.chunks) for g in plan.decodes] == expected

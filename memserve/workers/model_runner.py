@@ -29,7 +29,8 @@ from memserve.workers.engine import eos_token_ids
 from memserve.workers.kv_disk import open_disk_store
 from memserve.workers.kv_pools import KVPools
 from memserve.workers.layer_preload import LayerwisePreloader
-from memserve.workers.model.attention import AttentionMetadata
+from memserve.workers.model import cpu_kernels
+from memserve.workers.model.attention import CPU_ATTENTIONS, AttentionMetadata
 from memserve.workers.model.dtype import resolve_dtype
 from memserve.workers.model.grammar import GrammarMatchers
 from memserve.workers.model.kv_shift import shift_blocks
@@ -52,6 +53,11 @@ class ModelRunner:
         self.max_position_embeddings = self.model_config.max_position_embeddings
         self.block_size = cfg.block_size
         self.layout = cfg.kv_layout
+        if cfg.cpu_attention not in CPU_ATTENTIONS:
+            raise ValueError(f"unknown CPU attention {cfg.cpu_attention!r}; expected one of {CPU_ATTENTIONS}")
+        self.cpu_attention = cfg.cpu_attention
+        if self.device.type == "cpu" and self.cpu_attention == "kernel":
+            cpu_kernels.available()  # built (once per machine) or loaded now, not in the first step
         self.pools = KVPools.create(self.model_config, cfg, self.dtype, self.device)
         self.mover: BlockMover = self.pools
         if cfg.disk_cache_dir:
@@ -138,6 +144,7 @@ class ModelRunner:
             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=self.device),
             block_size=bs,
             layout=self.layout,
+            cpu_attention=self.cpu_attention,
         )
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),

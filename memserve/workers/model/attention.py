@@ -57,6 +57,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from memserve.workers.model import cpu_kernels
+
 try:  # xformers is optional and CUDA-only; the SDPA path below is the reference.
     from xformers.ops import memory_efficient_attention_forward as _xformers_attention
     from xformers.ops.fmha.attn_bias import BlockDiagonalCausalWithOffsetPaddedKeysMask
@@ -64,6 +66,7 @@ except ImportError:  # pragma: no cover - depends on the installation
     _xformers_attention = None
 
 KV_LAYOUTS = ("aggregated", "layer-major")
+CPU_ATTENTIONS = ("kernel", "torch")
 # A decode sequence joins a group of longer ones only while the padding it adds stays
 # under both bounds (tokens, share of the group's width); past them, one more batched call
 # per layer costs less than copying and attending over the padding.
@@ -88,6 +91,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] long, padded with 0
     block_size: int
     layout: str = "aggregated"
+    cpu_attention: str = "kernel"  # kernel: CPU decode rows through cpu_kernels where it builds; torch: SDPA
 
 
 def kv_cache_shape(
@@ -136,6 +140,15 @@ class DecodeGroup:
 
 
 @dataclass
+class KernelDecodes:
+    """Every decode row of the batch, for the compiled CPU kernel: no groups, no padding."""
+
+    tokens: slice | torch.Tensor  # their rows in the flat batch
+    block_tables: torch.Tensor  # [rows, blocks needed by the longest] int64
+    context_lens: torch.Tensor  # [rows] int64
+
+
+@dataclass
 class DecodeChunk:
     """DECODE_CHUNK_BLOCKS block columns of a decode group, attended on their own."""
 
@@ -173,6 +186,7 @@ class AttentionPlan:
     prefills: list[PrefillSequence]
     xformers: XformersBatch | None
     blocked_prefill: bool = False  # prefills through _blocked_prefill (CPU with oneDNN)
+    kernel_decodes: KernelDecodes | None = None  # decode rows for the CPU kernel (then ``decodes`` is empty)
     _buffers: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -199,6 +213,12 @@ class AttentionPlan:
             for i, q in enumerate(query_lens)
             if q > 1
         ]
+        if decode_seqs and device.type == "cpu" and meta.cpu_attention == "kernel" and cpu_kernels.available():
+            lens = [ctx[i] for i in decode_seqs]
+            kernel = KernelDecodes(_as_index([starts[i] for i in decode_seqs], device),
+                                   block_tables[_as_index(decode_seqs, device), : _blocks_for(max(lens), bs)],
+                                   torch.tensor(lens, dtype=torch.long))
+            return cls(meta.layout, slots // bs, slots % bs, [], prefills, None, blocked, kernel)
         decodes = [_plan_decode(group, starts, ctx, block_tables, bs, device)
                    for group in decode_groups(decode_seqs, ctx)]
         return cls(meta.layout, slots // bs, slots % bs, decodes, prefills, None, blocked)
@@ -316,6 +336,13 @@ def paged_attention(
     out = q.new_empty(q.shape)  # contiguous even where q is a view into the fused projection
     num_heads, head_dim = q.shape[1:]
     kv_heads = k_cache.shape[-2]
+    if plan.kernel_decodes is not None:
+        rows = plan.kernel_decodes
+        queries = q[rows.tokens].contiguous()
+        attended = torch.empty_like(queries)
+        cpu_kernels.paged_decode_attention(attended, queries, k_cache, v_cache, rows.block_tables, rows.context_lens,
+                                           scale)
+        out[rows.tokens] = attended
     for i, group in enumerate(plan.decodes):
         # GQA folded into the query length: the heads sharing a KV head are that head's
         # query rows, so each key is read once, not once per query head.

@@ -1,0 +1,80 @@
+"""memserve's compiled CPU kernels (csrc/), built on first use for the CPU at hand.
+
+torch ships no paged attention for CPU, and reading KV blocks in place from Python costs
+an op per block (see attention.py): the decode kernel is a small C++ torch op. It is built
+with torch's extension builder (g++ and ninja) the first time a process asks for it, with
+``-march=native``, into a directory named by a hash of the source, the torch version and
+this CPU's model and flags: the home cache outlives moves between machines, and a binary
+built for another CPU's instructions could die on this one. Later processes load it from
+there in milliseconds. Where the build fails (no compiler), ``available()`` is False and
+attention keeps its gather-and-SDPA path; the failure is logged once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+CACHE_DIR = Path(os.environ.get("MEMSERVE_KERNEL_CACHE", Path.home() / ".cache" / "memserve" / "kernels"))
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]  # fast-math: vectorised exp (see the source)
+
+_lock = threading.Lock()
+_state: dict[str, bool] = {}
+
+
+def _cpu_signature() -> str:
+    """This CPU's model name and instruction-set flags (what -march=native compiles for)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        wanted = [line for line in lines if line.startswith(("model name", "flags"))][:2]
+        return "\n".join(wanted)
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def build_dir() -> Path:
+    key = hashlib.sha256(
+        b"\0".join([SOURCE.read_bytes(), torch.__version__.encode(), _cpu_signature().encode(), " ".join(FLAGS).encode()])
+    ).hexdigest()[:16]
+    return CACHE_DIR / key
+
+
+def available() -> bool:
+    """Build (once per machine) and load the kernels; False where they cannot be built."""
+    with _lock:
+        if "loaded" not in _state:
+            _state["loaded"] = _load()
+        return _state["loaded"]
+
+
+def _load() -> bool:
+    from torch.utils import cpp_extension
+
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        cpp_extension.load(name=f"memserve_kernels_{directory.name}", sources=[str(SOURCE)], extra_cflags=FLAGS,
+                           extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False,
+                           verbose=False)
+    except Exception as exc:  # no compiler, no ninja, a failed build: keep the torch path
+        log.warning("CPU attention kernels unavailable (%s: %s); decode attention gathers the KV instead",
+                    type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
+        return False
+    return True
+
+
+def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> None:
+    """out, q [rows, heads, dim] contiguous; k_cache, v_cache [blocks, block_size, kv_heads,
+    dim] (any strides but the last); block_tables [rows, >= blocks needed] and context_lens
+    [rows], int64. Row i attends to the first context_lens[i] tokens of its blocks."""
+    torch.ops.memserve.paged_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens, scale)
