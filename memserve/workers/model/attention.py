@@ -398,8 +398,13 @@ def _blocked_prefill(queries: torch.Tensor, keys: torch.Tensor, values: torch.Te
     kv_heads, context = keys.shape[:2]
     group = num_heads // kv_heads
     prefix = context - n
-    keys = keys.contiguous()
-    values_t = values.transpose(1, 2).contiguous()  # [kv_heads, dim, context]
+    dtype = queries.dtype
+    # bf16 is attended in float32: oneDNN would round the scores to bf16 before the
+    # softmax, and that halved bf16's greedy agreement with float32 (31 % -> 19 % of
+    # outputs identical, benchmarks/bf16_agreement.py).
+    queries = queries.float()
+    keys = keys.float().contiguous()
+    values_t = values.transpose(1, 2).float().contiguous()  # [kv_heads, dim, context]
     heads_first = (queries * scale).view(n, kv_heads, group, head_dim).permute(1, 2, 0, 3).contiguous()
     out = queries.new_empty(kv_heads, group, n, head_dim)
     block = min(PREFILL_QUERY_BLOCK, n)
@@ -412,7 +417,7 @@ def _blocked_prefill(queries: torch.Tensor, keys: torch.Tensor, values: torch.Te
             scores.view(group, rows, end)[..., end - rows :].add_(future[:rows, :rows])
             probs = torch.softmax(scores, -1)
             out[h, :, start:stop] = _onednn_linear(values_t[h, :, :end], probs).t().view(group, rows, head_dim)
-    return out.permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
+    return out.permute(2, 0, 1, 3).reshape(n, num_heads, head_dim).to(dtype)
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

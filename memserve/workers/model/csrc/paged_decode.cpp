@@ -31,10 +31,14 @@ inline float widen(c10::BFloat16 x) {
   return out;
 }
 
+constexpr int64_t MAX_DIM = 256;
+
+// DIM: the head dim when known at compile time (64, 128: fully unrolled loops), else 0.
 template <typename T, int64_t DIM>
 void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t D = DIM > 0 ? DIM : dim;
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), group = heads / kv_heads;
   const int64_t kb = k_cache.stride(0), kt = k_cache.stride(1), kh = k_cache.stride(2);
   const int64_t vb = v_cache.stride(0), vt = v_cache.stride(1), vh = v_cache.stride(2);
@@ -90,7 +94,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
             const T* key = keys + o * kt;
             float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-            for (int64_t d = 0; d < DIM; ++d) s += qg[d] * widen(key[d]);
+            for (int64_t d = 0; d < D; ++d) s += qg[d] * widen(key[d]);
             sg[i] = s;
           }
         }
@@ -110,17 +114,17 @@ void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
       }
       for (int64_t g = 0; g < group; ++g) {
         const float* sg = &scores[g * PARTITION];
-        float ag[DIM] = {};
+        float ag[DIM > 0 ? DIM : MAX_DIM] = {};
         for (int64_t i = 0, block = start / block_size; i < count; ++block) {
           const T* values = vp + table[block] * vb + h * vh;
           for (int64_t o = 0; o < block_size && i < count; ++o, ++i) {
             const T* value = values + o * vt;
             const float p = sg[i];
 #pragma omp simd
-            for (int64_t d = 0; d < DIM; ++d) ag[d] += p * widen(value[d]);
+            for (int64_t d = 0; d < D; ++d) ag[d] += p * widen(value[d]);
           }
         }
-        std::copy(ag, ag + DIM, acc + g * dim);
+        std::copy(ag, ag + D, acc + g * dim);
       }
     }
   });
@@ -171,14 +175,15 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
               "block_tables [rows, blocks] and context_lens [rows]: int64");
   TORCH_CHECK(PARTITION % k_cache.size(1) == 0, "the block size must divide ", PARTITION);
   TORCH_CHECK(block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0), "one table and length per row");
-  TORCH_CHECK(q.size(2) == 64 || q.size(2) == 128, "head dim 64 or 128 only");
-  const bool wide = q.size(2) == 128;
+  TORCH_CHECK(q.size(2) <= MAX_DIM, "head dim at most ", MAX_DIM);
+  const int64_t dim = q.size(2);
   if (q.scalar_type() == at::kFloat) {
-    (wide ? decode_attention<float, 128> : decode_attention<float, 64>)(out, q, k_cache, v_cache, block_tables,
-                                                                        context_lens, scale);
-  } else if (q.scalar_type() == at::kBFloat16) {
-    (wide ? decode_attention<c10::BFloat16, 128> : decode_attention<c10::BFloat16, 64>)(
+    (dim == 64 ? decode_attention<float, 64> : dim == 128 ? decode_attention<float, 128> : decode_attention<float, 0>)(
         out, q, k_cache, v_cache, block_tables, context_lens, scale);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    (dim == 64    ? decode_attention<c10::BFloat16, 64>
+     : dim == 128 ? decode_attention<c10::BFloat16, 128>
+                  : decode_attention<c10::BFloat16, 0>)(out, q, k_cache, v_cache, block_tables, context_lens, scale);
   } else {
     TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only");
   }
