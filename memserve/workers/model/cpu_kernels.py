@@ -4,8 +4,9 @@ torch ships no paged attention for CPU, and reading KV blocks in place from Pyth
 an op per block (see attention.py): the decode kernel is a small C++ torch op. It is built
 with torch's extension builder (g++ and ninja) the first time a process asks for it, with
 ``-march=native``, into a directory named by a hash of the source, the torch version and
-this CPU's model and flags: the home cache outlives moves between machines, and a binary
-built for another CPU's instructions could die on this one. Later processes load it from
+installation (each virtual environment its own build, rather than one rebuilt in turns)
+and this CPU's model and flags: the home cache outlives moves between machines, and a
+binary built for another CPU's instructions could die on this one. Later processes load it from
 there in milliseconds. Where the build fails (no compiler), ``available()`` is False and
 attention keeps its gather-and-SDPA path; the failure is logged once.
 """
@@ -43,7 +44,8 @@ def _cpu_signature() -> str:
 
 def build_dir() -> Path:
     key = hashlib.sha256(
-        b"\0".join([SOURCE.read_bytes(), torch.__version__.encode(), _cpu_signature().encode(), " ".join(FLAGS).encode()])
+        b"\0".join([SOURCE.read_bytes(), torch.__version__.encode(), str(Path(torch.__file__).parent).encode(),
+                   _cpu_signature().encode(), " ".join(FLAGS).encode()])
     ).hexdigest()[:16]
     return CACHE_DIR / key
 
