@@ -27,8 +27,13 @@ head, its own causal triangle masked, then softmax and a second GEMM with the va
 (FlashAttention's blocking without its online softmax: a block's scores fit in L2). Keys
 past a block's last query are never touched, where SDPA with a bottom-right mask computes
 them all, and both products run at oneDNN's speed: on AMD CPUs torch's float32 matmul (and
-the SDPA CPU kernel's) goes to MKL's AVX2 path at less than half of it. Measured 1.3-1.9x
-SDPA in float32 and 1.8-3x in bf16 (benchmarks/prefill_attention_micro.py, issue 15).
+the SDPA CPU kernel's) goes to MKL's AVX2 path at less than half of it. bf16 chunks are
+attended in float32 (bf16 scores halved greedy agreement with float32). Measured 1.3-1.9x
+SDPA in float32 and 1.4-2x in bf16 (benchmarks/prefill_attention_micro.py, issue 15).
+
+On CPU, decode rows go to a compiled kernel (cpu_kernels, csrc/paged_decode.cpp) that
+reads each row's blocks in place, unless ``--cpu-attention torch`` or it cannot be built;
+the grouped, gathered SDPA path below is then what runs.
 
 On CPU, a decode group of at least DECODE_CHUNK_MIN_TOKENS padded context tokens (and
 more than one chunk) never has its padded context materialised: it is gathered and
