@@ -73,15 +73,17 @@ def test_chat_stream_interleaves_choices_by_index(memserve_server):
 
 def test_choices_share_the_prompt_blocks(client, memserve_server):
     """A prompt of 10 full blocks and one token: with one prefill the 4 choices hold the
-    10 shared blocks plus at most 3 blocks each (40 tokens); 4 prefills would hold 44+."""
+    10 shared blocks plus at most 11 blocks each (160 tokens); 4 prefills would hold 84.
+    The answers run long enough (seconds) for the heartbeats' block counts to see them."""
     assert _wait_free_blocks(memserve_server, lambda f: f == SERVER_NUM_BLOCKS) == SERVER_NUM_BLOCKS
     rng = random.Random(time.time_ns())
     prompt = [rng.randrange(1000, 20000) for _ in range(10 * BLOCK_SIZE + 1)]
     shared = 10
-    bound = shared + 4 * (-(-(len(prompt) + 40) // BLOCK_SIZE) - shared)
+    max_tokens = 160
+    bound = shared + 4 * (-(-(len(prompt) + max_tokens) // BLOCK_SIZE) - shared)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         done = pool.submit(client.completions.create, model=memserve_server.model, prompt=prompt, n=4, seed=1,
-                           max_tokens=40, temperature=1.0, extra_body={"ignore_eos": True})
+                           max_tokens=max_tokens, temperature=1.0, extra_body={"ignore_eos": True})
         used = []
         while not done.done():
             used.append(SERVER_NUM_BLOCKS - _free_device_blocks(memserve_server))
