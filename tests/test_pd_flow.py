@@ -95,3 +95,32 @@ async def scenario() -> None:
 
 def test_disaggregated_flow_matches_the_prefill_instance_alone():
     asyncio.run(scenario())
+
+
+async def handoff_during_a_long_prefill() -> None:
+    """P names D while a request prefills, so the request's KV leaves when its prefill
+    step ends. A long prompt arriving just after it must not hold the handoff up: the
+    short request's second token (from D) comes before the long prompt's first (the end
+    of P's next step). Naming D only after the first token left the ``HandoffStart``
+    unread until that step ended, and the order was the other way round."""
+    async with pd_cluster(["prefill", "decode"], "pd-basic", num_blocks=256) as (client, tok):
+        short = tok.encode_chat([{"role": "user", "content": user_turns(1, 1)[0][0]}])
+        long = tok.encode_chat([{"role": "user", "content": " ".join(u[0] for u in user_turns(24, 1)) * 2}])
+        assert len(long) > 1200 and len(short) < 200
+        arrivals: dict[str, list[float]] = {"short": [], "long": []}
+
+        async def run(name: str, prompt: list[int], delay_s: float) -> None:
+            await asyncio.sleep(delay_s)
+            params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+            async for out in client.generate(name, prompt, params):
+                loop_time = asyncio.get_running_loop().time()
+                arrivals[name] += [loop_time] * len(out.new_token_ids)
+
+        await asyncio.gather(run("short", short, 0.0), run("long", long, 0.05))
+        assert len(arrivals["short"]) == 4 and len(arrivals["long"]) == 4
+        assert arrivals["short"][1] < arrivals["long"][0], arrivals
+        assert await settled(client) == {PREFILL: 0, DECODE: 0}
+
+
+def test_the_handoff_does_not_wait_for_the_next_prefill_step():
+    asyncio.run(handoff_during_a_long_prefill())

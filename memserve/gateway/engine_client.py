@@ -348,9 +348,9 @@ class ZmqEngineClient:
             self.router.kv_events_applied(self.mirrors[instance_id])
         elif isinstance(msg, Heartbeat):
             self.cluster.heartbeat(instance_id, msg.stats)
-        elif isinstance(msg, HandoffDone):
+        elif isinstance(msg, HandoffDone):  # from the prefill instance, or the decode one the KV reached
             stream = self._streams.get(msg.request_id)
-            if stream is not None and stream.worker == instance_id:
+            if stream is not None and instance_id in (stream.worker, stream.peer):
                 stream.queue.put_nowait(msg)
         elif isinstance(msg, (TransferDone, TransferExpected)):
             future = self._transfers.get(msg.transfer_id)

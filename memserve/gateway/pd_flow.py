@@ -4,14 +4,18 @@ drives it; the client sees one ordinary stream.
 1. The router picks a prefill instance P among the prefill instances (its policy applies
    there: least-load, session, prompt-tree, cost). P prefills and samples the first
    token, which is streamed to the client at once, and keeps the request's KV.
-2. A decode instance D (``pick_decode``: in pd-caching-2/3 the one holding the longest
-   prefix of the prompt, else the least loaded) is told to expect the KV
-   (``ExpectTransfer``); in pd-caching-2/3 it pins its cached prefix of the prompt and
-   answers how many blocks it holds, so P sends only the rest (``HandoffStart``),
-   inserted into D's index.
-3. When P reports the KV delivered (``HandoffDone``), D gets the request as a resume: an
-   ``AddRequest`` with the first token as output and the KV's ticket. It recomputes
-   nothing that was sent, and decodes the rest, streaming it under the same id.
+2. While P prefills, a decode instance D (``pick_decode``: in pd-caching-2/3 the one
+   holding the longest prefix of the prompt, else the least loaded) is told to expect
+   the KV (``ExpectTransfer``); in pd-caching-2/3 it pins its cached prefix of the prompt
+   and answers how many blocks it holds, so P sends only the rest (``HandoffStart``),
+   inserted into D's index. P starts the send the moment its prefill step ends. (Naming
+   D only after the first token would leave the ``HandoffStart`` unread until P's next
+   step ended: on a busy prefill instance, another whole prefill.) If naming fails, D is
+   named again after the first token.
+3. When the KV is delivered (``HandoffDone``: from D as soon as it arrives, or from P),
+   D gets the request as a resume: an ``AddRequest`` with the first token as output and
+   the KV's ticket. It recomputes nothing that was sent, and decodes the rest, streaming
+   it under the same id.
 4. pd-caching-3: when D finishes, its decode-phase KV goes back to P (only the blocks P
    lacks), so the next turn's prefill at P reuses the answer too.
 
@@ -143,11 +147,14 @@ class PDFlow:
         handoff: asyncio.Task | None = None
         handoff_since = 0.0
         early = False  # by-layer: D named (and P told) before the prefill
+        naming: asyncio.Task | None = None  # other modes: D named (and P told) while P prefills
+        done_early: HandoffDone | None = None  # the KV arrived before the first token was seen here
         try:
             if decision.pull_from is not None:
                 await c._pull_prefix(decision.pull_from, decision.instance, prompt)
             early = self._by_layer(prefill) and await self._handoff(stream, request_id, prefill, prompt, early=True)
             await c.channel.send(prefill, add)
+            naming = None if early else self._name_decode(stream, request_id, prefill, prompt)
             while not finished:
                 try:
                     timeout = self.handoff_timeout_s if phase == "handoff" else None
@@ -157,14 +164,22 @@ class PDFlow:
                         continue  # both are alive, one is busy stepping: the handoff goes on
                     item = HandoffDone(request_id, "", 0, error="the handoff stalled: an instance is not healthy")
                 if item is _RETRY and phase == "prefill":
-                    if early:  # P or D died: both drop the request, and D is named anew for the new P
+                    if naming is not None:
+                        naming.cancel()
+                    if early or naming is not None:  # P or D died: both drop the request, D is named anew
                         await c._send_abort(prefill, request_id)
-                        await c._send_abort(stream.peer, request_id)  # type: ignore[arg-type]
+                        if stream.peer is not None:
+                            await c._send_abort(stream.peer, request_id)
+                        stream.peer, done_early = None, None
                     stream.worker = prefill = c._pick_worker(route).instance
                     log.warning("request %s: its prefill instance died; retrying on instance %d", request_id, prefill)
                     early = self._by_layer(prefill) and await self._handoff(stream, request_id, prefill, prompt,
                                                                             early=True)
                     await c.channel.send(prefill, add)
+                    naming = None if early else self._name_decode(stream, request_id, prefill, prompt)
+                    continue
+                if isinstance(item, HandoffDone) and phase == "prefill" and item.error is None:
+                    done_early = item  # D has the KV already; P's first token is on its way
                     continue
                 if isinstance(item, HandoffDone) and phase != "handoff":
                     continue  # a late answer: the request resumed without that handoff
@@ -199,8 +214,12 @@ class PDFlow:
                     cached = out.num_cached_tokens
                     if not out.finished and out.new_token_ids:
                         phase, handoff_since = "handoff", time.monotonic()
+                        if naming is not None:  # P was told where to send unless naming failed
+                            early, naming = await naming, None
                         if not early:
                             handoff = asyncio.create_task(self._handoff(stream, request_id, prefill, prompt))
+                        elif done_early is not None:
+                            stream.queue.put_nowait(done_early)
                 else:
                     out.num_cached_tokens = cached  # what the prefill found cached is the request's
                 if out.finished:
@@ -210,9 +229,11 @@ class PDFlow:
                 yield out
         finally:
             c._release(request_id)
-            if handoff is not None:
-                handoff.cancel()
-            if not finished or (early and phase == "prefill"):  # (D holds what P sent for a request that ended on P)
+            for task in (handoff, naming):
+                if task is not None:
+                    task.cancel()
+            if not finished or ((early or naming is not None) and phase == "prefill"):
+                # (D holds what it pinned, or P sent, for a request that ended on P)
                 for instance in {prefill, stream.worker, stream.peer} - {None}:
                     await c._send_abort(instance, request_id)  # type: ignore[arg-type]
 
@@ -229,14 +250,19 @@ class PDFlow:
         they cache."""
         return pick_decode(self.client._views(), exclude, prompt if self.decode_caches else None)
 
+    def _name_decode(self, stream: _Stream, request_id: str, prefill: int, prompt: list[int]) -> asyncio.Task:
+        """Name D and tell P where to send while P prefills (a task: the prefill is not
+        held up by D's answer); its result is whether P was told."""
+        return asyncio.get_running_loop().create_task(self._handoff(stream, request_id, prefill, prompt, early=True))
+
     def _by_layer(self, prefill: int) -> bool:
         return self.client.cluster.workers[prefill].config.engine.transfer_mode == "by-layer"
 
     async def _handoff(self, stream: _Stream, request_id: str, prefill: int, prompt: list[int],
                        early: bool = False) -> bool:
         """Name the decode instance, let it pin what it has, and start P's send (``early``:
-        tell P where its prefill is to send); whether P was told. On a failure P drops
-        the KV and the request resumes without it (``early``: it hands off after its
+        tell P where to send before its prefill ends); whether P was told. On a failure P
+        drops the KV and the request resumes without it (``early``: it hands off after its
         first token instead)."""
         c = self.client
         try:

@@ -309,12 +309,15 @@ class KVTransferEndpoint:
 
     def send_async(self, instance: int, src: list[int], dst: list[int] | None, flags: int, private: Any,
                    ticket: str, tokens: list[int] | None = None, first_block: int = 0,
-                   frame_nbytes: int | None = None) -> Future[list[int]]:
+                   frame_nbytes: int | None = None,
+                   cancelled: threading.Event | None = None) -> Future[list[int]]:
         """``send`` without waiting: the blocks' bytes are taken here (they must stay held
         until the future is done); allocation, sending and waiting for the receiver run on
         the sender thread, so the engine keeps stepping meanwhile. Frames are one per run
         of consecutive blocks, or pieces of ``frame_nbytes`` (MemServe's unaggregated
-        by-request transfer: one network call per layer's K or V of each block)."""
+        by-request transfer: one network call per layer's K or V of each block). Setting
+        ``cancelled`` gives up waiting for the receiver (a dead or frozen one would hold
+        the sender thread, and the blocks, until the timeout)."""
         self.pool.check_held(src, "transfer")
         if dst is not None and len(dst) != len(src):
             raise MemPoolError(f"transfer: {len(src)} source blocks but {len(dst)} destinations")
@@ -322,7 +325,7 @@ class KVTransferEndpoint:
         if frame_nbytes:
             buffers = split_frames(buffers, frame_nbytes)
         return self._sender.submit(self._send, instance, len(src), dst, flags, private, ticket, tokens, first_block,
-                                   buffers)
+                                   buffers, cancelled)
 
     def open_layers(self, instance: int, num_blocks: int, num_layers: int, ticket: str,
                     tokens: list[int] | None = None, first_block: int = 0,
@@ -353,17 +356,21 @@ class KVTransferEndpoint:
         return list(reply.addrs)
 
     def _send(self, instance: int, num_blocks: int, dst: list[int] | None, flags: int, private: Any, ticket: str,
-              tokens: list[int] | None, first_block: int, buffers: list) -> list[int]:
+              tokens: list[int] | None, first_block: int, buffers: list,
+              cancelled: threading.Event | None = None) -> list[int]:
+        if cancelled is not None and cancelled.is_set():
+            raise TransferError(f"the transfer to instance {instance} was cancelled")
         peer = self._peer(instance)
         if dst is None:
-            dst = self._allocate(instance, num_blocks, Tier.HOST if flags & KVFlags.HOST else Tier.DEVICE, ticket)
+            dst = self._allocate(instance, num_blocks, Tier.HOST if flags & KVFlags.HOST else Tier.DEVICE, ticket,
+                                 cancelled)
         tid = next(self._ids)
         header = KVData(tid, self.pool.instance_id, list(dst), int(flags), self.pool.mover.block_nbytes,  # type: ignore[union-attr]
                         private, tokens, first_block, ticket)
         # copy=False: the frames point into the mover's memory. They are safe to reuse
         # once the receiver answers, which means it has received every frame.
         peer.send_multipart([encode(header), *buffers], copy=False)
-        done = self._wait(peer, tid)
+        done = self._wait(peer, tid, cancelled)
         if done.error:
             raise TransferError(f"transfer to instance {instance} failed: {done.error}")
         return list(dst)

@@ -195,7 +195,10 @@ class HandoffStart:
 @dataclass
 class HandoffDone:
     """Prefill instance -> gateway: the KV of ``request_id`` reached the decode instance
-    (or ``error``); what it cost, for the worker's and the benchmark's accounting."""
+    (or ``error``); what it cost, for the worker's and the benchmark's accounting. The
+    decode instance sends one too (``num_blocks`` only) as soon as the KV is there, so the
+    request resumes without waiting for the prefill instance's next step boundary; the
+    first of the two that says the KV arrived wins."""
 
     kind: ClassVar[str] = "handoff_done"
     request_id: str

@@ -13,6 +13,7 @@ transfers through one instance queue behind each other. No bytes move."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -130,9 +131,10 @@ class SimEndpoint:
     # ------------------------------------------------------------ sender side
     def send_async(self, instance: int, src: list[int], dst: list[int] | None, flags: int, private: Any,
                    ticket: str, tokens: list[int] | None = None, first_block: int = 0,
-                   frame_nbytes: int | None = None) -> Future[list[int]]:
+                   frame_nbytes: int | None = None, cancelled: threading.Event | None = None) -> Future[list[int]]:
         """Copy held blocks ``src`` to ``instance``: the receiver allocates now, indexes
-        and takes them when the link has carried them (the future is then done)."""
+        and takes them when the link has carried them (the future is then done).
+        ``cancelled`` is never waited on: a simulated receiver always answers."""
         if dst is not None or frame_nbytes is not None:
             raise TransferError("the simulator sends aggregated blocks into receiver-allocated ones only")
         self.pool.check_held(src, "transfer")

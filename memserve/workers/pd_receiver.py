@@ -22,6 +22,7 @@ from memserve.ipc.kv_transfer import KVTransferEndpoint, ReceivedKV
 from memserve.ipc.messages import (
     AddRequest,
     ExpectTransfer,
+    HandoffDone,
     RequestOutput,
     TransferExpected,
 )
@@ -67,15 +68,20 @@ class KVReceiver:
         self.counts["blocks_pinned"] += len(pinned)
         return TransferExpected(msg.transfer_id, len(pinned))
 
-    def on_received(self, received: list[ReceivedKV]) -> None:
-        """Keep KV that arrived for a request until it resumes; free any other."""
-        waiting = set(self._tickets.values())
+    def on_received(self, received: list[ReceivedKV]) -> list[HandoffDone]:
+        """Keep KV that arrived for a request until it resumes, and tell the gateway it is
+        here (it need not wait for the sender's report, which leaves the sender only at
+        its next step boundary: a long prefill step later); free any other."""
+        waiting = {ticket: request_id for request_id, ticket in self._tickets.items()}
+        arrived = []
         for kv in received:
             if kv.ticket in waiting:
                 self._arrived[kv.ticket] = _Arrived(kv.addrs, self.clock() + self.hold_s)
                 self.counts["blocks_received"] += len(kv.addrs)
+                arrived.append(HandoffDone(waiting[kv.ticket], kv.ticket, len(kv.addrs)))
             else:
                 self.engine.mempool.free_mem(kv.addrs)
+        return arrived
 
     def resume(self, msg: AddRequest) -> RequestOutput | None:
         """Continue a request another instance started: its KV (when it arrived under

@@ -8,6 +8,11 @@ sender thread, so the engine keeps stepping, and freed once the decode instance 
 (blocks indexed here stay cached: pd-caching-1 and up). An abort, a failed send or a
 ``HandoffStart`` without destination frees them too: nothing outlives its request.
 
+The gateway names the decode instance while the prefill runs, so its ``HandoffStart``
+usually arrives before the request is parked: it is kept (``_named``) and the send
+starts the moment the prefill step ends, instead of after the next step (the loop reads
+messages only between steps, and a prefill step can take seconds).
+
 The first output is passed on unfinished: for the client the request goes on, on the
 decode instance.
 
@@ -23,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -52,6 +58,7 @@ class _Sending:
     parked: float  # when the prefill step ended
     stream: LayerStream | None = None  # by-layer
     finished: float | None = None  # when the receiver answered (set on the sender thread)
+    cancelled: threading.Event | None = None  # other modes: set on abort, the sender stops waiting
 
 
 @dataclass
@@ -77,6 +84,9 @@ class HandoffSender:
             engine.runner.add_step_hooks(self.layers.hooks_for)  # type: ignore[attr-defined]
         self._early: dict[str, HandoffStart] = {}
         self._streams: dict[str, tuple[HandoffStart, LayerStream]] = {}
+        # Other modes: destinations named while the request prefills, sent when it parks.
+        self._named: dict[str, HandoffStart] = {}
+        self._answers: list[HandoffDone] = []  # answers of those sends, for the next ``poll``
         # kv_ready_s: from the end of the prefill step to the KV being at the receiver.
         self.counts = {"handoffs": 0, "failed": 0, "blocks_sent": 0, "blocks_skipped": 0, "bytes_sent": 0,
                        "messages": 0, "transfer_s": 0.0, "kv_ready_s": 0.0}
@@ -126,6 +136,10 @@ class HandoffSender:
                     self._sent_by_layer(out.request_id, addrs)
                 else:
                     self._parked[out.request_id] = _Parked(prompt, addrs, self.clock())
+                    named = self._named.pop(out.request_id, None)
+                    answer = self.start(named) if named is not None else None
+                    if answer is not None:
+                        self._answers.append(answer)
                 out.finished, out.finish_reason = False, None
             else:
                 self._drop(out.request_id)
@@ -146,11 +160,15 @@ class HandoffSender:
     def start(self, msg: HandoffStart) -> HandoffDone | None:
         """Send a parked request's KV from block ``first_block`` on; an answer now when
         there is nothing to send (unknown request, no destination), else at ``poll``.
-        by-layer: a destination named before the prefill is kept for it."""
+        A destination named before the request parked is kept for it: by-layer, for its
+        prefill step to send through; other modes, to send when it parks."""
         if self.layers is not None and msg.dst_instance >= 0 and msg.request_id not in self._parked:
             self._early[msg.request_id] = msg
             if msg.request_id in self._prompts:  # already queued: its prefill has not run yet
                 self._open(msg.request_id)
+            return None
+        if msg.dst_instance >= 0 and msg.request_id in self._prompts:  # still prefilling
+            self._named[msg.request_id] = msg
             return None
         parked = self._parked.pop(msg.request_id, None)
         prompt, addrs = (parked.prompt, parked.addrs) if parked else ([], [])
@@ -168,14 +186,16 @@ class HandoffSender:
         nbytes = len(send) * self.engine.mempool.mover.block_nbytes  # type: ignore[union-attr]
         frame_nbytes = self._frame_nbytes()
         frames = nbytes // frame_nbytes if frame_nbytes else len(contiguous_runs([addr_block(a) for a in send]))
+        cancelled = threading.Event()
         try:
             future = self.endpoint.send_async(msg.dst_instance, send, None, 0, None, msg.ticket, tokens, skip,
-                                              frame_nbytes)
+                                              frame_nbytes, cancelled)
         except Exception as exc:  # noqa: BLE001 - reported to the gateway like a failed send
             future = Future()
             future.set_exception(exc)
         self.counts["blocks_skipped"] += skip
-        self._watch(_Sending(msg, send, future, self.clock(), nbytes, frames, len(send), parked.at))  # type: ignore[union-attr]
+        self._watch(_Sending(msg, send, future, self.clock(), nbytes, frames, len(send), parked.at,  # type: ignore[union-attr]
+                             cancelled=cancelled))
         return None
 
     def _watch(self, s: _Sending) -> None:
@@ -194,7 +214,8 @@ class HandoffSender:
 
     def poll(self) -> list[HandoffDone]:
         """Sends that ended: free their blocks, report them."""
-        done, pending = [], []
+        done, pending = self._answers, []
+        self._answers = []
         for s in self._sending:
             if not s.future.done():
                 pending.append(s)
@@ -231,12 +252,17 @@ class HandoffSender:
         if parked is not None and parked.addrs:
             self.engine.mempool.free_mem(parked.addrs)
         for s in self._sending:
-            if s.stream is not None and s.start.request_id == request_id:
+            if s.start.request_id != request_id:
+                continue
+            if s.stream is not None:
                 s.stream.cancel("the request was aborted")
+            elif s.cancelled is not None:
+                s.cancelled.set()
 
     def _drop(self, request_id: str) -> None:
         self._prompts.pop(request_id, None)
         self._early.pop(request_id, None)
+        self._named.pop(request_id, None)
         if self.layers is not None:
             self.layers.disarm(request_id)
         _, stream = self._streams.pop(request_id, (None, None))

@@ -137,7 +137,8 @@ class Worker:
                 log.warning("worker %d: gateway is gone, exiting", self.id)
                 break
             self.endpoint.serve(0)
-            self.receiver.on_received(self.endpoint.drain_received())
+            for arrived in self.receiver.on_received(self.endpoint.drain_received()):
+                self.channel.send(arrived)
             self.receiver.reclaim()
             self._finish_pushes()
             for done in self.sender.poll():
