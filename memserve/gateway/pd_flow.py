@@ -76,6 +76,10 @@ log = logging.getLogger("memserve.gateway")
 # busy instances (a long step delays serving it) is waited for up to HANDOFF_MAX_S.
 HANDOFF_TIMEOUT_S = 5.0
 HANDOFF_MAX_S = 120.0
+# How long D keeps a ticket named before the prefill: the request may wait in P's queue
+# for long under load. The ticket holds no blocks but D's pinned prefix (pd-caching-2/3),
+# and every end of the request cancels it; the limit only covers a lost abort.
+EARLY_TICKET_TTL_S = 600.0
 # Resumes of one request after failures, before it fails.
 MAX_RESUMES = 3
 # Reasons a request ends on the decode instance with its answer whole (its KV is worth keeping).
@@ -271,7 +275,8 @@ class PDFlow:
             num_blocks = math.ceil(len(prompt) / c.block_size)
             # At least the last block is sent: it holds the prompt's tail (a partial block).
             pin = prompt[: (num_blocks - 1) * c.block_size] if self.decode_caches else None
-            expect = ExpectTransfer(next(c._transfer_ids), ticket, prefill, num_blocks, pin, request_id)
+            expect = ExpectTransfer(next(c._transfer_ids), ticket, prefill, num_blocks, pin, request_id,
+                                    EARLY_TICKET_TTL_S if early else None)
             # Later, the request's loop watches D's health; before the prefill nothing does.
             reply = await c._ask(decode, expect, self.handoff_timeout_s if early else HANDOFF_MAX_S)
             self.counts["blocks_skipped"] += reply.cached_blocks

@@ -155,6 +155,9 @@ class ExpectTransfer:
     # ticket and answers how many blocks it holds, so only the rest is sent.
     token_ids: list[int] | None = None
     request_id: str = ""  # an abort of this request cancels the ticket
+    # Seconds the ticket is kept without a transfer (None: the receiver's transfer timeout).
+    # A handoff named while the prefill waits in P's queue needs longer.
+    ttl_s: float | None = None
 
 
 @dataclass

@@ -62,7 +62,7 @@ class KVReceiver:
             pinned, slow = hit[:device], hit[device:]
             if slow:
                 self.engine.mempool.free_mem(slow)
-        self.endpoint.expect(msg.ticket, msg.src_instance, msg.max_blocks, pinned=pinned)
+        self.endpoint.expect(msg.ticket, msg.src_instance, msg.max_blocks, msg.ttl_s, pinned=pinned)
         if msg.request_id:
             self._tickets[msg.request_id] = msg.ticket
         self.counts["blocks_pinned"] += len(pinned)
