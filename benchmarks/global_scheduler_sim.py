@@ -6,6 +6,12 @@ distinct sessions). Writes one ``memserve simulate`` results file per point, a
 
     python benchmarks/global_scheduler_sim.py --out /tmp/global-scheduler-sim
 
+``--workloads hot-prefix`` is the skewed load: single-turn requests that all share a few
+long system prompts (``--hot-prefixes``, fewer than the instances), so following the
+cache piles the load onto the instances that hold them:
+
+    python benchmarks/global_scheduler_sim.py --out /tmp/gs-hot --workloads hot-prefix --share-ratios 1
+
 The real run's setting (``global_scheduler_real.py``'s defaults on a ``memserve profile``
 of the CPU workers) on the simulator:
 
@@ -22,10 +28,12 @@ import io
 import json
 from pathlib import Path
 
+from hot_prefix import add_hot_prefix_args, hot_prefix_flags
+
 from memserve.cli import main as memserve
 
 POLICIES = ("least-load", "session", "prompt-tree", "cost")
-WORKLOADS = ("long-doc-qa", "sharegpt")
+WORKLOADS = ("long-doc-qa", "sharegpt")  # and "hot-prefix", the skewed load (not run by default)
 METRICS = (("ttft_p99_ms", "P99 TTFT (ms)"), ("ttft_mean_ms", "mean TTFT (ms)"), ("jct_mean_ms", "mean JCT (ms)"),
            ("cached_token_ratio", "cached-token ratio"))
 
@@ -47,6 +55,8 @@ def run_point(out: Path, args: argparse.Namespace, workload: str, share_ratio: i
 
 
 def workload_flags(args: argparse.Namespace, workload: str) -> list[str]:
+    if workload == "hot-prefix":
+        return hot_prefix_flags(args)
     if workload == "long-doc-qa":
         return ["--workload", workload, "--doc-len", str(args.doc_len), "--questions-per-doc", str(args.questions_per_doc)]
     flags = ["--workload", workload]
@@ -96,6 +106,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=None, help="cap on answer tokens (default: the recorded ones)")
     p.add_argument("--sharegpt-max-turns", type=int, default=None)
     p.add_argument("--sharegpt-max-session-tokens", type=int, default=None)
+    add_hot_prefix_args(p)
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     summary: dict = {}
