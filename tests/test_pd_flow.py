@@ -104,9 +104,11 @@ async def handoff_during_a_long_prefill() -> None:
     of P's next step). Naming D only after the first token left the ``HandoffStart``
     unread until that step ended, and the order was the other way round."""
     async with pd_cluster(["prefill", "decode"], "pd-basic", num_blocks=256) as (client, tok):
-        short = tok.encode_chat([{"role": "user", "content": user_turns(1, 1)[0][0]}])
-        long = tok.encode_chat([{"role": "user", "content": " ".join(u[0] for u in user_turns(24, 1)) * 2}])
-        assert len(long) > 1200 and len(short) < 200
+        # The short prompt's prefill step must still be running when the long one arrives
+        # 50 ms later (else both share a step, or P is idle when D is named).
+        short = tok.encode_chat([{"role": "user", "content": " ".join(u[0] for u in user_turns(32, 1)[:8])}])
+        long = tok.encode_chat([{"role": "user", "content": " ".join(u[0] for u in user_turns(32, 1)[8:]) * 2}])
+        assert len(long) > 1200 and 150 < len(short) < 400
         arrivals: dict[str, list[float]] = {"short": [], "long": []}
 
         async def run(name: str, prompt: list[int], delay_s: float) -> None:
