@@ -16,6 +16,7 @@ import select
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from memserve.config import EngineConfig, WorkerConfig
@@ -49,13 +50,16 @@ class WorkerHandle:
     def alive(self) -> bool:
         return self.ready and self.process is not None and self.process.poll() is None
 
-    def state(self, now: float, heartbeat_timeout_s: float) -> str:
+    def state(self, now: float, heartbeat_timeout_s: float, busy_s: float = 0.0) -> str:
         """``starting``, ``dead``, ``degraded`` (heartbeats late, or one engine step
-        running longer than the heartbeat timeout) or ``ok``."""
+        running longer than the heartbeat timeout beyond ``busy_s``, the work the gateway
+        predicts is queued there) or ``ok``. Without ``busy_s`` a long but sound step (a
+        cold prefill of a long document takes seconds on a CPU) would hide the worker from
+        routing exactly while it computes a prefix the next requests want."""
         if not self.alive:
             return "starting" if self.process is not None and self.process.poll() is None else "dead"
         late = now - self.last_heartbeat > DEGRADED_AFTER_HEARTBEATS * self.config.heartbeat_s
-        stuck = self.stats.get("loop_age_s", 0.0) > heartbeat_timeout_s
+        stuck = self.stats.get("loop_age_s", 0.0) > heartbeat_timeout_s + busy_s
         return "degraded" if late or stuck else "ok"
 
 
@@ -192,9 +196,11 @@ class Cluster:
                 dead.append(h)
         return dead
 
-    def states(self) -> dict[int, str]:
+    def states(self, busy_s: Callable[[int], float] | None = None) -> dict[int, str]:
+        """Each worker's ``state``; ``busy_s(instance)``: the work predicted queued there."""
         now = time.monotonic()
-        return {i: h.state(now, self.heartbeat_timeout_s) for i, h in self.workers.items()}
+        return {i: h.state(now, self.heartbeat_timeout_s, busy_s(i) if busy_s else 0.0)
+                for i, h in self.workers.items()}
 
     def exited_before_ready(self) -> list[WorkerHandle]:
         return [h for h in self.workers.values() if not h.ready and h.process and h.process.poll() is not None]

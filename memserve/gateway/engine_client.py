@@ -253,7 +253,7 @@ class ZmqEngineClient:
     def _views(self) -> list[WorkerView]:
         """The workers as they are now."""
         in_flight = Counter(stream.worker for stream in self._streams.values())
-        states = self.cluster.states()
+        states = self.cluster.states(self.router.ledger.work_s)
         return [WorkerView(i, states[i], in_flight[i], h.stats, self.mirrors[i], h.config.role)
                 for i, h in self.cluster.workers.items()]
 
@@ -288,7 +288,7 @@ class ZmqEngineClient:
 
     def stats(self) -> dict:
         workers = []
-        states = self.cluster.states()
+        states = self.cluster.states(self.router.ledger.work_s)
         for h in self.cluster.workers.values():
             s = h.stats
             mp = s.get("mempool", {})
