@@ -156,9 +156,7 @@ class PDFlow:
         try:
             if decision.pull_from is not None:
                 await c._pull_prefix(decision.pull_from, decision.instance, prompt)
-            early = self._by_layer(prefill) and await self._handoff(stream, request_id, prefill, prompt, early=True)
-            await c.channel.send(prefill, add)
-            naming = None if early else self._name_decode(stream, request_id, prefill, prompt)
+            early, naming = await self._send_prefill(stream, add, prefill)
             while not finished:
                 try:
                     timeout = self.handoff_timeout_s if phase == "handoff" else None
@@ -177,10 +175,7 @@ class PDFlow:
                         stream.peer, done_early = None, None
                     stream.worker = prefill = c._pick_worker(route).instance
                     log.warning("request %s: its prefill instance died; retrying on instance %d", request_id, prefill)
-                    early = self._by_layer(prefill) and await self._handoff(stream, request_id, prefill, prompt,
-                                                                            early=True)
-                    await c.channel.send(prefill, add)
-                    naming = None if early else self._name_decode(stream, request_id, prefill, prompt)
+                    early, naming = await self._send_prefill(stream, add, prefill)
                     continue
                 if isinstance(item, HandoffDone) and phase == "prefill" and item.error is None:
                     done_early = item  # D has the KV already; P's first token is on its way
@@ -254,10 +249,18 @@ class PDFlow:
         they cache."""
         return pick_decode(self.client._views(), exclude, prompt if self.decode_caches else None)
 
-    def _name_decode(self, stream: _Stream, request_id: str, prefill: int, prompt: list[int]) -> asyncio.Task:
-        """Name D and tell P where to send while P prefills (a task: the prefill is not
-        held up by D's answer); its result is whether P was told."""
-        return asyncio.get_running_loop().create_task(self._handoff(stream, request_id, prefill, prompt, early=True))
+    async def _send_prefill(self, stream: _Stream, add: AddRequest, prefill: int) -> tuple[bool, asyncio.Task | None]:
+        """Send the request to P with D named early: by-layer, before P gets it (whether
+        that worked, no task); other modes, while P prefills (a task: the prefill is not
+        held up by D's answer; its result is whether P was told)."""
+        rid, prompt = add.request_id, add.prompt_token_ids
+        if self._by_layer(prefill) and await self._handoff(stream, rid, prefill, prompt, early=True):
+            await self.client.channel.send(prefill, add)
+            return True, None
+        await self.client.channel.send(prefill, add)
+        if self._by_layer(prefill):
+            return False, None
+        return False, asyncio.get_running_loop().create_task(self._handoff(stream, rid, prefill, prompt, early=True))
 
     def _by_layer(self, prefill: int) -> bool:
         return self.client.cluster.workers[prefill].config.engine.transfer_mode == "by-layer"
