@@ -201,7 +201,7 @@ def test_predictions_are_the_routers_queued_work_plus_the_prefill():
     router.route(RouteRequest("b", list(range(50, 60)), max_tokens=8), views)
     router.observe("b", 1)
     new = RouteRequest("c", list(range(200, 220)))
-    got = predict(router.candidates(new, views), cost, 20, BS)
+    got = predict(router.candidates(new, views), cost, new, BS)
     # Worker 0: 0.30 s prefill + (1 waiting + 1) decode steps of an empty batch (0 s) = 0.30.
     # Worker 1: no prefill + 1 step of its 1-request decode batch = 0.05. Prefill of c: 0.20.
     assert [(p.instance, round(p.queued_s, 9), round(p.exec_s, 9)) for p in got] == [(0, 0.3, 0.2), (1, 0.05, 0.2)]

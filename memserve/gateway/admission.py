@@ -2,8 +2,11 @@
 its TTFT SLO anyway, instead of letting it queue in a worker and time out later.
 
 A request with a TTFT SLO is judged on the numbers the router routes by: on each
-instance p that may take it, predicted TTFT = queued work there (the ledger priced by
-the cost model) + exec(x, y_p) for its own prompt given p's cached prefix. It is
+instance p that may take it, predicted TTFT = queue there + exec(x, y_p) for its own
+prompt given p's cached prefix, where the queue is the longer of the queued work (the
+ledger priced by the cost model) and the wait until p has KV room for the request
+(``QueuedWork.kv_wait_s``: every request there counted at its final size, prompt and
+expected output, the decoding ones finishing by their expected lengths). It is
 admitted when some instance meets the SLO; otherwise
 
 - ``reject`` (the default): 429 at once. ``Retry-After`` says when a fresh copy would fit:
@@ -26,6 +29,7 @@ Pure Python on an injected clock."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -33,7 +37,8 @@ from dataclasses import dataclass
 
 from memserve.gateway.cost_model import CostModel
 from memserve.gateway.engine_protocol import RequestRejected
-from memserve.gateway.route_types import Candidate
+from memserve.gateway.queued_work import QueuedWork, expected_output_tokens
+from memserve.gateway.route_types import Candidate, RouteRequest
 from memserve.gateway.routing_policies import exec_s
 
 OFF, REJECT, QUEUE = "off", "reject", "queue"
@@ -48,6 +53,9 @@ REASONS = (SLO_UNATTAINABLE, INFEASIBLE, QUEUE_FULL, DEADLINE)
 
 DEFAULT_MAX_HELD = 256
 MIN_RETRY_AFTER_S = 1.0
+# Less slack than this before a held request's own prefill no longer fits is none: judged
+# again at that moment, it would be held for a float's rounding error over and over.
+HOPELESS_SLACK_S = 1e-6
 
 
 @dataclass(frozen=True)
@@ -63,10 +71,23 @@ class Prediction:
         return self.queued_s + self.exec_s
 
 
-def predict(candidates: list[Candidate], cost: CostModel, prompt_tokens: int, block_size: int) -> list[Prediction]:
-    """The router's scored candidates as TTFT predictions."""
-    return [Prediction(c.instance_id, c.queued_s, exec_s(cost, prompt_tokens, c.cached_blocks, block_size))
-            for c in candidates]
+def predict(candidates: list[Candidate], cost: CostModel, request: RouteRequest, block_size: int,
+            ledger: QueuedWork | None = None) -> list[Prediction]:
+    """The router's scored candidates as TTFT predictions for ``request``. With the
+    router's ``ledger``, a candidate's queue is the longer of its queued work and its wait
+    for KV room for the request (its uncached prompt and expected output): when KV binds,
+    requests decoding there must finish first."""
+    prompt_tokens = len(request.prompt_token_ids)
+    output_tokens = expected_output_tokens(request.max_tokens, request.n)
+    out = []
+    for c in candidates:
+        queued = c.queued_s
+        if ledger is not None and c.free_blocks is not None:
+            tokens = max(prompt_tokens - c.cached_blocks * block_size, 1) + output_tokens
+            queued = max(queued, ledger.kv_wait_s(c.instance_id, math.ceil(tokens / block_size), c.free_blocks,
+                                                  block_size))
+        out.append(Prediction(c.instance_id, queued, exec_s(cost, prompt_tokens, c.cached_blocks, block_size)))
+    return out
 
 
 @dataclass(frozen=True)
@@ -128,29 +149,37 @@ class Admission:
         held = False
         try:
             while True:
-                waited = self.clock() - start
-                now = predictions()
-                verdict = judge(slo_ttft_s, waited, now)
-                if verdict.admit:
-                    self.admitted["held" if held else "direct"] += 1
-                    return
-                if verdict.reason != SLO_UNATTAINABLE or self.mode == REJECT:
-                    raise self._refuse(verdict, slo_ttft_s)
+                outcome = self.look(slo_ttft_s, self.clock() - start, predictions(), held)
+                if isinstance(outcome, Verdict):
+                    if outcome.admit:
+                        return
+                    raise outcome.rejection(slo_ttft_s)
                 if not held:
-                    if self.held >= self.max_held:
-                        raise self._refuse(Verdict(False, QUEUE_FULL, verdict.retry_after_s,
-                                                   verdict.predicted_ttft_s), slo_ttft_s)
                     held = True
                     self.held += 1
-                # Past this the request could not make it even on an idle instance.
-                hopeless_in = slo_ttft_s - waited - min(p.exec_s for p in now)
-                if hopeless_in <= 0:
-                    raise self._refuse(Verdict(False, DEADLINE, verdict.retry_after_s, verdict.predicted_ttft_s),
-                                       slo_ttft_s)
-                await self._changed(hopeless_in)
+                await self._changed(outcome)
         finally:
             if held:
                 self.held -= 1
+
+    def look(self, slo_s: float, waited_s: float, predictions: list[Prediction], held: bool) -> Verdict | float:
+        """One judgement of a request that has waited ``waited_s`` (``held``: in the queue
+        already): a ``Verdict`` that admits or refuses it (counted), or, in ``queue`` mode,
+        the seconds it may be held before it must be judged again (the caller counts it in
+        ``held``). The gateway's event loop and the simulator's virtual clock share it."""
+        verdict = judge(slo_s, waited_s, predictions)
+        if verdict.admit:
+            self.admitted["held" if held else "direct"] += 1
+            return verdict
+        if verdict.reason != SLO_UNATTAINABLE or self.mode == REJECT:
+            return self._refused(verdict)
+        if not held and self.held >= self.max_held:
+            return self._refused(Verdict(False, QUEUE_FULL, verdict.retry_after_s, verdict.predicted_ttft_s))
+        # Past this the request could not make it even on an idle instance.
+        hopeless_in = slo_s - waited_s - min(p.exec_s for p in predictions)
+        if hopeless_in <= HOPELESS_SLACK_S:
+            return self._refused(Verdict(False, DEADLINE, verdict.retry_after_s, verdict.predicted_ttft_s))
+        return hopeless_in
 
     def notify(self) -> None:
         """Queued work left the ledger: held requests are judged again."""
@@ -164,9 +193,9 @@ class Admission:
         except asyncio.TimeoutError:
             pass
 
-    def _refuse(self, verdict: Verdict, slo_s: float) -> RequestRejected:
+    def _refused(self, verdict: Verdict) -> Verdict:
         self.rejected[verdict.reason or SLO_UNATTAINABLE] += 1
-        return verdict.rejection(slo_s)
+        return verdict
 
     def stats(self) -> dict:
         return {"mode": self.mode, "held": self.held, "max_held": self.max_held,

@@ -248,7 +248,7 @@ class ZmqEngineClient:
             return
         cost = self.router.cost
         await self.admission.admit(ttft_ms / 1000.0, lambda: predict(
-            self.router.candidates(request, self._views()), cost, len(request.prompt_token_ids), self.block_size))
+            self.router.candidates(request, self._views()), cost, request, self.block_size, self.router.ledger))
 
     def _views(self) -> list[WorkerView]:
         """The workers as they are now."""

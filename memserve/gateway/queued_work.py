@@ -11,6 +11,7 @@ Pure Python on an injected clock: the simulator runs it unchanged."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -103,6 +104,31 @@ class QueuedWork:
         the KV they allocate there, possibly after the worker's last report of its free
         blocks (counted whether or not that report already shows them)."""
         return sum(e.uncached_tokens for e in self._on.get(instance, {}).values() if e.generated == 0)
+
+    def kv_wait_s(self, instance: int, blocks: int, free_blocks: int, block_size: int) -> float:
+        """Predicted wait before a request that will hold ``blocks`` KV blocks at its end
+        (prompt and expected output) fits on ``instance``, which can allocate
+        ``free_blocks`` now (free and evictable, less what its waiting prompts compute).
+        Every request in flight there is counted at its final size, since it grows to it
+        before it frees anything (an engine that admits on the prompt alone preempts a
+        newcomer when they grow); the decoding ones free it as they finish, soonest first
+        by expected tokens left, one token a ``decode_s`` step. 0 when it fits now; the
+        queued work ignores KV, and under KV pressure this is the longer wait."""
+        entries = self._on.get(instance, {}).values()
+        growth = sum(math.ceil((e.prompt_tokens + e.expected_tokens) / block_size)
+                     - math.ceil((e.prompt_tokens + e.generated if e.generated else e.uncached_tokens) / block_size)
+                     for e in entries)
+        room = free_blocks - growth
+        if blocks <= room:
+            return 0.0
+        left = 0
+        for left, final in sorted((max(e.expected_tokens - e.generated, 1),
+                                   math.ceil((e.prompt_tokens + e.expected_tokens) / block_size))
+                                  for e in entries if e.generated > 0):
+            room += final
+            if blocks <= room:
+                break
+        return left * self.decode_s(instance)
 
     def step_s(self, instance: int) -> float:
         """Predicted length of the step ``instance`` runs now: the first chunk of its

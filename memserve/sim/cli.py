@@ -26,6 +26,7 @@ from memserve.bench.cli import (
 from memserve.bench.report import RunPoint, print_run
 from memserve.bench.runner import ReplayResult
 from memserve.config import EngineConfig
+from memserve.gateway.admission import DEFAULT_MAX_HELD, MODES as ADMISSION_MODES, Admission
 from memserve.gateway.cost_model import CostModel
 from memserve.gateway.pd_topology import PD_MODES, parse_instances
 from memserve.gateway.router import ROUTING_POLICIES, Balance, Router
@@ -53,6 +54,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                      help="load-imbalance guard of prompt-tree/cost (as memserve up)")
     sim.add_argument("--router-balance-rel", type=float, default=Balance.rel_threshold)
     sim.add_argument("--router-cache-threshold", type=float, default=Balance.cache_threshold)
+    sim.add_argument("--admission", default="reject", choices=ADMISSION_MODES,
+                     help="the gateway's admission control on requests' TTFT SLOs, as memserve up: refused "
+                          "requests are recorded with status 429")
+    sim.add_argument("--admission-queue-size", type=int, default=DEFAULT_MAX_HELD,
+                     help="--admission queue: requests held at most")
     sim.add_argument("--schedule-policy", default="fcfs", choices=sorted(SCHEDULE_POLICIES))
     sim.add_argument("--schedule-policy-options", default="",
                      help="e.g. cacheopt's ablations: 'disable=RSA' (RSA, PA, GR, PP, PSS; workers/cacheopt_options.py)")
@@ -101,7 +107,8 @@ def run_simulate_command(args: argparse.Namespace) -> int:
         predict = NoisyOracle(args.predict_error, 0.0 if math.isinf(rate) else rate, args.padding, seed=args.seed)
     try:
         sim = Simulation(cost, engine_cfg, len(roles), router, tokenizer, replay_options(args, rate),
-                         args.num_disk_blocks, predict, roles, args.pd_mode)
+                         args.num_disk_blocks, predict, roles, args.pd_mode,
+                         Admission(args.admission, args.admission_queue_size))
     except ValueError as e:
         return fail(str(e), EXIT_USAGE)
     started = time.perf_counter()
@@ -117,6 +124,7 @@ def run_simulate_command(args: argparse.Namespace) -> int:
                                            for kind in engines[0]["preemptions"]}
     if "kv_allocation" in engines[0]:
         result["simulation"]["kv_allocation"] = [e["kv_allocation"] for e in engines]
+    result["simulation"]["admission"] = sim.admission.stats()
     if sim.pd is not None:
         result["simulation"]["roles"] = roles
         result["simulation"]["pd"] = sim.pd.stats()

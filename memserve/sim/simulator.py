@@ -3,7 +3,10 @@
 Each instance is a real ``Engine`` (scheduler, KV cache manager, MemPool, policies) over
 a ``SimulatedRunner``; requests are routed by the real gateway ``Router`` over mirrors
 fed by the engines' own KV events. Nothing here re-implements a policy: it only decides
-*when* things happen. With prefill and decode roles, ``sim/pd_flow.py`` hands each
+*when* things happen. The gateway's admission control (``gateway/admission.py``) judges
+each request with a TTFT SLO on arrival, as ``memserve up`` does: a refused request is
+recorded with status 429 (it meets no SLO), and ``queue`` mode holds requests and judges
+them again whenever a request gets its first token or finishes. With prefill and decode roles, ``sim/pd_flow.py`` hands each
 request from its prefill instance to a decode instance. Sessions replay as ``memserve bench`` replays them (Poisson session
 starts from the same seeded generator, turn k+1 sent when turn k's answer is complete,
 exponential think times), and the records are the bench's, so ``results.json`` has the
@@ -30,6 +33,7 @@ from memserve.bench.records import RequestRecord
 from memserve.bench.runner import ReplayOptions, arrival_offsets
 from memserve.bench.workloads import Session
 from memserve.config import EngineConfig
+from memserve.gateway.admission import OFF, Admission, Verdict, predict
 from memserve.gateway.cost_model import CostModel
 from memserve.gateway.pd_topology import is_disaggregated, role_caches
 from memserve.gateway.router import Router, RouteRequest, WorkerView
@@ -57,6 +61,18 @@ class _Instance:
     stats: dict = field(default_factory=dict)  # its MemPool's counts as of its latest step (a heartbeat's)
 
 
+@dataclass(eq=False)
+class _Arrival:
+    """A request that reached the gateway and is not routed yet (admission may hold it)."""
+
+    request: RouteRequest
+    record: RequestRecord
+    session: int
+    turn: int
+    messages: list[tuple[str, list[int] | str]]
+    max_tokens: int
+
+
 @dataclass
 class _Turn:
     """A request in flight: its record and what the session needs to go on."""
@@ -73,13 +89,17 @@ class Simulation:
     def __init__(self, cost: CostModel, engine_cfg: EngineConfig, num_instances: int, router: Router,
                  tokenizer: TextTokenizer, options: ReplayOptions, num_disk_blocks: int = 0,
                  predict: Callable[[str, int], int] | None = None, roles: list[str] | None = None,
-                 pd_mode: str = "pd-caching-3") -> None:
+                 pd_mode: str = "pd-caching-3", admission: Admission | None = None) -> None:
         self.now = 0.0
+        self.admission = admission if admission is not None else Admission(OFF)
+        self.admission.clock = self.clock
+        self._held: list[_Arrival] = []  # FIFO, as admission's queue mode holds them
         self.predict = predict  # the gateway predictor's part: (request id, true output length) -> predicted
         self.cost = cost
         self.router = router
         self.tokenizer = tokenizer
         self.options = options
+        self.block_size = engine_cfg.block_size
         router.ledger.clock = router.pending.clock = self.clock  # queued work, TTFT samples, pending prompts
         roles = roles or ["colocated"] * num_instances
         if len(roles) != num_instances:
@@ -142,13 +162,54 @@ class Simulation:
         rid = f"{session.session_id}:{k + 1}"
         slo_ttft_ms, slo_tbt_ms = self.options.slos(session.session_id, k + 1)
         slo = {key: v for key, v in (("ttft_ms", slo_ttft_ms), ("tbt_ms", slo_tbt_ms)) if v is not None}
-        decision = self.router.route(RouteRequest(rid, prompt, session.session_id, slo, max_tokens), self._views())
         record = RequestRecord(session.session_id, k + 1, self.now, prompt_tokens=len(prompt),
                                slo_ttft_ms=slo_ttft_ms, slo_tbt_ms=slo_tbt_ms)
+        arrival = _Arrival(RouteRequest(rid, prompt, session.session_id, slo, max_tokens), record, s, k, messages,
+                           max_tokens)
+        self._judge(arrival, held=False)
+
+    def _judge(self, arrival: _Arrival, held: bool) -> None:
+        """Admission control, then routing: the gateway's ``Admission.look`` on the router's
+        scores now."""
+        slo_ms = arrival.request.slo.get("ttft_ms")
+        if self.admission.mode == OFF or slo_ms is None:
+            self._route(arrival)
+            return
+        request = arrival.request
+        predictions = predict(self.router.candidates(request, self._views()), self.cost, request, self.block_size,
+                              self.router.ledger)
+        outcome = self.admission.look(slo_ms / 1000.0, self.now - arrival.record.start, predictions, held)
+        if isinstance(outcome, Verdict):
+            if held:
+                self._held.remove(arrival)
+                self.admission.held -= 1
+            if outcome.admit:
+                self._route(arrival)
+            else:
+                record = arrival.record
+                record.end, record.status, record.error = self.now, "429", str(outcome.rejection(slo_ms / 1000.0))
+                self.records.append(record)
+            return
+        if not held:
+            self._held.append(arrival)
+            self.admission.held += 1
+        # Judged again by then at the latest (when it would become hopeless), sooner on news.
+        self.schedule(self.now + outcome, lambda: arrival in self._held and self._judge(arrival, held=True))
+
+    def _notify_admission(self) -> None:
+        """Queued work left the ledger: every held request is judged again, oldest first."""
+        for arrival in list(self._held):
+            if arrival in self._held:
+                self._judge(arrival, held=True)
+
+    def _route(self, arrival: _Arrival) -> None:
+        request, record = arrival.request, arrival.record
+        decision = self.router.route(request, self._views())
+        rid, prompt, slo, max_tokens = request.request_id, request.prompt_token_ids, request.slo, arrival.max_tokens
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        add = AddRequest(rid, prompt, params, session.session_id, 0.0, 0, slo.get("ttft_ms"), slo.get("tbt_ms"),
+        add = AddRequest(rid, prompt, params, request.session_id, 0.0, 0, slo.get("ttft_ms"), slo.get("tbt_ms"),
                          predicted_output_tokens=self.predict(rid, max_tokens) if self.predict else None)
-        turn = _Turn(record, s, k, decision.instance, messages)
+        turn = _Turn(record, arrival.session, arrival.turn, decision.instance, arrival.messages)
         if decision.pull_from is None:
             self._admit(add, turn)
         else:
@@ -225,11 +286,13 @@ class Simulation:
         self.instances[i].stats = {"mempool": self.instances[i].engine.mempool.stats()}
         if self.pd is not None:
             outputs = self.pd.filter(i, outputs, self.now)
+        news = False  # a request got its first token or finished: queued work left the ledger
         for out in outputs:
             turn = self._in_flight.get(out.request_id)
             if turn is None:
                 continue
             rec = turn.record
+            news |= out.finished or (bool(out.new_token_ids) and not turn.output)
             rec.cached_tokens = out.num_cached_tokens
             self.router.observe(out.request_id, len(out.new_token_ids), self.now)
             if out.new_token_ids:
@@ -238,6 +301,8 @@ class Simulation:
                 turn.output += out.new_token_ids
             if out.finished:
                 self._finish(out.request_id, turn, self.now, out.error)
+        if news and self._held:
+            self._notify_admission()
 
     def publish(self, i: int) -> None:
         """Instance ``i``'s KV events reach the router's mirror of its prompt tree."""
