@@ -12,8 +12,11 @@ per point, writes one ``memserve simulate`` results file per point, ``summary.js
 and a plot (Fig. 12's four panels; ablations dashed). ``--sustain-rates`` runs fcfs and
 cacheopt at more rates under the same SLOs and reports the highest rate each sustains
 (TTFT attainment at least ``--sustain-attainment`` there and at every lower rate swept).
+``--admission reject`` (or ``queue``) adds fcfs and cacheopt behind the gateway's
+admission control (``fcfs+reject``, ``cacheopt+reject``); a refused request counts as a
+miss of both its SLOs, and its P99s are the admitted requests'.
 
-    python benchmarks/cacheopt_sim.py --out /tmp/cacheopt-sim --sustain-rates 2.5,2.75,3,3.25,3.5
+    python benchmarks/cacheopt_sim.py --out /tmp/cacheopt-sim --sustain-rates 2.5,2.75,3,3.25,3.5 --admission reject
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ METRICS = (("ttft_p99_ms", "P99 TTFT (ms)"), ("tbt_p99_ms", "P99 TBT (ms)"), ("t
            ("tbt_attainment", "TBT SLO attainment"))
 
 
-def variants(options: str = "") -> dict[str, list[str]]:
+def variants(options: str = "", admission: str = "off") -> dict[str, list[str]]:
     """Label -> the simulate flags of that variant (``options``: cacheopt's, for every
-    cacheopt variant, before the ablation's ``disable``)."""
+    cacheopt variant, before the ablation's ``disable``). Admission control is off but
+    for ``fcfs+MODE`` and ``cacheopt+MODE`` when ``admission`` names a mode."""
     out = {"fcfs": ["--schedule-policy", "fcfs"],
            "cacheopt": ["--schedule-policy", "cacheopt", "--schedule-policy-options", options]}
     for name in ABLATIONS:
@@ -41,6 +45,10 @@ def variants(options: str = "") -> dict[str, list[str]]:
         flags += (["--padding", "fixed", "--schedule-policy-options", options] if name == "CKA"
                   else ["--schedule-policy-options", f"{options} disable={name}".strip()])
         out[f"/{name}"] = flags
+    out = {name: flags + ["--admission", "off"] for name, flags in out.items()}
+    if admission != "off":
+        for name in ("fcfs", "cacheopt"):
+            out[f"{name}+{admission}"] = out[name][:-1] + [admission]
     return out
 
 
@@ -59,7 +67,8 @@ def run_point(path: Path, args: argparse.Namespace, rate: float, flags: list[str
     att = r["slo_attainment"]
     return {"ttft_p99_ms": r["ttft_ms"]["p99"], "tbt_p99_ms": r["tbt_ms"]["p99"], "ttft_mean_ms": r["ttft_ms"]["mean"],
             "tbt_mean_ms": r["tbt_ms"]["mean"], "ttft_attainment": att["ttft"], "tbt_attainment": att["tbt"],
-            "preemptions": r["simulation"]["preemptions"], "requests": r["num_requests"]["ok"]}
+            "preemptions": r["simulation"]["preemptions"], "requests": r["num_requests"]["ok"],
+            "rejected": r["num_requests"]["failed"]}
 
 
 def plot(rates: list[float], results: dict, path: Path) -> None:
@@ -105,18 +114,24 @@ def main() -> None:
     p.add_argument("--predict-error", type=float, default=0.3, help="log-std of the simulated predictor's error")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--variants", default=None, help="comma-separated subset of labels (default: all)")
-    p.add_argument("--sustain-rates", default="", help="more rates for fcfs and cacheopt only (same SLOs)")
+    p.add_argument("--sustain-rates", default="", help="more rates for fcfs and cacheopt only, with and without "
+                                                       "--admission (same SLOs)")
     p.add_argument("--sustain-attainment", type=float, default=0.9)
     p.add_argument("--cacheopt-options", default="", help="--schedule-policy-options of every cacheopt variant")
+    p.add_argument("--admission", default="off", choices=("off", "reject", "queue"),
+                   help="also run fcfs and cacheopt behind the gateway's admission control in this mode "
+                        "(refused requests count as SLO misses)")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     rates = [float(r) for r in args.rates.split(",")]
-    table = variants(args.cacheopt_options)
+    table = variants(args.cacheopt_options, args.admission)
     base = [run_point(args.out / f"base-{r}.json", args, r, table["fcfs"], None) for r in rates]
     slo = (sum(b["ttft_mean_ms"] for b in base) / len(base), sum(b["tbt_mean_ms"] for b in base) / len(base))
     print(f"SLO base (fcfs means over the rates): TTFT {slo[0]:.1f} ms, TBT {slo[1]:.1f} ms; scale U[0.5, 2.5]")
-    print(f"{'rate':>5s} {'variant':9s} {'P99 TTFT ms':>12s} {'P99 TBT ms':>11s} {'TTFT att':>9s} {'TBT att':>8s} "
-          f"{'preempt recompute/swap':>23s}")
+    print(f"{'rate':>5s} {'variant':15s} {'P99 TTFT ms':>12s} {'P99 TBT ms':>11s} {'TTFT att':>9s} {'TBT att':>8s} "
+          f"{'preempt recompute/swap':>23s} {'429':>4s}")
+    gated = [f"{name}+{args.admission}" for name in ("fcfs", "cacheopt")] if args.admission != "off" else []
+    headline = ["cacheopt", *gated[1:]]
     results: dict = {}
     for r in rates:
         row = results.setdefault(str(r), {})
@@ -125,22 +140,25 @@ def main() -> None:
                 continue
             m = row[name] = run_point(args.out / f"{name.strip('/')}-{r}.json", args, r, flags, slo)
             pre = m["preemptions"]
-            print(f"{r:5.2f} {name:9s} {m['ttft_p99_ms']:12.0f} {m['tbt_p99_ms']:11.1f} {m['ttft_attainment']:9.3f} "
-                  f"{m['tbt_attainment']:8.3f} {pre['recompute']:>15d}/{pre['swap']}", flush=True)
-        co, fc = row["cacheopt"], row["fcfs"]
-        print(f"{r:5.2f} cacheopt/fcfs: P99 TTFT x{co['ttft_p99_ms'] / fc['ttft_p99_ms']:.2f}, "
-              f"P99 TBT x{co['tbt_p99_ms'] / fc['tbt_p99_ms']:.2f}")
+            print(f"{r:5.2f} {name:15s} {m['ttft_p99_ms']:12.0f} {m['tbt_p99_ms']:11.1f} {m['ttft_attainment']:9.3f} "
+                  f"{m['tbt_attainment']:8.3f} {pre['recompute']:>15d}/{pre['swap']:<7d} {m['rejected']:4d}",
+                  flush=True)
+        fc = row["fcfs"]
+        for name in headline:
+            co = row[name]
+            print(f"{r:5.2f} {name}/fcfs: P99 TTFT x{co['ttft_p99_ms'] / fc['ttft_p99_ms']:.2f}, "
+                  f"P99 TBT x{co['tbt_p99_ms'] / fc['tbt_p99_ms']:.2f}")
     sustain: dict = {}
     if args.sustain_rates:
-        for name in ("fcfs", "cacheopt"):
+        for name in ("fcfs", "cacheopt", *gated):
             points = {r: results[str(r)][name] for r in rates if name in results[str(r)]}
             for r in (float(x) for x in args.sustain_rates.split(",")):
                 if r not in points:
                     points[r] = run_point(args.out / f"sustain-{name}-{r}.json", args, r, table[name], slo)
             sustain[name] = {"rate": sustained(points, args.sustain_attainment),
                              "points": {str(r): points[r] for r in sorted(points)}}
-            print(f"{name}: TTFT attainment by rate " + ", ".join(
-                f"{r:g}: {points[r]['ttft_attainment']:.3f}" for r in sorted(points))
+            print(f"{name}: TTFT / TBT attainment by rate " + ", ".join(
+                f"{r:g}: {points[r]['ttft_attainment']:.3f} / {points[r]['tbt_attainment']:.3f}" for r in sorted(points))
                 + f"; sustains {sustain[name]['rate']} req/s at >= {args.sustain_attainment}", flush=True)
     (args.out / "summary.json").write_text(json.dumps({"config": vars(args) | {"out": str(args.out)},
                                                        "slo_base_ms": slo, "results": results,

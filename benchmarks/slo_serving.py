@@ -1,7 +1,9 @@
 """CacheOpt §5 on real workers: SLO attainment and tail latency of scheduling policies.
 
 For each policy of ``--policies`` (the first is the baseline, ``fcfs``), start
-`memserve up --schedule-policy POLICY --admission off` and replay ShareGPT requests
+`memserve up --schedule-policy POLICY --admission off` (``POLICY+reject`` or
+``POLICY+queue``: with that admission control, which needs ``--cost-model`` in
+``--up-args``; a refused request counts as a miss of both SLOs) and replay ShareGPT requests
 with `memserve bench` at each rate of ``--rates`` (Poisson arrivals, one turn per
 conversation, recorded answer lengths). Then print, per policy and rate, P99 TTFT and
 TBT and TTFT/TBT SLO attainment, the sustainable rate (the highest rate at which both
@@ -46,10 +48,12 @@ from serve_process import serving
 
 @contextmanager
 def serving_policy(args: argparse.Namespace, policy: str, log: Path) -> Iterator[str]:
-    """`memserve up` with ``policy``, healthy; yields its URL and stops it afterwards."""
+    """`memserve up` with ``policy`` (``POLICY+MODE``: behind admission control in that
+    mode; otherwise admission is off), healthy; yields its URL and stops it afterwards."""
+    schedule, _, admission = policy.partition("+")
     flags = ["--cpu-workers", str(args.cpu_workers), "--num-blocks", str(args.num_blocks),
-             "--max-num-seqs", str(args.max_num_seqs), "--schedule-policy", policy, "--admission", "off",
-             *shlex.split(args.up_args)]
+             "--max-num-seqs", str(args.max_num_seqs), "--schedule-policy", schedule,
+             "--admission", admission or "off", *shlex.split(args.up_args)]
     with serving(flags, log, threads=None) as url:
         yield url
 
@@ -148,13 +152,13 @@ def _fmt(value: float | None, digits: int = 1) -> str:
 def report(summary: dict) -> None:
     print(f"\nSLO base: mean TTFT {summary['slo_base_ms']['ttft']:.0f} ms, mean TBT "
           f"{summary['slo_base_ms']['tbt']:.0f} ms (baseline {summary['baseline']}), scale {summary['slo_scale']}")
-    print(f"{'policy':<10} {'rate/s':>7} {'P99 TTFT ms':>12} {'P99 TBT ms':>11} {'TTFT att':>9} {'TBT att':>8} "
+    print(f"{'policy':<16} {'rate/s':>7} {'P99 TTFT ms':>12} {'P99 TBT ms':>11} {'TTFT att':>9} {'TBT att':>8} "
           f"{'ok':>4} {'failed':>6}")
     for policy, table in summary["policies"].items():
         for r in table["rows"]:
-            print(f"{policy:<10} {r['rate']:>7g} {_fmt(r['p99_ttft_ms']):>12} {_fmt(r['p99_tbt_ms']):>11} "
+            print(f"{policy:<16} {r['rate']:>7g} {_fmt(r['p99_ttft_ms']):>12} {_fmt(r['p99_tbt_ms']):>11} "
                   f"{_fmt(r['ttft_attainment'], 3):>9} {_fmt(r['tbt_attainment'], 3):>8} {r['ok']:>4} {r['failed']:>6}")
-        print(f"{policy:<10} sustainable rate at attainment >= {summary['attainment_threshold']}: "
+        print(f"{policy:<16} sustainable rate at attainment >= {summary['attainment_threshold']}: "
               f"{_fmt(table['sustainable_rate'], 2)}/s")
     for policy, per_rate in summary["vs_baseline"].items():
         print(f"\n{policy} vs {summary['baseline']} (P99 x lower, attainment gain):")
@@ -192,7 +196,8 @@ def _scale(text: str) -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policies", type=lambda s: s.split(","), default=["fcfs", "cacheopt"],
-                   help="schedule policies, the baseline first (it must not read SLOs: fcfs)")
+                   help="schedule policies, the baseline first (it must not read SLOs: fcfs); POLICY+reject "
+                        "or POLICY+queue runs it behind that admission control")
     p.add_argument("--rates", type=_rates, default=[0.25, 0.5, 1.0, 2.0], help="request rates (Poisson, /s)")
     p.add_argument("--num-requests", type=int, default=120, help="ShareGPT requests per rate")
     p.add_argument("--max-tokens", type=int, default=256, help="cap on the recorded answer lengths")

@@ -206,3 +206,27 @@ def test_predictions_are_the_routers_queued_work_plus_the_prefill():
     # Worker 1: no prefill + 1 step of its 1-request decode batch = 0.05. Prefill of c: 0.20.
     assert [(p.instance, round(p.queued_s, 9), round(p.exec_s, 9)) for p in got] == [(0, 0.3, 0.2), (1, 0.05, 0.2)]
     assert judge(0.25, 0.0, got).admit and not judge(0.24, 0.0, got).admit
+
+
+@pytest.mark.parametrize("prompt, slo_ms, queued_s", [
+    # A 0.2 s SLO is 4 decode steps: "a" and "b" grow by 4 tokens (a block each), room 8.
+    (28, 200, 0.05),  # needs 8 blocks (28 tokens and its first): fits now, the queued work alone
+    # A 0.5 s SLO is 10 steps: "a" grows 7 (to 4 blocks), "b" 10 (to 5 blocks), room 7.
+    (28, 500, 7 * 0.05),  # 7 steps on, "a" ends and frees 4; "b" grew 17 (to 7 blocks): room 9
+    (40, 500, 23 * 0.05),  # needs 11: once "b" ends too, 23 steps on, 16 are free
+    (28, None, 7 * 0.05),  # no SLO: counted to their ends (a: 4, b: 8 blocks), room 4, then 8
+])
+def test_predictions_wait_for_kv_room_when_kv_binds(prompt, slo_ms, queued_s):
+    cost = linear_cost()
+    router = Router.named("least-load", cost, clock=FakeClock())
+    view = WorkerView(0, "ok", 0, {"mempool": {"device": {"free": 10, "evictable": 0}}}, PromptTreeMirror(0, BS))
+    # Two requests decoding, one token out each, 3 blocks (9 tokens) held each: "a" expects
+    # 8 tokens (7 to go), "b" 24 (23 to go). A decode step takes 0.05 s.
+    for rid, max_tokens in (("a", 8), ("b", 24)):
+        router.route(RouteRequest(rid, list(range(8)), max_tokens=max_tokens), [view])
+        router.observe(rid, 1)
+    new = RouteRequest("c", list(range(100, 100 + prompt)), slo={} if slo_ms is None else {"ttft_ms": slo_ms})
+    [got] = predict(router.candidates(new, [view]), cost, new, BS, router.ledger)
+    assert (got.queued_s, got.exec_s) == (pytest.approx(queued_s), pytest.approx(prompt * 0.01))
+    # Without the ledger the prediction knows nothing of KV: one decode step of queued work.
+    assert predict(router.candidates(new, [view]), cost, new, BS)[0].queued_s == pytest.approx(0.05)

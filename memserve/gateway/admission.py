@@ -4,9 +4,9 @@ its TTFT SLO anyway, instead of letting it queue in a worker and time out later.
 A request with a TTFT SLO is judged on the numbers the router routes by: on each
 instance p that may take it, predicted TTFT = queue there + exec(x, y_p) for its own
 prompt given p's cached prefix, where the queue is the longer of the queued work (the
-ledger priced by the cost model) and the wait until p has KV room for the request
-(``QueuedWork.kv_wait_s``: every request there counted at its final size, prompt and
-expected output, the decoding ones finishing by their expected lengths). It is
+ledger priced by the cost model) and the wait until p has KV room for the prompt
+(``QueuedWork.kv_wait_s``: the requests there growing for the TTFT SLO's length, the
+decoding ones finishing by their expected lengths). It is
 admitted when some instance meets the SLO; otherwise
 
 - ``reject`` (the default): 429 at once. ``Retry-After`` says when a fresh copy would fit:
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from memserve.gateway.cost_model import CostModel
 from memserve.gateway.engine_protocol import RequestRejected
-from memserve.gateway.queued_work import QueuedWork, expected_output_tokens
+from memserve.gateway.queued_work import QueuedWork
 from memserve.gateway.route_types import Candidate, RouteRequest
 from memserve.gateway.routing_policies import exec_s
 
@@ -75,17 +75,19 @@ def predict(candidates: list[Candidate], cost: CostModel, request: RouteRequest,
             ledger: QueuedWork | None = None) -> list[Prediction]:
     """The router's scored candidates as TTFT predictions for ``request``. With the
     router's ``ledger``, a candidate's queue is the longer of its queued work and its wait
-    for KV room for the request (its uncached prompt and expected output): when KV binds,
-    requests decoding there must finish first."""
+    for KV room for the request's uncached prompt (``QueuedWork.kv_wait_s``, the requests
+    there growing for the request's TTFT SLO, in decode steps): when KV binds, requests
+    decoding there must finish first."""
     prompt_tokens = len(request.prompt_token_ids)
-    output_tokens = expected_output_tokens(request.max_tokens, request.n)
+    slo_ms = request.slo.get("ttft_ms")
     out = []
     for c in candidates:
         queued = c.queued_s
         if ledger is not None and c.free_blocks is not None:
-            tokens = max(prompt_tokens - c.cached_blocks * block_size, 1) + output_tokens
-            queued = max(queued, ledger.kv_wait_s(c.instance_id, math.ceil(tokens / block_size), c.free_blocks,
-                                                  block_size))
+            blocks = math.ceil((max(prompt_tokens - c.cached_blocks * block_size, 0) + 1) / block_size)
+            step_s = c.decode_s or cost.decode_step_s(1, prompt_tokens)
+            horizon = None if slo_ms is None else math.ceil(slo_ms / 1000.0 / step_s)
+            queued = max(queued, ledger.kv_wait_s(c.instance_id, blocks, c.free_blocks, block_size, horizon))
         out.append(Prediction(c.instance_id, queued, exec_s(cost, prompt_tokens, c.cached_blocks, block_size)))
     return out
 

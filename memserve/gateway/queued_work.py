@@ -105,30 +105,37 @@ class QueuedWork:
         blocks (counted whether or not that report already shows them)."""
         return sum(e.uncached_tokens for e in self._on.get(instance, {}).values() if e.generated == 0)
 
-    def kv_wait_s(self, instance: int, blocks: int, free_blocks: int, block_size: int) -> float:
-        """Predicted wait before a request that will hold ``blocks`` KV blocks at its end
-        (prompt and expected output) fits on ``instance``, which can allocate
-        ``free_blocks`` now (free and evictable, less what its waiting prompts compute).
-        Every request in flight there is counted at its final size, since it grows to it
-        before it frees anything (an engine that admits on the prompt alone preempts a
-        newcomer when they grow); the decoding ones free it as they finish, soonest first
-        by expected tokens left, one token a ``decode_s`` step. 0 when it fits now; the
-        queued work ignores KV, and under KV pressure this is the longer wait."""
-        entries = self._on.get(instance, {}).values()
-        growth = sum(math.ceil((e.prompt_tokens + e.expected_tokens) / block_size)
-                     - math.ceil((e.prompt_tokens + e.generated if e.generated else e.uncached_tokens) / block_size)
-                     for e in entries)
-        room = free_blocks - growth
-        if blocks <= room:
-            return 0.0
-        left = 0
-        for left, final in sorted((max(e.expected_tokens - e.generated, 1),
-                                   math.ceil((e.prompt_tokens + e.expected_tokens) / block_size))
-                                  for e in entries if e.generated > 0):
-            room += final
-            if blocks <= room:
+    def kv_wait_s(self, instance: int, blocks: int, free_blocks: int, block_size: int,
+                  horizon_tokens: int | None = None) -> float:
+        """Predicted wait before a newcomer that needs ``blocks`` KV blocks to start fits on
+        ``instance``, which can allocate ``free_blocks`` now (free and evictable, less what
+        its waiting prompts compute). The queued work ignores KV; under KV pressure this is
+        the longer wait. 0 when it fits now.
+
+        A newcomer starting t decode steps (of ``decode_s``) from now finds room when what
+        the requests there hold by then leaves ``blocks`` free: each grows by a token a
+        step towards its expected length until ``horizon_tokens`` steps past t (when the
+        newcomer's first token is due; None: to its end, as an engine that admits on the
+        prompt alone preempts a newcomer when the others grow), and a decoding one frees
+        all it holds when it finishes. t is 0 or the moment one of them finishes."""
+        entries = list(self._on.get(instance, {}).values())
+
+        def room(t: int) -> int:
+            free = free_blocks
+            for e in entries:
+                left = max(e.expected_tokens - e.generated, 1)
+                held = math.ceil((e.prompt_tokens + e.generated if e.generated else e.uncached_tokens) / block_size)
+                if e.generated and left <= t:
+                    free += held
+                    continue
+                grown = left if horizon_tokens is None else min(left, t + horizon_tokens)
+                free -= math.ceil((e.prompt_tokens + e.generated + grown) / block_size) - held
+            return free
+
+        for t in [0, *sorted({max(e.expected_tokens - e.generated, 1) for e in entries if e.generated})]:
+            if blocks <= room(t):
                 break
-        return left * self.decode_s(instance)
+        return t * self.decode_s(instance)
 
     def step_s(self, instance: int) -> float:
         """Predicted length of the step ``instance`` runs now: the first chunk of its
