@@ -6,8 +6,9 @@ fed by the engines' own KV events. Nothing here re-implements a policy: it only 
 *when* things happen. The gateway's admission control (``gateway/admission.py``) judges
 each request with a TTFT SLO on arrival, as ``memserve up`` does: a refused request is
 recorded with status 429 (it meets no SLO), and ``queue`` mode holds requests and judges
-them again whenever a request gets its first token or finishes. With prefill and decode roles, ``sim/pd_flow.py`` hands each
-request from its prefill instance to a decode instance. Sessions replay as ``memserve bench`` replays them (Poisson session
+them again whenever a request gets its first token or finishes. With prefill and decode
+roles, ``sim/pd_flow.py`` hands each request from its prefill instance to a decode
+instance. Sessions replay as ``memserve bench`` replays them (Poisson session
 starts from the same seeded generator, turn k+1 sent when turn k's answer is complete,
 exponential think times), and the records are the bench's, so ``results.json`` has the
 same shape and ``memserve bench compare`` works across real and simulated runs.
