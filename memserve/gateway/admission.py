@@ -86,7 +86,7 @@ def predict(candidates: list[Candidate], cost: CostModel, request: RouteRequest,
         if ledger is not None and c.free_blocks is not None:
             blocks = math.ceil((max(prompt_tokens - c.cached_blocks * block_size, 0) + 1) / block_size)
             step_s = c.decode_s or cost.decode_step_s(1, prompt_tokens)
-            horizon = None if slo_ms is None else math.ceil(slo_ms / 1000.0 / step_s)
+            horizon = None if slo_ms is None or step_s <= 0 else math.ceil(slo_ms / 1000.0 / step_s)
             queued = max(queued, ledger.kv_wait_s(c.instance_id, blocks, c.free_blocks, block_size, horizon))
         out.append(Prediction(c.instance_id, queued, exec_s(cost, prompt_tokens, c.cached_blocks, block_size)))
     return out
