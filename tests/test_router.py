@@ -280,6 +280,25 @@ def test_queued_work_counts_prefills_and_the_running_decode_batch():
     assert ledger.work_s(0) == 0.0 and len(ledger) == 2
 
 
+def test_a_request_past_its_expected_length_is_expected_to_run_as_long_again():
+    """Expected output is capped at 512 tokens; one still decoding there runs on to its
+    max_tokens, or, without one, to twice what it has produced so far."""
+    cost = linear_cost(decode_per_step=0.5)
+    ledger = QueuedWork(cost, lambda: 0.0)
+    ledger.admit("long", 0, 10, 0, max_tokens=1000)
+    ledger.admit("open", 1, 10, 0, max_tokens=None)
+    for rid in ("long", "open"):
+        ledger.observe(rid, 512)
+    assert ledger.decode_s(0) == ledger.decode_s(1) == 0.5  # both still decoding
+    ledger.observe("long", 488)  # its max_tokens: done
+    ledger.observe("open", 512)  # 1024: expected 2048 now
+    assert (ledger.decode_s(0), ledger.decode_s(1)) == (0.0, 0.5)
+    ledger.observe("open", 1023)
+    assert ledger.decode_s(1) == 0.5
+    ledger.observe("open", 1)
+    assert ledger.decode_s(1) == 0.5  # 2048 produced: expected 4096
+
+
 def test_decisions_pulls_and_ttft_error_are_exported():
     now = [0.0]
     router = Router.named("cost", cost=linear_cost(2.0, transfer_latency_s=12.0), clock=lambda: now[0])

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from memserve.gateway.cost_model import CostModel
 
 # Decode steps assumed for a request whose max_tokens is unknown or larger: most
-# answers stop at end-of-sequence well before a large max_tokens.
+# answers stop at end-of-sequence well before a large max_tokens. One that runs past its
+# expected length is then expected to run as long again (up to its max_tokens).
 EXPECTED_OUTPUT_CAP = 512
 
 
@@ -49,6 +50,7 @@ class _Entry:
     first_step_s: float  # its first chunk's share of prefill_s: the step a prefix push waits behind
     steps: int  # prefill chunks it takes
     expected_tokens: int  # decode steps expected over all choices
+    max_total_tokens: int | None  # max_tokens over all choices; None: unbounded
     routed_at: float
     predicted_ttft_s: float | None
     generated: int = 0
@@ -79,7 +81,7 @@ class QueuedWork:
         expected = expected_output_tokens(max_tokens, n)
         self.release(request_id)
         entry = _Entry(instance, prompt_tokens, prompt_tokens - min(cached_tokens, prompt_tokens), prefill, first, steps,
-                       expected, self.clock(), predicted_ttft_s)
+                       expected, max_tokens * max(n, 1) if max_tokens else None, self.clock(), predicted_ttft_s)
         self._entries[request_id] = self._on.setdefault(instance, {})[request_id] = entry
 
     def observe(self, request_id: str, new_tokens: int, at: float | None = None) -> TTFTSample | None:
@@ -90,6 +92,8 @@ class QueuedWork:
             return None
         first = entry.generated == 0
         entry.generated += new_tokens
+        if entry.generated >= entry.expected_tokens:  # past the cap: as long again, within max_tokens
+            entry.expected_tokens = min(2 * entry.generated, entry.max_total_tokens or 2 * entry.generated)
         if first and entry.predicted_ttft_s is not None:
             return TTFTSample(entry.predicted_ttft_s, (self.clock() if at is None else at) - entry.routed_at)
         return None
