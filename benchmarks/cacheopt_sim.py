@@ -45,11 +45,9 @@ def variants(options: str = "", admission: str = "off") -> dict[str, list[str]]:
         flags += (["--padding", "fixed", "--schedule-policy-options", options] if name == "CKA"
                   else ["--schedule-policy-options", f"{options} disable={name}".strip()])
         out[f"/{name}"] = flags
-    out = {name: flags + ["--admission", "off"] for name, flags in out.items()}
-    if admission != "off":
-        for name in ("fcfs", "cacheopt"):
-            out[f"{name}+{admission}"] = out[name][:-1] + [admission]
-    return out
+    gated = {f"{name}+{admission}": [*out[name], "--admission", admission]
+             for name in ("fcfs", "cacheopt")} if admission != "off" else {}
+    return {name: [*flags, "--admission", "off"] for name, flags in out.items()} | gated
 
 
 def run_point(path: Path, args: argparse.Namespace, rate: float, flags: list[str], slo: tuple[float, float] | None) -> dict:

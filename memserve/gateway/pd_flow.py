@@ -254,12 +254,11 @@ class PDFlow:
         that worked, no task); other modes, while P prefills (a task: the prefill is not
         held up by D's answer; its result is whether P was told)."""
         rid, prompt = add.request_id, add.prompt_token_ids
-        if self._by_layer(prefill) and await self._handoff(stream, rid, prefill, prompt, early=True):
-            await self.client.channel.send(prefill, add)
-            return True, None
-        await self.client.channel.send(prefill, add)
         if self._by_layer(prefill):
-            return False, None
+            early = await self._handoff(stream, rid, prefill, prompt, early=True)
+            await self.client.channel.send(prefill, add)
+            return early, None
+        await self.client.channel.send(prefill, add)
         return False, asyncio.get_running_loop().create_task(self._handoff(stream, rid, prefill, prompt, early=True))
 
     def _by_layer(self, prefill: int) -> bool:

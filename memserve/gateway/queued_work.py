@@ -122,21 +122,22 @@ class QueuedWork:
         newcomer's first token is due; None: to its end, as an engine that admits on the
         prompt alone preempts a newcomer when the others grow), and a decoding one frees
         all it holds when it finishes. t is 0 or the moment one of them finishes."""
-        entries = list(self._on.get(instance, {}).values())
+        # (tokens to go, decoding, tokens now, blocks held now) of each request there
+        now = [(max(e.expected_tokens - e.generated, 1), e.generated > 0, e.prompt_tokens + e.generated,
+                math.ceil((e.prompt_tokens + e.generated if e.generated else e.uncached_tokens) / block_size))
+               for e in self._on.get(instance, {}).values()]
 
         def room(t: int) -> int:
             free = free_blocks
-            for e in entries:
-                left = max(e.expected_tokens - e.generated, 1)
-                held = math.ceil((e.prompt_tokens + e.generated if e.generated else e.uncached_tokens) / block_size)
-                if e.generated and left <= t:
+            for left, decoding, tokens, held in now:
+                if decoding and left <= t:
                     free += held
-                    continue
-                grown = left if horizon_tokens is None else min(left, t + horizon_tokens)
-                free -= math.ceil((e.prompt_tokens + e.generated + grown) / block_size) - held
+                else:
+                    grown = left if horizon_tokens is None else min(left, t + horizon_tokens)
+                    free -= math.ceil((tokens + grown) / block_size) - held
             return free
 
-        for t in [0, *sorted({max(e.expected_tokens - e.generated, 1) for e in entries if e.generated})]:
+        for t in [0, *sorted({left for left, decoding, _, _ in now if decoding})]:
             if blocks <= room(t):
                 break
         return t * self.decode_s(instance)

@@ -71,7 +71,6 @@ class _Arrival:
     session: int
     turn: int
     messages: list[tuple[str, list[int] | str]]
-    max_tokens: int
 
 
 @dataclass
@@ -165,8 +164,7 @@ class Simulation:
         slo = {key: v for key, v in (("ttft_ms", slo_ttft_ms), ("tbt_ms", slo_tbt_ms)) if v is not None}
         record = RequestRecord(session.session_id, k + 1, self.now, prompt_tokens=len(prompt),
                                slo_ttft_ms=slo_ttft_ms, slo_tbt_ms=slo_tbt_ms)
-        arrival = _Arrival(RouteRequest(rid, prompt, session.session_id, slo, max_tokens), record, s, k, messages,
-                           max_tokens)
+        arrival = _Arrival(RouteRequest(rid, prompt, session.session_id, slo, max_tokens), record, s, k, messages)
         self._judge(arrival, held=False)
 
     def _judge(self, arrival: _Arrival, held: bool) -> None:
@@ -206,7 +204,7 @@ class Simulation:
     def _route(self, arrival: _Arrival) -> None:
         request, record = arrival.request, arrival.record
         decision = self.router.route(request, self._views())
-        rid, prompt, slo, max_tokens = request.request_id, request.prompt_token_ids, request.slo, arrival.max_tokens
+        rid, prompt, slo, max_tokens = request.request_id, request.prompt_token_ids, request.slo, request.max_tokens
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         add = AddRequest(rid, prompt, params, request.session_id, 0.0, 0, slo.get("ttft_ms"), slo.get("tbt_ms"),
                          predicted_output_tokens=self.predict(rid, max_tokens) if self.predict else None)
