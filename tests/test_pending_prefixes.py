@@ -128,13 +128,13 @@ def test_cost_duplicates_the_prefill_when_the_first_copys_worker_is_far_behind()
         assert router.route(RouteRequest("b", PROMPT), [view(0), view(1)]) == expected
 
 
-def test_the_duplicate_charge_covers_only_the_blocks_being_computed():
+def test_the_duplicate_charge_covers_blocks_stored_and_blocks_being_computed():
     """Worker 0 stores the first 8 blocks (its mirror) and is computing the other 8 for
     copy a (32 s queued). Copy b costs 32 + exec(64, 63/64) = 33 s there plus q more
-    queued; on worker 1, exec(64, 0) = 64 s plus the 8 blocks being computed,
-    exec(64, 1/2) - exec(64, 63/64) = 31 s: 95 s (the 8 stored blocks are eq. 2's to
-    price, not a duplicate). It flips at q = 62 (at 94 were the stored blocks charged)."""
-    for queued, expected in ((61, 0), (63, 1)):
+    queued; on worker 1, exec(64, 0) = 64 s plus the duplicate of all 16 blocks worker 0
+    holds or is computing, exec(64, 0) - exec(64, 63/64) = 63 s: 127 s. It flips at
+    q = 94 (at 62 were only the blocks being computed charged)."""
+    for queued, expected in ((93, 0), (95, 1)):
         router = Router.named("cost", cost=linear_cost(transfer_bytes_per_s=1e-3))
         router.ledger.admit("a", 0, 64, 32, max_tokens=8)
         router.pending.add("a", 0, HASHES)

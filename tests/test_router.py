@@ -183,14 +183,16 @@ def _queued_behind_4_then_36_tokens(router: Router) -> None:
 
 @pytest.mark.parametrize("latency, expected", [
     (12.0, RouteDecision(1, "pull", pull_from=0, pull_blocks=8)),  # 4 + 12 + 16 = 32 = 64 - 32: pull
-    (12.5, RouteDecision(1, "load")),  # 32.5 > 32: recompute on the idle worker
+    (12.5, RouteDecision(0, "cache_hit")),  # 32.5 > 32: no pull; recomputing on 1 is charged twice
 ])
 def test_cost_pulls_exactly_when_eq2_holds(latency: float, expected: RouteDecision):
     """Worker 0 holds 8 blocks (32 tokens) but has 40 s queued: eq. 1 gives it 40 + 32 =
     72 against worker 1's 64, so the request goes to 1, which pulls the 8 blocks (32
     bytes at 2 bytes/s: 16 s, after worker 0's current 4 s step and the link latency)
     when 4 + latency + 16 <= exec(64, 0) - exec(64, 0.5) = 32 (eq. 2): the decision
-    flips at a latency of 12 s."""
+    flips at a latency of 12 s. Past it worker 1 would recompute the 8 blocks worker 0
+    holds, work the cluster then does twice: it is charged the 32 s once more (64 + 32 =
+    96 against 72), so the request waits for worker 0 instead."""
     router = Router.named("cost", cost=linear_cost(2.0, transfer_latency_s=latency))
     _queued_behind_4_then_36_tokens(router)
     assert router.route(RouteRequest("r", PROMPT), [view(0, cached=PROMPT[:32]), view(1)]) == expected
@@ -198,15 +200,15 @@ def test_cost_pulls_exactly_when_eq2_holds(latency: float, expected: RouteDecisi
 
 @pytest.mark.parametrize("step_tokens, expected", [
     (16, RouteDecision(1, "pull", pull_from=0, pull_blocks=8)),  # 16 + 0 + 16 = 32 <= 64 - 32: pull
-    (None, RouteDecision(1, "load")),  # 36 + 0 + 16 = 52 > 32: recompute the prefix on worker 1
+    (None, RouteDecision(0, "cache_hit")),  # 36 + 0 + 16 = 52 > 32: no pull, and no duplicate on 1
 ])
 def test_a_pull_waits_for_the_sources_current_chunk_not_its_whole_prefill(step_tokens, expected):
     """Worker 0 holds 8 blocks (32 tokens) and prefills 36 tokens in chunks of at most
     ``step_tokens``: it serves a push after its current step, the first 16-token chunk
-    (16 s), not after all 36 s. Eq. 1 sends the request to idle worker 1 either way
-    (worker 0: 36 + exec(64, 0.5) = 68 against 64); eq. 2 then holds with chunks (16 s
-    wait + 16 s transfer <= exec(64, 0) - exec(64, 0.5) = 32) and fails without them,
-    where worker 1 would recompute, and so duplicate, the cached prefix."""
+    (16 s), not after all 36 s. With chunks eq. 2 holds (16 s wait + 16 s transfer <=
+    exec(64, 0) - exec(64, 0.5) = 32) and idle worker 1 pulls (16 + 16 + 32 = 64 against
+    worker 0's 36 + 32 = 68); without them it fails, and worker 1 would recompute, so
+    duplicate, the cached prefix: 64 + 32 = 96 against 68 keeps the request on worker 0."""
     router = Router.named("cost", cost=linear_cost(2.0), step_tokens=step_tokens)
     router.ledger.admit("queued", 0, 36, 0, max_tokens=8)
     assert router.route(RouteRequest("r", PROMPT), [view(0, cached=PROMPT[:32]), view(1)]) == expected
@@ -214,8 +216,10 @@ def test_a_pull_waits_for_the_sources_current_chunk_not_its_whole_prefill(step_t
 
 def test_cost_queued_work_flips_the_choice_at_its_break_even():
     """Without a pull (transfer too slow), worker 0 (32 cached) wins while its queue is
-    under exec(64, 0) - exec(64, 0.5) = 32 s and loses past it."""
-    for queued, winner in ((31, 0), (33, 1)):
+    under what recomputing the prefix on idle worker 1 costs: exec(64, 0) - exec(64,
+    0.5) = 32 s for the request, and the same again for the cluster, which would compute
+    those blocks twice (64 s); past that, worker 1 takes it."""
+    for queued, winner in ((63, 0), (65, 1)):
         router = Router.named("cost", cost=linear_cost(transfer_bytes_per_s=1e-3))
         router.ledger.admit("queued", 0, queued, 0, max_tokens=8)
         assert router.route(RouteRequest("r", PROMPT), [view(0, cached=PROMPT[:32]), view(1)]).instance == winner

@@ -102,12 +102,18 @@ class CostAware:
     A prefix pending on a worker (routed there, still being prefilled) is priced as
     cached on it: the request waits behind that prefill, which the worker's queued work
     already holds, then computes the rest. It cannot be pulled yet, so eq. 2 pulls only
-    what a mirror shows (``stored_blocks``). Eq. 1 alone would still send a copy
-    arriving mid-prefill to an idle worker to recompute it (its TTFT is about the same
-    either way), doing the work twice and caching the prefix twice; so a worker that
-    would recompute blocks another worker is computing right now is charged that
-    duplicate work once more (the time it takes from the requests that queue behind it).
-    The charge ranks workers only; the TTFT prediction does not include it.
+    what a mirror shows (``stored_blocks``).
+
+    Eq. 1 prices the request's own TTFT only. Recomputing on worker p a prefix that
+    another worker stores or is computing does that work twice in the cluster and
+    caches the prefix twice (crowding out other prefixes), and the requests that queue
+    behind it on p pay for it. So a worker that would recompute blocks another worker
+    holds (stored or pending, beyond what it pulls) is charged that duplicate work once
+    more: it recomputes only when the cached worker's queue exceeds twice the recompute.
+    Without the charge, a loaded cluster spread documents by recomputing them and fed
+    its own load (simulated, 3 CPU workers, long-doc-qa share ratio 2: P99 TTFT 10-13%
+    higher, cached-token ratio .77-.79 against .81; docs/benchmarks.md). The charge ranks
+    workers only; the TTFT prediction does not include it.
 
     KV memory: a worker whose free device blocks (``Candidate.free_blocks``) cannot hold
     the request's uncached prompt and expected output would evict cached prefixes or
@@ -127,7 +133,6 @@ class CostAware:
                  or c.free_blocks >= kv_blocks_needed(request, c.cached_blocks, ctx.block_size)]
         source = min((c for c in candidates if c.view.state == "ok"),
                      key=lambda c: (-c.stored_blocks, c.in_flight, c.instance_id), default=None)
-        computing = max((c for c in candidates if c.pending_blocks), key=lambda c: c.cached_blocks, default=None)
         best: tuple[float, int, int] | None = None
         decision: RouteDecision | None = None
         for c in roomy or candidates:
@@ -139,10 +144,11 @@ class CostAware:
                                                            * cost.kv_bytes_per_token)
                 if transfer <= own - pulled:  # eq. 2
                     exec_here, pull, blocks = transfer + pulled, source, source.stored_blocks
+            held = max((o.cached_blocks for o in candidates if o is not c), default=0)
             duplicate = 0.0
-            if computing is not None and computing.cached_blocks > blocks:  # the blocks it is computing, not stored ones
-                duplicate = (exec_s(cost, x, max(blocks, computing.stored_blocks), ctx.block_size, ctx.step_tokens)
-                             - exec_s(cost, x, computing.cached_blocks, ctx.block_size, ctx.step_tokens))
+            if held > blocks:  # recomputing what another worker holds or is computing
+                duplicate = (exec_s(cost, x, blocks, ctx.block_size, ctx.step_tokens)
+                             - exec_s(cost, x, held, ctx.block_size, ctx.step_tokens))
             key = (c.queued_s + exec_here + duplicate, c.in_flight, c.instance_id)  # eq. 1
             if best is None or key < best:
                 best = key
