@@ -111,9 +111,10 @@ class CostAware:
     holds (stored or pending, beyond what it pulls) is charged that duplicate work once
     more: it recomputes only when the cached worker's queue exceeds twice the recompute.
     Without the charge, a loaded cluster spread documents by recomputing them and fed
-    its own load (simulated, 3 CPU workers, long-doc-qa share ratio 2: P99 TTFT 10-13%
-    higher, cached-token ratio .77-.79 against .81; docs/benchmarks.md). The charge ranks
-    workers only; the TTFT prediction does not include it.
+    its own load (simulated, 3 CPU workers with room for the documents, long-doc-qa
+    share ratio 2: P99 TTFT 2-12% higher, cached-token ratio .77-.79 against .81;
+    docs/benchmarks.md, stop 24). The charge ranks workers only; the TTFT prediction
+    does not include it.
 
     KV memory: a worker whose free device blocks (``Candidate.free_blocks``) cannot hold
     the request's uncached prompt and expected output would evict cached prefixes or
