@@ -113,8 +113,9 @@ class CostAware:
     Without the charge, a loaded cluster spread documents by recomputing them and fed
     its own load (simulated, 3 CPU workers with room for the documents, long-doc-qa
     share ratio 2: P99 TTFT 2-12% higher, cached-token ratio .77-.79 against .81;
-    docs/benchmarks.md, stop 24). The charge ranks workers only; the TTFT prediction
-    does not include it.
+    docs/benchmarks.md, stop 24). It assumes the holder keeps the prefix: at the edge
+    of KV thrash, where queued requests lose their prefixes to eviction anyway, it did
+    worse there. The charge ranks workers only; the TTFT prediction does not include it.
 
     KV memory: a worker whose free device blocks (``Candidate.free_blocks``) cannot hold
     the request's uncached prompt and expected output would evict cached prefixes or
