@@ -109,7 +109,8 @@ class CostAware:
     caches the prefix twice (crowding out other prefixes), and the requests that queue
     behind it on p pay for it. So a worker that would recompute blocks another worker
     holds (stored or pending, beyond what it pulls) is charged that duplicate work once
-    more: it recomputes only when the cached worker's queue exceeds twice the recompute.
+    more: it recomputes only when the cached worker's queue is longer by more than twice
+    the recompute.
     Without the charge, a loaded cluster spread documents by recomputing them and fed
     its own load (simulated, 3 CPU workers with room for the documents, long-doc-qa
     share ratio 2: P99 TTFT 2-12% higher, cached-token ratio .77-.79 against .81;
