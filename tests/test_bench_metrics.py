@@ -16,6 +16,7 @@ from memserve.bench.metrics import (
     normalized_latency_ms,
     slo_attainment,
     summarize,
+    tbt_attainment_ceiling,
     tbt_gaps_ms,
     tpot_ms,
     ttft_ms,
@@ -86,6 +87,15 @@ def test_slo_attainment_rules():
     silent = rec(start=0.0, end=0.09, completion=0, slo_ttft=100)
     assert slo_attainment([silent])["ttft"] == 1.0
     assert slo_attainment([rec(chunks=[0.1], end=0.1)]) == {"ttft": None, "tbt": None, "both": None}
+
+
+def test_tbt_attainment_ceiling_is_the_share_of_slos_at_or_above_one_step():
+    # base 20 ms x U[0.5, 2.5]: SLOs 10-50 ms; a 15 ms step floor rules out scales below 0.75
+    assert tbt_attainment_ceiling(20.0, (0.5, 2.5), 15.0) == pytest.approx(1.75 / 2.0)
+    assert tbt_attainment_ceiling(20.0, (0.5, 2.5), 5.0) == 1.0  # every SLO is above the floor
+    assert tbt_attainment_ceiling(20.0, (0.5, 2.5), 60.0) == 0.0  # none is
+    assert tbt_attainment_ceiling(20.0, (1.0, 1.0), 20.0) == 1.0  # one fixed SLO, exactly one step
+    assert tbt_attainment_ceiling(20.0, (1.0, 1.0), 21.0) == 0.0
 
 
 def test_cached_ratio_is_token_weighted_over_reporting_successes():

@@ -84,6 +84,17 @@ def meets_tbt(r: RequestRecord, slo_ms: float) -> bool:
     return r.ok and all(g <= slo_ms for g in tbt_gaps_ms(r))
 
 
+def tbt_attainment_ceiling(base_ms: float, scale: tuple[float, float], step_floor_ms: float) -> float:
+    """The highest TBT attainment any scheduler can reach when each request's TBT SLO is
+    ``base_ms`` times a scale uniform in ``scale`` (CacheOpt §5) and no decode step takes
+    less than ``step_floor_ms``: a request whose SLO is below one step misses it at its
+    first gap, so only the share of scales putting the SLO at or above the floor can meet it."""
+    lo, hi = scale
+    if hi <= lo:
+        return 1.0 if base_ms * lo >= step_floor_ms else 0.0
+    return min(1.0, max(0.0, (hi - max(lo, step_floor_ms / base_ms)) / (hi - lo)))
+
+
 def cached_token_ratio(records: Iterable[RequestRecord]) -> float | None:
     reporting = [r for r in records if r.ok and r.cached_tokens is not None and r.prompt_tokens]
     if not reporting:
