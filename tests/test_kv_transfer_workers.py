@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import time
 
@@ -15,7 +16,7 @@ from memserve.gateway.cluster import Cluster, plan_workers
 from memserve.gateway.engine_client import ZmqEngineClient
 from memserve.gateway.tokenizer import Tokenizer
 from memserve.ipc.channel import GatewayChannel
-from memserve.ipc.messages import SamplingParams
+from memserve.ipc.messages import ExpectTransfer, SamplingParams, TransferPrefix
 from memserve.models.gguf_convert import ensure_model_dir
 
 BLOCK = 16
@@ -96,3 +97,42 @@ async def slow_peer_scenario(model_dir) -> None:
 
 def test_a_slow_peer_does_not_stall_the_senders_other_requests():
     asyncio.run(slow_peer_scenario(ensure_model_dir(None)))
+
+
+async def busy_receiver_scenario(model_dir) -> None:
+    """A transfer into a worker in the middle of a long prefill step is answered between
+    the step's layers (``workers/step_serving.py``): it completes before that step's
+    first token, instead of waiting for the step to end, twice (allocation, then data)."""
+    tok = Tokenizer.from_folder(model_dir)
+    prompt = tok.encode_chat([{"role": "system", "content": "You answer in one short sentence. " * 6},
+                              {"role": "user", "content": "Why is the sky blue?"}])
+    channel = GatewayChannel()
+    engine_cfg = EngineConfig(model=str(model_dir), dtype="float32", num_blocks=256)
+    cluster = Cluster(plan_workers(engine_cfg, channel.address, cpu_workers=2, gpus=None), heartbeat_timeout_s=30)
+    client = ZmqEngineClient(channel, cluster, BLOCK)
+    await client.start()
+    try:
+        await collect(client.generate("warm", prompt, SamplingParams(max_tokens=2, temperature=0.0), instance=0))
+        ticket, blocks = "busy-receiver", len(prompt) // BLOCK
+        await client._ask(1, ExpectTransfer(9001, ticket, 0, blocks), 30)  # worker 1 is idle: answered at once
+        long_prompt = random.Random(0).choices(range(1000, 40000), k=2000)  # one step of seconds on a CPU
+        first_token_at: list[float] = []
+
+        async def long_prefill() -> None:
+            async for _ in client.generate("long", long_prompt, SamplingParams(max_tokens=1, temperature=0.0),
+                                           instance=1):
+                first_token_at.append(time.monotonic())
+
+        prefill = asyncio.create_task(long_prefill())
+        await asyncio.sleep(0.3)  # worker 1 is inside the long step now
+        done = await client._ask(0, TransferPrefix(9002, list(prompt), 1, ticket), 30)
+        done_at = time.monotonic()
+        await prefill
+        assert done.error is None and done.num_blocks == blocks
+        assert done_at < first_token_at[0]
+    finally:
+        await client.close()
+
+
+def test_a_transfer_into_a_busy_worker_is_answered_within_its_step():
+    asyncio.run(busy_receiver_scenario(ensure_model_dir(None)))

@@ -47,6 +47,7 @@ from memserve.workers.pd_receiver import KVReceiver
 from memserve.workers.pd_sender import HandoffSender
 from memserve.workers.cpu_threads import bound_cpus, pin_compute_threads
 from memserve.workers.heartbeat import HeartbeatThread
+from memserve.workers.step_serving import ServeBetweenLayers
 from memserve.models.gguf_convert import ensure_model_dir
 from memserve.workers.warmup import warm_up
 
@@ -109,6 +110,7 @@ class Worker:
         bind = f"ipc://{self.cfg.runtime_dir}/kv-{self.id}" if self.cfg.runtime_dir \
             else f"tcp://{self.cfg.internal_host}:*"
         self.endpoint = KVTransferEndpoint(e.mempool, bind)
+        e.runner.add_step_hooks(ServeBetweenLayers(lambda: self.endpoint.serve(0)).for_step)
         self.sender, self.receiver = HandoffSender(e, self.endpoint), KVReceiver(e, self.endpoint)
         self.channel.watch(self.endpoint.socket)
         self.channel.send(WorkerReady(self.id, self.cfg.role, e.runner.num_blocks, self.cfg.engine.block_size,
