@@ -31,15 +31,21 @@ async def collect(stream) -> tuple[list[int], int]:
     return tokens, cached
 
 
-async def scenario(model_dir) -> None:
+async def two_workers(model_dir, num_blocks: int = 96, **cluster_args) -> tuple[list[int], Cluster, ZmqEngineClient]:
+    """Two CPU workers behind a started client, and a chat prompt of a few blocks."""
     tok = Tokenizer.from_folder(model_dir)
     prompt = tok.encode_chat([{"role": "system", "content": "You answer in one short sentence. " * 6},
                               {"role": "user", "content": "Why is the sky blue?"}])
     channel = GatewayChannel()
-    engine_cfg = EngineConfig(model=str(model_dir), dtype="float32", num_blocks=96)
-    cluster = Cluster(plan_workers(engine_cfg, channel.address, cpu_workers=2, gpus=None))
+    engine_cfg = EngineConfig(model=str(model_dir), dtype="float32", num_blocks=num_blocks)
+    cluster = Cluster(plan_workers(engine_cfg, channel.address, cpu_workers=2, gpus=None), **cluster_args)
     client = ZmqEngineClient(channel, cluster, BLOCK)
     await client.start()
+    return prompt, cluster, client
+
+
+async def scenario(model_dir) -> None:
+    prompt, _, client = await two_workers(model_dir)
     try:
         params = SamplingParams(max_tokens=8, temperature=0.0)
         first, cached0 = await collect(client.generate("on-0", prompt, params, instance=0))
@@ -68,14 +74,7 @@ def test_transfer_with_insert_between_worker_processes():
 async def slow_peer_scenario(model_dir) -> None:
     """Worker 1 is frozen while worker 0 pushes a prefix to it: worker 0 keeps streaming
     another request's tokens meanwhile, and the transfer completes once 1 wakes up."""
-    tok = Tokenizer.from_folder(model_dir)
-    prompt = tok.encode_chat([{"role": "system", "content": "You answer in one short sentence. " * 6},
-                              {"role": "user", "content": "Why is the sky blue?"}])
-    channel = GatewayChannel()
-    engine_cfg = EngineConfig(model=str(model_dir), dtype="float32", num_blocks=96)
-    cluster = Cluster(plan_workers(engine_cfg, channel.address, cpu_workers=2, gpus=None), heartbeat_timeout_s=30)
-    client = ZmqEngineClient(channel, cluster, BLOCK)
-    await client.start()
+    prompt, cluster, client = await two_workers(model_dir, heartbeat_timeout_s=30)
     try:
         await collect(client.generate("warm", prompt, SamplingParams(max_tokens=2, temperature=0.0), instance=0))
         peer = cluster.workers[1].process.pid
@@ -103,14 +102,7 @@ async def busy_receiver_scenario(model_dir) -> None:
     """A transfer into a worker in the middle of a long prefill step is answered between
     the step's layers (``workers/step_serving.py``): it completes before that step's
     first token, instead of waiting for the step to end, twice (allocation, then data)."""
-    tok = Tokenizer.from_folder(model_dir)
-    prompt = tok.encode_chat([{"role": "system", "content": "You answer in one short sentence. " * 6},
-                              {"role": "user", "content": "Why is the sky blue?"}])
-    channel = GatewayChannel()
-    engine_cfg = EngineConfig(model=str(model_dir), dtype="float32", num_blocks=256)
-    cluster = Cluster(plan_workers(engine_cfg, channel.address, cpu_workers=2, gpus=None), heartbeat_timeout_s=30)
-    client = ZmqEngineClient(channel, cluster, BLOCK)
-    await client.start()
+    prompt, _, client = await two_workers(model_dir, 256, heartbeat_timeout_s=30)
     try:
         await collect(client.generate("warm", prompt, SamplingParams(max_tokens=2, temperature=0.0), instance=0))
         ticket, blocks = "busy-receiver", len(prompt) // BLOCK
