@@ -38,7 +38,7 @@ class ServeBetweenLayers:
         self.clock = clock
         self._last = clock()
 
-    def for_step(self, plan: StepPlan) -> "ServeBetweenLayers":
+    def for_step(self, plan: StepPlan) -> ServeBetweenLayers:
         self._last = self.clock()  # the loop served the endpoint just before the step
         return self
 

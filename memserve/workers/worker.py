@@ -3,7 +3,8 @@
 The loop alternates between draining the socket (new requests, aborts, heartbeats) and
 one engine step; every step's token deltas go back at once, so streaming clients see
 each token as soon as it is sampled. Heartbeats to the gateway go out from a thread of
-their own (``heartbeat.py``), on time even during a long step. The worker exits when told
+their own (``heartbeat.py``), on time even during a long step, and peers' KV transfers
+are answered between the step's layers too (``step_serving.py``). The worker exits when told
 to, on SIGTERM, when its parent dies, or when the gateway's heartbeats stop.
 
 Run as ``python -m memserve.workers.worker [--spare] '<WorkerConfig as JSON>'``. A spare
