@@ -111,7 +111,7 @@ class Worker:
         bind = f"ipc://{self.cfg.runtime_dir}/kv-{self.id}" if self.cfg.runtime_dir \
             else f"tcp://{self.cfg.internal_host}:*"
         self.endpoint = KVTransferEndpoint(e.mempool, bind)
-        e.runner.add_step_hooks(ServeBetweenLayers(lambda: self.endpoint.serve(0)).for_step)
+        e.runner.add_step_hooks(ServeBetweenLayers(self.endpoint.serve).for_step)
         self.sender, self.receiver = HandoffSender(e, self.endpoint), KVReceiver(e, self.endpoint)
         self.channel.watch(self.endpoint.socket)
         self.channel.send(WorkerReady(self.id, self.cfg.role, e.runner.num_blocks, self.cfg.engine.block_size,
