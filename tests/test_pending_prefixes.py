@@ -2,7 +2,8 @@
 two copies of a prompt sent back to back go to one worker under prompt-tree and cost
 (hand-computed on the exact linear cost model of test_router); a claim ends when the
 worker's events cover it, when its request ends, or after its TTL on the injected
-clock; memory is bounded; cost skips a worker whose free KV cannot hold the request."""
+clock; memory is bounded; cost copies a prefix or places a new prompt only where KV
+headroom stays."""
 
 from __future__ import annotations
 
@@ -143,24 +144,41 @@ def test_the_duplicate_charge_covers_blocks_stored_and_blocks_being_computed():
         assert router.route(RouteRequest("b", PROMPT), workers).instance == expected
 
 
-def _with_free(i: int, free: int, cached: list[int] | None = None) -> WorkerView:
-    stats = {"mempool": {"device": {"free": free, "evictable": 0}}}
-    return WorkerView(i, "ok", 0, stats, mirror(i, cached) if cached else PromptTreeMirror(i, BS))
+def _with_free(i: int, free: int, cached: list[int] | None = None, in_flight: int = 0) -> WorkerView:
+    stats = {"mempool": {"device": {"total": 100, "free": free, "evictable": 0}}}
+    return WorkerView(i, "ok", in_flight, stats, mirror(i, cached) if cached else PromptTreeMirror(i, BS))
 
 
-def test_cost_skips_a_worker_whose_free_kv_cannot_hold_the_request():
-    """Worker 0 holds 8 of the prompt's 16 blocks: exec 32 s against 64 s on worker 1. With
-    8 output tokens the request needs 18 blocks, 10 of them on worker 0: with 9 free it
-    goes to worker 1 (20 free, 18 needed), with 10 it stays; when no worker has room
-    the cheapest is taken as before."""
+def test_cost_places_a_prompt_cached_nowhere_only_where_kv_headroom_stays():
+    """The request needs 18 blocks (64 prompt + 8 output tokens); a worker keeps its
+    headroom (20 of its 100 blocks free or evictable after it) with 38 free, not with
+    37. Worker 1 has 10 s queued, so eq. 1 prefers worker 0 (64 s against 74 s), which
+    takes the request only while it keeps its headroom. When neither worker keeps it,
+    the request goes to the one with fewer requests in flight, worker 1."""
     request = RouteRequest("r", PROMPT, max_tokens=8)
-    cost = linear_cost(transfer_bytes_per_s=1e-3)  # no pulls
-    assert Router.named("cost", cost=cost).route(request, [_with_free(0, 9, PROMPT[:32]), _with_free(1, 20)]) == \
-        RouteDecision(1, "load")
-    assert Router.named("cost", cost=cost).route(request, [_with_free(0, 10, PROMPT[:32]), _with_free(1, 20)]) == \
-        RouteDecision(0, "cache_hit")
-    assert Router.named("cost", cost=cost).route(request, [_with_free(0, 9, PROMPT[:32]), _with_free(1, 17)]) == \
-        RouteDecision(0, "cache_hit")
+
+    def route(free0: int, free1: int) -> RouteDecision:
+        router = Router.named("cost", cost=linear_cost(transfer_bytes_per_s=1e-3))
+        router.ledger.admit("queued", 1, 10, 0, max_tokens=8)
+        return router.route(request, [_with_free(0, free0, in_flight=2), _with_free(1, free1 + 3)])  # 3: "queued"
+
+    assert route(38, 38) == RouteDecision(0, "load")
+    assert route(37, 38) == RouteDecision(1, "load")
+    assert route(37, 37) == RouteDecision(1, "load")
+    assert route(38, 37) == RouteDecision(0, "load")
+
+
+def test_cost_copies_a_cached_prefix_only_where_kv_headroom_stays():
+    """Worker 0 holds 8 of the prompt's 16 blocks with 65 s queued: 65 + 32 = 97 against
+    recomputing on idle worker 1, 64 + 32 for the copy = 96 (test_router). Worker 1 needs
+    18 blocks: it takes the copy with 38 free, not with 37; worker 0, holding the prefix,
+    keeps the request without headroom of its own (5 free)."""
+    request = RouteRequest("r", PROMPT, max_tokens=8)
+    for free1, expected in ((38, RouteDecision(1, "load")), (37, RouteDecision(0, "cache_hit"))):
+        router = Router.named("cost", cost=linear_cost(transfer_bytes_per_s=1e-3))
+        router.ledger.admit("queued", 0, 65, 0, max_tokens=8)
+        workers = [_with_free(0, 5 + 17, PROMPT[:32]), _with_free(1, free1)]  # 17: "queued"'s blocks
+        assert router.route(request, workers) == expected
 
 
 def test_requests_routed_since_the_last_report_use_up_free_blocks():

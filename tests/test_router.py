@@ -175,42 +175,51 @@ def test_cost_prefers_the_cached_worker_when_its_queue_allows():
     assert router.route(RouteRequest("r", PROMPT), [view(0, cached=PROMPT[:32]), view(1)]) == RouteDecision(0, "cache_hit")
 
 
-def _queued_behind_4_then_36_tokens(router: Router) -> None:
-    """Worker 0 has exec(4, 0) + exec(36, 0) = 40 s to prefill; its current step is the first, 4 s."""
+def _queued_behind_4_then_96_tokens(router: Router) -> None:
+    """Worker 0 has exec(4, 0) + exec(96, 0) = 100 s to prefill; its current step is the first, 4 s."""
     router.ledger.admit("first", 0, 4, 0, max_tokens=8)
-    router.ledger.admit("second", 0, 36, 0, max_tokens=8)
+    router.ledger.admit("second", 0, 96, 0, max_tokens=8)
 
 
 @pytest.mark.parametrize("latency, expected", [
-    (12.0, RouteDecision(1, "pull", pull_from=0, pull_blocks=8)),  # 4 + 12 + 16 = 32 = 64 - 32: pull
-    (12.5, RouteDecision(0, "cache_hit")),  # 32.5 > 32: no pull; recomputing on 1 is charged twice
+    (11.0, RouteDecision(1, "pull", pull_from=0, pull_blocks=8)),  # 4 + 11 + 16 = 31 <= 64 - 32: pull
+    (12.5, RouteDecision(1, "load")),  # 32.5 > 32: no pull, worker 1 recomputes
 ])
 def test_cost_pulls_exactly_when_eq2_holds(latency: float, expected: RouteDecision):
-    """Worker 0 holds 8 blocks (32 tokens) but has 40 s queued: eq. 1 gives it 40 + 32 =
-    72 against worker 1's 64, so the request goes to 1, which pulls the 8 blocks (32
-    bytes at 2 bytes/s: 16 s, after worker 0's current 4 s step and the link latency)
-    when 4 + latency + 16 <= exec(64, 0) - exec(64, 0.5) = 32 (eq. 2): the decision
-    flips at a latency of 12 s. Past it worker 1 would recompute the 8 blocks worker 0
-    holds, work the cluster then does twice: it is charged the 32 s once more (64 + 32 =
-    96 against 72), so the request waits for worker 0 instead."""
+    """Worker 0 holds 8 blocks (32 tokens) but has 100 s queued: 100 + 32 = 132. Worker 1
+    pulls the 8 blocks (32 bytes at 2 bytes/s: 16 s, after worker 0's current 4 s step
+    and the link latency) when 4 + latency + 16 <= exec(64, 0) - exec(64, 0.5) = 32 (eq.
+    2): the choice flips at a latency of 12 s. Either way worker 1 makes a second copy of
+    worker 0's 8 blocks and is charged their recompute, 32 s, once more: pulling costs
+    4 + 11 + 16 + 32 + 32 = 95, recomputing 64 + 32 = 96, both below 132."""
     router = Router.named("cost", cost=linear_cost(2.0, transfer_latency_s=latency))
-    _queued_behind_4_then_36_tokens(router)
+    _queued_behind_4_then_96_tokens(router)
     assert router.route(RouteRequest("r", PROMPT), [view(0, cached=PROMPT[:32]), view(1)]) == expected
+
+
+def test_a_pull_is_charged_as_a_copy():
+    """With 40 s queued on worker 0 (72 in all), eq. 2 holds for worker 1 (4 + 0 + 16 =
+    20 <= 32), and eq. 1 alone would send the request there to pull (20 + 32 = 52). The
+    pull makes a second copy of the 8 blocks: 52 + 32 = 84 > 72, so it stays."""
+    router = Router.named("cost", cost=linear_cost(2.0))
+    router.ledger.admit("first", 0, 4, 0, max_tokens=8)
+    router.ledger.admit("second", 0, 36, 0, max_tokens=8)
+    assert router.route(RouteRequest("r", PROMPT), [view(0, cached=PROMPT[:32]), view(1)]) == \
+        RouteDecision(0, "cache_hit")
 
 
 @pytest.mark.parametrize("step_tokens, expected", [
     (16, RouteDecision(1, "pull", pull_from=0, pull_blocks=8)),  # 16 + 0 + 16 = 32 <= 64 - 32: pull
-    (None, RouteDecision(0, "cache_hit")),  # 36 + 0 + 16 = 52 > 32: no pull, and no duplicate on 1
+    (None, RouteDecision(1, "load")),  # 100 + 0 + 16 = 116 > 32: no pull, worker 1 recomputes
 ])
 def test_a_pull_waits_for_the_sources_current_chunk_not_its_whole_prefill(step_tokens, expected):
-    """Worker 0 holds 8 blocks (32 tokens) and prefills 36 tokens in chunks of at most
+    """Worker 0 holds 8 blocks (32 tokens) and prefills 100 tokens in chunks of at most
     ``step_tokens``: it serves a push after its current step, the first 16-token chunk
-    (16 s), not after all 36 s. With chunks eq. 2 holds (16 s wait + 16 s transfer <=
-    exec(64, 0) - exec(64, 0.5) = 32) and idle worker 1 pulls (16 + 16 + 32 = 64 against
-    worker 0's 36 + 32 = 68); without them it fails, and worker 1 would recompute, so
-    duplicate, the cached prefix: 64 + 32 = 96 against 68 keeps the request on worker 0."""
+    (16 s), not after all 100 s. With chunks eq. 2 holds (16 s wait + 16 s transfer <=
+    exec(64, 0) - exec(64, 0.5) = 32) and idle worker 1 pulls; without them it fails and
+    worker 1 recomputes. Both cost 96 with the copy charge, against worker 0's 132."""
     router = Router.named("cost", cost=linear_cost(2.0), step_tokens=step_tokens)
-    router.ledger.admit("queued", 0, 36, 0, max_tokens=8)
+    router.ledger.admit("queued", 0, 100, 0, max_tokens=8)
     assert router.route(RouteRequest("r", PROMPT), [view(0, cached=PROMPT[:32]), view(1)]) == expected
 
 
@@ -306,7 +315,7 @@ def test_a_request_past_its_expected_length_is_expected_to_run_as_long_again():
 def test_decisions_pulls_and_ttft_error_are_exported():
     now = [0.0]
     router = Router.named("cost", cost=linear_cost(2.0, transfer_latency_s=12.0), clock=lambda: now[0])
-    _queued_behind_4_then_36_tokens(router)
+    _queued_behind_4_then_96_tokens(router)
     router.route(RouteRequest("r", PROMPT), [view(0, cached=PROMPT[:32]), view(1)])  # pull: 4 + 28 + 32 = 64
     router.pull_done(True)
     now[0] = 80.0

@@ -54,6 +54,7 @@ class Candidate:
     # Device KV blocks it can still allocate (free plus evictable at its last report, less
     # what the requests routed there and not started yet compute); None: not reported.
     free_blocks: int | None = None
+    kv_blocks: int | None = None  # its device KV pool, in blocks; None: not reported
 
     @property
     def instance_id(self) -> int:

@@ -90,19 +90,20 @@ class Router:
             if scored and w.state == "ok":
                 stored = len(w.mirror.match_hashes(hashes))
                 pending = max(self.pending.match(w.instance_id, hashes) - stored, 0)
+            device = w.stats.get("mempool", {}).get("device") if self.cost is not None else None
             out.append(Candidate(w, stored + pending, pending_blocks=pending, queued_s=self.ledger.work_s(w.instance_id),
                                  step_s=self.ledger.step_s(w.instance_id), decode_s=self.ledger.decode_s(w.instance_id),
-                                 free_blocks=self._free_blocks(w, block_size) if self.cost is not None else None))
+                                 free_blocks=self._free_blocks(w.instance_id, device, block_size),
+                                 kv_blocks=device.get("total") if device else None))
         return out, hashes
 
-    def _free_blocks(self, worker: WorkerView, block_size: int) -> int | None:
-        """Device KV blocks ``worker`` can still allocate: free plus evictable by its last
-        stats report (heartbeat), less the blocks of the requests routed there that have
-        not started (they may have been routed after that report)."""
-        device = worker.stats.get("mempool", {}).get("device")
+    def _free_blocks(self, instance: int, device: dict | None, block_size: int) -> int | None:
+        """Device KV blocks a worker can still allocate: free plus evictable by its last
+        stats report (heartbeat, ``device``), less the blocks of the requests routed there
+        that have not started (they may have been routed after that report)."""
         if not device:
             return None
-        waiting = math.ceil(self.ledger.waiting_tokens(worker.instance_id) / block_size)
+        waiting = math.ceil(self.ledger.waiting_tokens(instance) / block_size)
         return device["free"] + device["evictable"] - waiting
 
     def route(self, request: RouteRequest, workers: list[WorkerView]) -> RouteDecision:

@@ -34,6 +34,10 @@ from memserve.gateway.route_types import (
 
 # Sessions the session policy remembers; the least recently routed are forgotten first.
 MAX_SESSIONS = 100_000
+# Share of a worker's device KV that must stay free or evictable after it takes a copy
+# of a prefix another worker holds, or a prompt cached nowhere (CostAware). 0.2-0.5 gave
+# the same P99 TTFT within the noise of 20 simulated seeds (docs/benchmarks.md, stop 26).
+KV_HEADROOM = 0.2
 
 
 def least_loaded(candidates: list[Candidate]) -> Candidate:
@@ -104,25 +108,26 @@ class CostAware:
     already holds, then computes the rest. It cannot be pulled yet, so eq. 2 pulls only
     what a mirror shows (``stored_blocks``).
 
-    Eq. 1 prices the request's own TTFT only. Recomputing on worker p a prefix that
-    another worker stores or is computing does that work twice in the cluster and
-    caches the prefix twice (crowding out other prefixes), and the requests that queue
-    behind it on p pay for it. So a worker that would recompute blocks another worker
-    holds (stored or pending, beyond what it pulls) is charged that duplicate work once
-    more: it recomputes only when the cached worker's queue is longer by more than twice
-    the recompute.
-    Without the charge, a loaded cluster spread documents by recomputing them and fed
-    its own load (simulated, 3 CPU workers with room for the documents, long-doc-qa
-    share ratio 2: P99 TTFT 2-12% higher, cached-token ratio .77-.79 against .81;
-    docs/benchmarks.md, stop 24). It assumes the holder keeps the prefix: at the edge
-    of KV thrash, where queued requests lose their prefixes to eviction anyway, it did
-    worse there. The charge ranks workers only; the TTFT prediction does not include it.
+    Eq. 1 prices the request's own TTFT only. A worker that takes blocks another worker
+    holds (stored or pending), by recomputing them or by pulling them, makes a second
+    copy: recomputed, the cluster does that work twice, and either way the copy takes
+    KV that other prefixes were cached in, which their next requests then recompute.
+    So such a worker is charged the recompute of those blocks once more: it takes the
+    request only when the holder's queue is longer by more than the copy and that
+    charge together (about twice the recompute, or the transfer plus the recompute).
 
-    KV memory: a worker whose free device blocks (``Candidate.free_blocks``) cannot hold
-    the request's uncached prompt and expected output would evict cached prefixes or
-    queue the request until blocks free up, neither of which exec() prices; it is
-    skipped when another worker can hold the request (all are kept when none can). It
-    may still be the source of a pull."""
+    KV memory, which eq. 1 does not price: a worker takes a copy of a prefix held
+    elsewhere, or a prompt cached nowhere, only while ``KV_HEADROOM`` of its device KV
+    stays free or evictable after it (``has_headroom``); the worker holding the longest
+    prefix may always take it. When no worker has headroom for a prompt cached nowhere,
+    the cluster is KV-bound and it goes to the worker with the fewest requests in
+    flight, as prompt-tree sends it: requests in flight hold the KV their sessions come
+    back to, which placing by compute alone evicts. Measured on the simulator at the
+    real run's setting (3 CPU workers, 512 blocks each, long-doc-qa share 2-3, 20
+    seeds; docs/benchmarks.md, stop 26): without these rules a KV-bound cluster spread
+    copies and new documents by queue, evicted documents whose next questions were
+    queued, and its P99 TTFT was 1.2-1.6x prompt-tree's at 0.4-0.5 session starts/s;
+    with them it is 0.89-0.98x at 0.3-0.5."""
 
     name = "cost"
     uses_cache = True
@@ -132,27 +137,30 @@ class CostAware:
         cost = ctx.cost
         assert cost is not None, "the Router refuses the cost policy without a cost model"
         x = len(request.prompt_token_ids)
-        roomy = [c for c in candidates if c.free_blocks is None
-                 or c.free_blocks >= kv_blocks_needed(request, c.cached_blocks, ctx.block_size)]
+        longest = max(c.cached_blocks for c in candidates)
+        open_to = [c for c in candidates
+                   if (longest and c.cached_blocks == longest) or has_headroom(request, c, ctx.block_size)]
+        if not open_to:  # a prompt cached nowhere, and KV binds on every worker
+            return RouteDecision(least_loaded(candidates).instance_id, LOAD)
         source = min((c for c in candidates if c.view.state == "ok"),
                      key=lambda c: (-c.stored_blocks, c.in_flight, c.instance_id), default=None)
         best: tuple[float, int, int] | None = None
         decision: RouteDecision | None = None
-        for c in roomy or candidates:
+        for c in open_to:
             own = exec_s(cost, x, c.cached_blocks, ctx.block_size, ctx.step_tokens, c.decode_s)
-            exec_here, pull, blocks = own, None, c.cached_blocks
+            exec_here, pull = own, None
             if source is not None and source.stored_blocks > c.cached_blocks and c.view.state == "ok":
                 pulled = exec_s(cost, x, source.stored_blocks, ctx.block_size, ctx.step_tokens, c.decode_s)
                 transfer = source.step_s + cost.transfer_s(source.stored_blocks * ctx.block_size
                                                            * cost.kv_bytes_per_token)
                 if transfer <= own - pulled:  # eq. 2
-                    exec_here, pull, blocks = transfer + pulled, source, source.stored_blocks
+                    exec_here, pull = transfer + pulled, source
             held = max((o.cached_blocks for o in candidates if o is not c), default=0)
-            duplicate = 0.0
-            if held > blocks:  # recomputing what another worker holds or is computing
-                duplicate = (exec_s(cost, x, blocks, ctx.block_size, ctx.step_tokens)
-                             - exec_s(cost, x, held, ctx.block_size, ctx.step_tokens))
-            key = (c.queued_s + exec_here + duplicate, c.in_flight, c.instance_id)  # eq. 1
+            copy = 0.0
+            if held > c.cached_blocks:  # a second copy of what another worker holds or is computing
+                copy = (exec_s(cost, x, c.cached_blocks, ctx.block_size, ctx.step_tokens)
+                        - exec_s(cost, x, held, ctx.block_size, ctx.step_tokens))
+            key = (c.queued_s + exec_here + copy, c.in_flight, c.instance_id)  # eq. 1
             if best is None or key < best:
                 best = key
                 if pull is not None:
@@ -164,6 +172,15 @@ class CostAware:
         if ctx.balance.overloaded(chosen, candidates):
             return RouteDecision(least_loaded(candidates).instance_id, FALLBACK)
         return decision
+
+
+def has_headroom(request: RouteRequest, candidate: Candidate, block_size: int) -> bool:
+    """Whether ``candidate`` keeps ``KV_HEADROOM`` of its device KV free or evictable
+    after allocating ``request`` (True when it does not report its KV)."""
+    if candidate.free_blocks is None or candidate.kv_blocks is None:
+        return True
+    left = candidate.free_blocks - kv_blocks_needed(request, candidate.cached_blocks, block_size)
+    return left >= KV_HEADROOM * candidate.kv_blocks
 
 
 def kv_blocks_needed(request: RouteRequest, cached_blocks: int, block_size: int) -> int:
