@@ -82,6 +82,15 @@ def test_a_mixed_step_pays_the_shared_fixed_cost_once(toy: CostModel):
     assert light.step_s([(1000, 0.5)], 8, 8000) == pytest.approx(4.21e-3 + 1.88e-3 - 1e-3)
     assert toy.step_s([], 0, 0) == 0.0
 
+def test_a_slowed_model_takes_longer_to_compute_and_as_long_to_move(toy: CostModel):
+    slow = toy.slowed(1.5)
+    assert slow.prefill_s(1000, 0.5) == pytest.approx(1.5 * 4.21e-3)  # operators and attention
+    assert slow.decode_step_s(8, 8000) == pytest.approx(1.5 * 5.88e-3)
+    assert slow.step_s([(1000, 0.5)], 8, 8000) == pytest.approx(1.5 * (4.21e-3 + 5.88e-3 - 2e-3))
+    assert (slow.transfer_s(1e6), slow.copy_s(1e6)) == (toy.transfer_s(1e6), toy.copy_s(1e6))
+    assert slow.meta["slowed_by"] == 1.5 and "slowed_by" not in toy.meta
+
+
 def test_save_load_round_trip_and_default_location(toy: CostModel, tmp_path: Path, monkeypatch):
     monkeypatch.setenv("MEMSERVE_CACHE", str(tmp_path / "cache"))
     path = toy.save(default_path(toy.key))

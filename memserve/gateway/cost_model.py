@@ -21,6 +21,7 @@ in the gateway process."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -157,6 +158,21 @@ class CostModel:
     def copy_s(self, nbytes: float) -> float:
         """Host <-> device copy of ``nbytes`` inside one worker (swap in/out)."""
         return self.copy(nbytes) if nbytes > 0 else 0.0
+
+    def slowed(self, factor: float) -> CostModel:
+        """This model with every compute term (prefill operators and attention, decode
+        steps) ``factor`` times longer and copies and transfers unchanged: workers that
+        get a share of the cores they were profiled on (3 one-thread workers on 2 cores:
+        1.5)."""
+        def op(o: OperatorCost) -> OperatorCost:
+            return OperatorCost(o.per_token * factor, o.per_seq * factor, o.per_step * factor, o.kind)
+
+        a, d = self.attention, self.decode
+        return dataclasses.replace(
+            self, operators={k: op(o) for k, o in self.operators.items()},
+            attention=AttentionCost(a.a * factor, a.b * factor, a.c * factor, a.d * factor),
+            decode=DecodeCost(d.per_step * factor, d.per_seq * factor, d.per_context_token * factor, d.padded),
+            meta={**self.meta, "slowed_by": factor})
 
     # ----------------------------------------------------------------- storage
     def to_dict(self) -> dict[str, Any]:
