@@ -7,6 +7,7 @@ headroom stays."""
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from test_router import BS, PROMPT, linear_cost, mirror, view
 
@@ -149,23 +150,29 @@ def _with_free(i: int, free: int, cached: list[int] | None = None, in_flight: in
     return WorkerView(i, "ok", in_flight, stats, mirror(i, cached) if cached else PromptTreeMirror(i, BS))
 
 
-def test_cost_places_a_prompt_cached_nowhere_only_where_kv_headroom_stays():
-    """The request needs 18 blocks (64 prompt + 8 output tokens); a worker keeps its
-    headroom (20 of its 100 blocks free or evictable after it) with 38 free, not with
-    37. Worker 1 has 10 s queued, so eq. 1 prefers worker 0 (64 s against 74 s), which
-    takes the request only while it keeps its headroom. When neither worker keeps it,
-    the request goes to the one with fewer requests in flight, worker 1."""
+@pytest.mark.parametrize("shared", [0, 4])
+def test_cost_places_a_prompt_cached_nowhere_only_where_kv_headroom_stays(shared: int):
+    """The request needs 18 blocks (64 prompt + 8 output tokens), less the ``shared``
+    leading blocks both workers hold (a chat template: 4 blocks are a quarter of the
+    prompt, below the cache threshold, so the prompt counts as cached nowhere). A worker
+    keeps its headroom (20 of its 100 blocks free or evictable after it) with 38 -
+    shared free, not with one fewer. Worker 1 has 10 s queued, so eq. 1 prefers worker 0,
+    which takes the request only while it keeps its headroom. When neither worker keeps
+    it, the request goes to the one with fewer requests in flight, worker 1."""
     request = RouteRequest("r", PROMPT, max_tokens=8)
+    cached = PROMPT[:shared * BS] or None
+    reason = "cache_hit" if shared else "load"
 
     def route(free0: int, free1: int) -> RouteDecision:
         router = Router.named("cost", cost=linear_cost(transfer_bytes_per_s=1e-3))
         router.ledger.admit("queued", 1, 10, 0, max_tokens=8)
-        return router.route(request, [_with_free(0, free0, in_flight=2), _with_free(1, free1 + 3)])  # 3: "queued"
+        workers = [_with_free(0, free0 - shared, cached, in_flight=2), _with_free(1, free1 - shared + 3, cached)]
+        return router.route(request, workers)  # + 3: the blocks "queued" computes
 
-    assert route(38, 38) == RouteDecision(0, "load")
-    assert route(37, 38) == RouteDecision(1, "load")
+    assert route(38, 38) == RouteDecision(0, reason)
+    assert route(37, 38) == RouteDecision(1, reason)
     assert route(37, 37) == RouteDecision(1, "load")
-    assert route(38, 37) == RouteDecision(0, "load")
+    assert route(38, 37) == RouteDecision(0, reason)
 
 
 def test_cost_copies_a_cached_prefix_only_where_kv_headroom_stays():

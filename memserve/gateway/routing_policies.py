@@ -117,9 +117,10 @@ class CostAware:
     charge together (about twice the recompute, or the transfer plus the recompute).
 
     KV memory, which eq. 1 does not price: a worker takes a copy of a prefix held
-    elsewhere, or a prompt cached nowhere, only while ``KV_HEADROOM`` of its device KV
-    stays free or evictable after it (``has_headroom``); the worker holding the longest
-    prefix may always take it. When no worker has headroom for a prompt cached nowhere,
+    elsewhere, or a prompt cached nowhere (no worker holds ``cache_threshold`` of it, as
+    prompt-tree judges it), only while ``KV_HEADROOM`` of its device KV stays free or
+    evictable after it (``has_headroom``); the worker holding the longest prefix may
+    always take it. When no worker has headroom for a prompt cached nowhere,
     the cluster is KV-bound and it goes to the worker with the fewest requests in
     flight, as prompt-tree sends it: requests in flight hold the KV their sessions come
     back to, which placing by compute alone evicts. Measured on the simulator at the
@@ -138,6 +139,8 @@ class CostAware:
         assert cost is not None, "the Router refuses the cost policy without a cost model"
         x = len(request.prompt_token_ids)
         longest = max(c.cached_blocks for c in candidates)
+        if longest * ctx.block_size < ctx.balance.cache_threshold * x:
+            longest = 0  # cached nowhere: at most a short prefix every prompt shares (a chat template)
         open_to = [c for c in candidates
                    if (longest and c.cached_blocks == longest) or has_headroom(request, c, ctx.block_size)]
         if not open_to:  # a prompt cached nowhere, and KV binds on every worker
