@@ -161,7 +161,6 @@ def test_cost_places_a_prompt_cached_nowhere_only_where_kv_headroom_stays(shared
     it, the request goes to the one with fewer requests in flight, worker 1."""
     request = RouteRequest("r", PROMPT, max_tokens=8)
     cached = PROMPT[:shared * BS] or None
-    reason = "cache_hit" if shared else "load"
 
     def route(free0: int, free1: int) -> RouteDecision:
         router = Router.named("cost", cost=linear_cost(transfer_bytes_per_s=1e-3))
@@ -169,10 +168,10 @@ def test_cost_places_a_prompt_cached_nowhere_only_where_kv_headroom_stays(shared
         workers = [_with_free(0, free0 - shared, cached, in_flight=2), _with_free(1, free1 - shared + 3, cached)]
         return router.route(request, workers)  # + 3: the blocks "queued" computes
 
-    assert route(38, 38) == RouteDecision(0, reason)
-    assert route(37, 38) == RouteDecision(1, reason)
+    assert route(38, 38) == RouteDecision(0, "load")  # "load": placed by eq. 1, no cache followed
+    assert route(37, 38) == RouteDecision(1, "load")
     assert route(37, 37) == RouteDecision(1, "load")
-    assert route(38, 37) == RouteDecision(0, reason)
+    assert route(38, 37) == RouteDecision(0, "load")
 
 
 def test_cost_copies_a_cached_prefix_only_where_kv_headroom_stays():
