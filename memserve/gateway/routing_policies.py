@@ -35,8 +35,9 @@ from memserve.gateway.route_types import (
 # Sessions the session policy remembers; the least recently routed are forgotten first.
 MAX_SESSIONS = 100_000
 # Share of a worker's device KV that must stay free or evictable after it takes a copy
-# of a prefix another worker holds, or a prompt cached nowhere (CostAware). 0.2-0.5 gave
-# the same P99 TTFT within the noise of 20 simulated seeds (docs/benchmarks.md, stop 26).
+# of a prefix another worker holds, or a prompt cached nowhere (CostAware). Values from
+# 0.2 to 0.5 gave P99 TTFTs within the seed-to-seed noise of one another in the
+# simulator (docs/benchmarks.md, stop 26).
 KV_HEADROOM = 0.2
 
 
@@ -124,11 +125,11 @@ class CostAware:
     the cluster is KV-bound and it goes to the worker with the fewest requests in
     flight, as prompt-tree sends it: requests in flight hold the KV their sessions come
     back to, which placing by compute alone evicts. Measured on the simulator at the
-    real run's setting (3 CPU workers, 512 blocks each, long-doc-qa share 2-3, 20
-    seeds; docs/benchmarks.md, stop 26): without these rules a KV-bound cluster spread
-    copies and new documents by queue, evicted documents whose next questions were
-    queued, and its P99 TTFT was 1.2-1.6x prompt-tree's at 0.4-0.5 session starts/s;
-    with them it is 0.89-0.98x at 0.3-0.5."""
+    real run's setting (``benchmarks/kv_bound_routing_sim.py``: 3 CPU workers, 512
+    blocks each, long-doc-qa, mean of 20 seeds; docs/benchmarks.md, stop 26): without
+    these rules a KV-bound cluster spread copies and new documents by queue, evicted
+    documents whose next questions were queued, and its P99 TTFT was 1.4-1.6x
+    prompt-tree's at 0.4-0.5 session starts/s; with them it is 0.93-1.07x."""
 
     name = "cost"
     uses_cache = True
