@@ -70,8 +70,8 @@ def main() -> None:
         if {"cost", "prompt-tree"} <= row.keys():
             cost, pt = row["cost"], row["prompt-tree"]
             wins = sum(c <= t for c, t in zip(cost["p99_by_seed"], pt["p99_by_seed"]))
-            print(f"{rate} starts/s share {share}  cost / prompt-tree: P99 TTFT {cost['ttft_p99_ms'] / pt['ttft_p99_ms']:.2f}, "
-                  f"mean TTFT {cost['ttft_mean_ms'] / pt['ttft_mean_ms']:.2f}; cost's P99 <= prompt-tree's in "
+            print(f"{rate} starts/s share {share}  cost / prompt-tree: "
+                  f"P99 TTFT {cost['ttft_p99_ms'] / pt['ttft_p99_ms']:.2f}, mean TTFT {cost['ttft_mean_ms'] / pt['ttft_mean_ms']:.2f}; cost's P99 <= prompt-tree's in "
                   f"{wins} of {args.seeds} seeds", flush=True)
     (args.out / "summary.json").write_text(json.dumps({"config": vars(args) | {"out": str(args.out)},
                                                        "results": summary}, indent=1))

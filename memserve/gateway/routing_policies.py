@@ -170,7 +170,8 @@ class CostAware:
                 if pull is not None:
                     decision = RouteDecision(c.instance_id, PULL, pull.instance_id, pull.stored_blocks)
                 else:
-                    decision = RouteDecision(c.instance_id, CACHE_HIT if longest and c.cached_blocks == longest else LOAD)
+                    holds = longest and c.cached_blocks == longest
+                    decision = RouteDecision(c.instance_id, CACHE_HIT if holds else LOAD)
         assert decision is not None
         chosen = next(c for c in candidates if c.instance_id == decision.instance)
         if ctx.balance.overloaded(chosen, candidates):
