@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 from global_scheduler_sim import run_point
@@ -26,6 +27,7 @@ from global_scheduler_sim import run_point
 from memserve.gateway.cost_model import CostModel
 
 POLICIES = ("session", "prompt-tree", "cost")
+AVERAGED = ("ttft_p99_ms", "ttft_mean_ms", "cached_token_ratio")  # over the seeds
 
 
 def main() -> None:
@@ -58,11 +60,9 @@ def main() -> None:
             out.mkdir(exist_ok=True)
             for policy in policies:
                 runs[policy].append(run_point(out, point_args, "long-doc-qa", int(share), policy))
-        row = summary[point] = {policy: {
-            "ttft_p99_ms": sum(r["ttft_p99_ms"] for r in rs) / len(rs),
-            "ttft_mean_ms": sum(r["ttft_mean_ms"] for r in rs) / len(rs),
-            "cached_token_ratio": sum(r["cached_token_ratio"] for r in rs) / len(rs),
-            "p99_by_seed": [r["ttft_p99_ms"] for r in rs]} for policy, rs in runs.items()}
+        row = summary[point] = {policy: {**{key: statistics.fmean(r[key] for r in rs) for key in AVERAGED},
+                                         "p99_by_seed": [r["ttft_p99_ms"] for r in rs]}
+                                for policy, rs in runs.items()}
         for policy, m in row.items():
             print(f"{rate} starts/s share {share}  {policy:11s}  P99 TTFT {m['ttft_p99_ms'] / 1000:6.1f} s  "
                   f"mean TTFT {m['ttft_mean_ms'] / 1000:5.1f} s  cached {m['cached_token_ratio']:.3f}  "

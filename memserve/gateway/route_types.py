@@ -84,6 +84,10 @@ class Balance:
     rel_threshold: float = 1.5
     cache_threshold: float = 0.5
 
+    def worth_following(self, cached_blocks: int, block_size: int, prompt_tokens: int) -> bool:
+        """Whether a cached prefix of ``cached_blocks`` covers ``cache_threshold`` of the prompt."""
+        return cached_blocks > 0 and cached_blocks * block_size >= self.cache_threshold * prompt_tokens
+
     def overloaded(self, chosen: Candidate, candidates: list[Candidate]) -> bool:
         least = min(c.in_flight for c in candidates)
         return chosen.in_flight - least > self.abs_threshold and chosen.in_flight > self.rel_threshold * least

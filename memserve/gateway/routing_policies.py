@@ -89,7 +89,7 @@ class PromptTree:
     def choose(self, request: RouteRequest, candidates: list[Candidate], ctx: RoutingContext) -> RouteDecision:
         best = min(candidates, key=lambda c: (-c.cached_blocks, c.in_flight, c.queued_s, c.instance_id))
         x = len(request.prompt_token_ids)
-        if not best.cached_blocks or best.cached_blocks * ctx.block_size < ctx.balance.cache_threshold * x:
+        if not ctx.balance.worth_following(best.cached_blocks, ctx.block_size, x):
             return RouteDecision(least_loaded(candidates).instance_id, LOAD)
         if ctx.balance.overloaded(best, candidates):
             return RouteDecision(least_loaded(candidates).instance_id, FALLBACK)
@@ -140,7 +140,7 @@ class CostAware:
         assert cost is not None, "the Router refuses the cost policy without a cost model"
         x = len(request.prompt_token_ids)
         longest = max(c.cached_blocks for c in candidates)
-        if longest * ctx.block_size < ctx.balance.cache_threshold * x:
+        if not ctx.balance.worth_following(longest, ctx.block_size, x):
             longest = 0  # cached nowhere: at most a short prefix every prompt shares (a chat template)
         open_to = [c for c in candidates
                    if (longest and c.cached_blocks == longest) or has_headroom(request, c, ctx.block_size)]
