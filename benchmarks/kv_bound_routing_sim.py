@@ -44,6 +44,9 @@ def main() -> None:
     p.add_argument("--doc-len", type=int, default=768)
     p.add_argument("--questions-per-doc", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--workload", choices=("long-doc-qa", "sharegpt"), default="long-doc-qa")
+    p.add_argument("--sharegpt-max-turns", type=int, default=3, help="as global_scheduler_real.py replays ShareGPT")
+    p.add_argument("--sharegpt-max-session-tokens", type=int, default=1500)
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     model = args.out / "cost-model.json"
@@ -59,7 +62,7 @@ def main() -> None:
             out = args.out / f"r{rate}-sr{share}-seed{seed}"
             out.mkdir(exist_ok=True)
             for policy in policies:
-                runs[policy].append(run_point(out, point_args, "long-doc-qa", int(share), policy))
+                runs[policy].append(run_point(out, point_args, args.workload, int(share), policy))
         row = summary[point] = {policy: {**{key: statistics.fmean(r[key] for r in rs) for key in AVERAGED},
                                          "p99_by_seed": [r["ttft_p99_ms"] for r in rs]}
                                 for policy, rs in runs.items()}

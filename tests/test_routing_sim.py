@@ -3,7 +3,8 @@ cost-model clock): with shared sessions (share ratio 2) the prompt tree finds th
 copies' prefixes that session routing cannot, and the cost router's pulls really move
 the prefix into the destination's MemPool, whose prefill then starts from it; the
 router hears of a step's tokens when the step ends, never while it still runs; copies
-arriving together follow their original to its instance before any KV event."""
+arriving together follow their original to its instance before any KV event; a copy of a
+conversation is answered as its original was, so its later turns share the cache too."""
 
 from __future__ import annotations
 
@@ -100,3 +101,17 @@ def test_copies_arriving_together_follow_their_original_before_any_kv_event():
         assert len(copies) == 12
         assert all(first[sid] == first[sid.split("~")[0]] for sid in copies), policy
         assert sim.router.stats()["pending_hits"] >= 12 and len(sim.router.pending) == 0
+
+
+def test_copies_of_a_conversation_get_the_same_answers_and_share_every_turn():
+    """A greedy model answers identical prompts identically, so on one instance a
+    ShareGPT copy's every turn is cached: sharing adds almost no computed tokens."""
+
+    def computed(share_ratio: str) -> int:
+        sim = simulate("prompt-tree", "--workload", "sharegpt", "--max-turns", "3", "--instances", "1",
+                       "--rate", "0.2", "--share-ratio", share_ratio)[0]
+        assert all(r.ok for r in sim.records) and any(r.turn > 1 for r in sim.records)
+        return sum(r.prompt_tokens - r.cached_tokens for r in sim.records)
+
+    once, twice = computed("1"), computed("2")
+    assert twice < 1.1 * once

@@ -7,7 +7,8 @@ the decoding requests, their shared fixed cost (the weights read) counted once
 (``CostModel.step_s``); a KV load finishes ``copy_s(bytes)`` after it starts, plus the
 disk read of its disk blocks (``DISK_READ_BYTES_S``). A disk tier of ``num_disk_blocks``
 is bookkeeping only; its saves and prefetches take no simulated time. Sampled
-tokens are synthetic and never end a request: the workload's lengths do (ignore_eos)."""
+tokens are synthetic (``synthetic_token``) and never end a request: the workload's
+lengths do (ignore_eos)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,14 @@ from memserve.workers.step_plan import KVLoad, StepPlan, StepResult
 SIM_VOCAB = 1 << 20  # synthetic token ids live below this
 # An NVMe SSD's sequential read, "several GB/s" (AttentionStore §3.3): an assumption.
 DISK_READ_BYTES_S = 3e9
+
+
+def synthetic_token(last_token: int, context_len: int) -> int:
+    """The token a simulated greedy model samples after a context of ``context_len``
+    tokens ending in ``last_token``. A function of the context, as greedy decoding is:
+    the copies of a session (``--share-ratio``) get the same answers, so their next
+    turns' prompts stay identical and share the cache, as on a real model."""
+    return 1 + zlib.crc32(f"{last_token}:{context_len}".encode()) % (SIM_VOCAB - 2)
 
 
 class NullMover:
@@ -60,7 +69,7 @@ class SimulatedRunner:
         decodes = [c for c in plan.chunks if len(c.token_ids) == 1 and c.start_pos > 0]
         contexts = [c.start_pos + 1 for c in decodes]
         self.last_step_s = self.cost.step_s(prefills, len(decodes), sum(contexts), max(contexts, default=0))
-        return StepResult({c.request_id: 1 + zlib.crc32(f"{c.request_id}:{c.start_pos}".encode()) % (SIM_VOCAB - 2)
+        return StepResult({c.request_id: synthetic_token(c.token_ids[-1], c.start_pos + len(c.token_ids))
                            for c in plan.chunks if c.sample})
 
     def start_loads(self, loads: list[KVLoad]) -> None:
