@@ -39,7 +39,8 @@ def bench(args: argparse.Namespace, url: str, workload: str, share_ratio: int, o
              "hot-prefix": hot_prefix_flags(args)}[workload]
     cmd = [sys.executable, "-m", "memserve.cli", "bench", "--base-url", url,
            "--num-sessions", str(args.num_sessions), "--share-ratio", str(share_ratio), "--rate", str(args.rate),
-           "--max-tokens", str(args.max_tokens), "--no-progress", "--output", str(out), *flags]
+           "--max-tokens", str(args.max_tokens), "--seed", str(args.seed), "--no-progress", "--output", str(out),
+           *flags]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     r = json.loads(out.read_text())
     with urllib.request.urlopen(url + "/metrics", timeout=10) as m:  # the router's counters so far
@@ -61,6 +62,7 @@ def main() -> None:
     p.add_argument("--doc-len", type=int, default=768)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=512, help="KV blocks per worker")
+    p.add_argument("--seed", type=int, default=0, help="the bench's: which documents, questions and arrival times")
     add_hot_prefix_args(p)
     args = p.parse_args()
     if "cost" in args.policies.split(",") and not args.cost_model:
