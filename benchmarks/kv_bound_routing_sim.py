@@ -9,6 +9,8 @@ cost's P99 TTFT was at most prompt-tree's; writes ``summary.json``.
 
 ``--slowdown`` stretches the profile's compute (``CostModel.slowed``): the real run's
 three one-thread workers share two cores, 1.5x slower than the one-worker profile.
+``--workload sharegpt`` replays ShareGPT as the real run does (3 turns, sessions of at
+most 1,500 tokens).
 
     python -m memserve.cli profile --quick --threads 1 --dtype float32 --output cpu-1t.json
     python benchmarks/kv_bound_routing_sim.py --out /tmp/kv-bound --cost-model cpu-1t.json --slowdown 1.5 \\
