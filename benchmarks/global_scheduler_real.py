@@ -82,7 +82,8 @@ def main() -> None:
         for ratio, row in by_ratio.items():
             if "session" in row and "prompt-tree" in row:
                 gain = 1 - row["prompt-tree"]["ttft_p99_ms"] / row["session"]["ttft_p99_ms"]
-                print(f"{workload} share {ratio}: prompt-tree P99 TTFT {gain:+.0%} lower than session")
+                print(f"{workload} share {ratio}: prompt-tree P99 TTFT {abs(gain):.0%} "
+                      f"{'lower' if gain >= 0 else 'higher'} than session")
             if "cost" in row and "prompt-tree" in row:
                 print(f"{workload} share {ratio}: cost/prompt-tree P99 TTFT "
                       f"{row['cost']['ttft_p99_ms'] / row['prompt-tree']['ttft_p99_ms']:.2f}")

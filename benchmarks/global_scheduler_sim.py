@@ -120,7 +120,8 @@ def main() -> None:
                       f"mean TTFT {m['ttft_mean_ms']:7.1f} ms  JCT {m['jct_mean_ms']:7.0f} ms  "
                       f"cached {m['cached_token_ratio']:.3f}", flush=True)
             gain = 1 - row["prompt-tree"]["ttft_p99_ms"] / row["session"]["ttft_p99_ms"]
-            print(f"{workload:12s} share {ratio}  prompt-tree P99 TTFT vs session: {gain:+.0%} lower; "
+            print(f"{workload:12s} share {ratio}  prompt-tree P99 TTFT vs session: {abs(gain):.0%} "
+                  f"{'lower' if gain >= 0 else 'higher'}; "
                   f"cost/prompt-tree P99: {row['cost']['ttft_p99_ms'] / row['prompt-tree']['ttft_p99_ms']:.2f}")
     (args.out / "summary.json").write_text(json.dumps({"config": vars(args) | {"out": str(args.out)},
                                                        "results": summary}, indent=1))
