@@ -126,10 +126,10 @@ class CostAware:
     flight, as prompt-tree sends it: requests in flight hold the KV their sessions come
     back to, which placing by compute alone evicts. Measured on the simulator at the
     real run's setting (``benchmarks/kv_bound_routing_sim.py``: 3 CPU workers, 512
-    blocks each, long-doc-qa, mean of 20 seeds; docs/benchmarks.md, stop 26): without
-    these rules a KV-bound cluster spread copies and new documents by queue, evicted
-    documents whose next questions were queued, and its P99 TTFT was 1.4-1.6x
-    prompt-tree's at 0.4-0.5 session starts/s; with them it is 0.93-1.07x."""
+    blocks each, long-doc-qa, mean of 20 seeds; docs/benchmarks.md, stops 26-27):
+    without these rules a KV-bound cluster spread copies and new documents by queue,
+    evicted documents whose next questions were queued, and its P99 TTFT was 1.4-1.6x
+    prompt-tree's at 0.4-0.5 session starts/s; with them it is within 10% of it."""
 
     name = "cost"
     uses_cache = True
