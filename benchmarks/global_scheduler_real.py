@@ -26,6 +26,8 @@ from hot_prefix import add_hot_prefix_args, hot_prefix_flags
 from serve_process import serving
 
 POLICIES = ("least-load", "session", "prompt-tree", "cost")
+# ShareGPT as replayed on three CPU workers: the first turns, conversations that fit.
+SHAREGPT_MAX_TURNS, SHAREGPT_MAX_SESSION_TOKENS = 3, 1500
 
 
 def server_flags(args: argparse.Namespace, policy: str) -> list[str]:
@@ -35,7 +37,8 @@ def server_flags(args: argparse.Namespace, policy: str) -> list[str]:
 
 def bench(args: argparse.Namespace, url: str, workload: str, share_ratio: int, out: Path) -> dict:
     flags = {"long-doc-qa": ["--workload", workload, "--doc-len", str(args.doc_len), "--questions-per-doc", "3"],
-             "sharegpt": ["--workload", workload, "--max-turns", "3", "--max-session-tokens", "1500"],
+             "sharegpt": ["--workload", workload, "--max-turns", str(SHAREGPT_MAX_TURNS),
+                          "--max-session-tokens", str(SHAREGPT_MAX_SESSION_TOKENS)],
              "hot-prefix": hot_prefix_flags(args)}[workload]
     cmd = [sys.executable, "-m", "memserve.cli", "bench", "--base-url", url,
            "--num-sessions", str(args.num_sessions), "--share-ratio", str(share_ratio), "--rate", str(args.rate),

@@ -24,6 +24,7 @@ import json
 import statistics
 from pathlib import Path
 
+from global_scheduler_real import SHAREGPT_MAX_SESSION_TOKENS, SHAREGPT_MAX_TURNS
 from global_scheduler_sim import run_point
 
 from memserve.gateway.cost_model import CostModel
@@ -47,8 +48,8 @@ def main() -> None:
     p.add_argument("--questions-per-doc", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--workload", choices=("long-doc-qa", "sharegpt"), default="long-doc-qa")
-    p.add_argument("--sharegpt-max-turns", type=int, default=3, help="as global_scheduler_real.py replays ShareGPT")
-    p.add_argument("--sharegpt-max-session-tokens", type=int, default=1500)
+    p.add_argument("--sharegpt-max-turns", type=int, default=SHAREGPT_MAX_TURNS)
+    p.add_argument("--sharegpt-max-session-tokens", type=int, default=SHAREGPT_MAX_SESSION_TOKENS)
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     model = args.out / "cost-model.json"
@@ -76,8 +77,9 @@ def main() -> None:
             cost, pt = row["cost"], row["prompt-tree"]
             wins = sum(c <= t for c, t in zip(cost["p99_by_seed"], pt["p99_by_seed"]))
             print(f"{rate} starts/s share {share}  cost / prompt-tree: "
-                  f"P99 TTFT {cost['ttft_p99_ms'] / pt['ttft_p99_ms']:.2f}, mean TTFT {cost['ttft_mean_ms'] / pt['ttft_mean_ms']:.2f}; cost's P99 <= prompt-tree's in "
-                  f"{wins} of {args.seeds} seeds", flush=True)
+                  f"P99 TTFT {cost['ttft_p99_ms'] / pt['ttft_p99_ms']:.2f}, "
+                  f"mean TTFT {cost['ttft_mean_ms'] / pt['ttft_mean_ms']:.2f}; "
+                  f"cost's P99 <= prompt-tree's in {wins} of {args.seeds} seeds", flush=True)
     (args.out / "summary.json").write_text(json.dumps({"config": vars(args) | {"out": str(args.out)},
                                                        "results": summary}, indent=1))
     print(f"wrote {args.out / 'summary.json'}")

@@ -82,6 +82,7 @@ def test_a_mixed_step_pays_the_shared_fixed_cost_once(toy: CostModel):
     assert light.step_s([(1000, 0.5)], 8, 8000) == pytest.approx(4.21e-3 + 1.88e-3 - 1e-3)
     assert toy.step_s([], 0, 0) == 0.0
 
+
 def test_a_slowed_model_takes_longer_to_compute_and_as_long_to_move(toy: CostModel):
     slow = toy.slowed(1.5)
     assert slow.prefill_s(1000, 0.5) == pytest.approx(1.5 * 4.21e-3)  # operators and attention

@@ -142,8 +142,8 @@ class CostAware:
         longest = max(c.cached_blocks for c in candidates)
         if not ctx.balance.worth_following(longest, ctx.block_size, x):
             longest = 0  # cached nowhere: at most a short prefix every prompt shares (a chat template)
-        open_to = [c for c in candidates
-                   if (longest and c.cached_blocks == longest) or has_headroom(request, c, ctx.block_size)]
+        holders = {c.instance_id for c in candidates if longest and c.cached_blocks == longest}
+        open_to = [c for c in candidates if c.instance_id in holders or has_headroom(request, c, ctx.block_size)]
         if not open_to:  # a prompt cached nowhere, and KV binds on every worker
             return RouteDecision(least_loaded(candidates).instance_id, LOAD)
         source = min((c for c in candidates if c.view.state == "ok"),
@@ -170,8 +170,7 @@ class CostAware:
                 if pull is not None:
                     decision = RouteDecision(c.instance_id, PULL, pull.instance_id, pull.stored_blocks)
                 else:
-                    holds = longest and c.cached_blocks == longest
-                    decision = RouteDecision(c.instance_id, CACHE_HIT if holds else LOAD)
+                    decision = RouteDecision(c.instance_id, CACHE_HIT if c.instance_id in holders else LOAD)
         assert decision is not None
         chosen = next(c for c in candidates if c.instance_id == decision.instance)
         if ctx.balance.overloaded(chosen, candidates):
