@@ -25,20 +25,26 @@ from pathlib import Path
 from hot_prefix import add_hot_prefix_args, hot_prefix_flags
 from serve_process import serving
 
+from memserve.models.gguf_convert import ensure_model_dir
+
 POLICIES = ("least-load", "session", "prompt-tree", "cost")
-# ShareGPT as replayed on three CPU workers: the first turns, conversations that fit.
+# ShareGPT as replayed on three CPU workers: the first turns, conversations that fit,
+# counted by the served model's tokenizer (at four characters a token, a 2,302-token turn
+# of a 1,500-token session got in).
 SHAREGPT_MAX_TURNS, SHAREGPT_MAX_SESSION_TOKENS = 3, 1500
 
 
 def server_flags(args: argparse.Namespace, policy: str) -> list[str]:
-    flags = ["--cpu-workers", "3", "--num-blocks", str(args.num_blocks), "--router", policy]
+    flags = ["--cpu-workers", "3", "--num-blocks", str(args.num_blocks), "--router", policy,
+             "--long-prefill-token-threshold", str(args.long_prefill_token_threshold)]
     return flags + ["--cost-model", args.cost_model] if args.cost_model else flags
 
 
 def bench(args: argparse.Namespace, url: str, workload: str, share_ratio: int, out: Path) -> dict:
     flags = {"long-doc-qa": ["--workload", workload, "--doc-len", str(args.doc_len), "--questions-per-doc", "3"],
              "sharegpt": ["--workload", workload, "--max-turns", str(SHAREGPT_MAX_TURNS),
-                          "--max-session-tokens", str(SHAREGPT_MAX_SESSION_TOKENS)],
+                          "--max-session-tokens", str(SHAREGPT_MAX_SESSION_TOKENS),
+                          "--tokenizer", str(ensure_model_dir(None))],
              "hot-prefix": hot_prefix_flags(args)}[workload]
     cmd = [sys.executable, "-m", "memserve.cli", "bench", "--base-url", url,
            "--num-sessions", str(args.num_sessions), "--share-ratio", str(share_ratio), "--rate", str(args.rate),
@@ -65,6 +71,7 @@ def main() -> None:
     p.add_argument("--doc-len", type=int, default=768)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=512, help="KV blocks per worker")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0, help="the workers' (0: no cap)")
     p.add_argument("--seed", type=int, default=0, help="the bench's: which documents, questions and arrival times")
     add_hot_prefix_args(p)
     args = p.parse_args()

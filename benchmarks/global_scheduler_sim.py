@@ -43,7 +43,8 @@ def run_point(out: Path, args: argparse.Namespace, workload: str, share_ratio: i
     argv = ["simulate", "--cost-model", args.cost_model, "--instances", str(args.instances), "--router", policy,
             *workload_flags(args, workload), "--num-sessions", str(args.num_sessions), "--share-ratio",
             str(share_ratio), "--rate", str(args.rate), "--seed", str(args.seed), "--num-blocks", str(args.num_blocks),
-            "--no-progress", "--output", str(path)]
+            "--long-prefill-token-threshold", str(args.long_prefill_token_threshold), "--no-progress",
+            "--output", str(path)]
     if args.max_tokens:
         argv += ["--max-tokens", str(args.max_tokens)]
     with contextlib.redirect_stdout(io.StringIO()):
@@ -103,6 +104,7 @@ def main() -> None:
     p.add_argument("--doc-len", type=int, default=3000, help="long-doc-qa document tokens")
     p.add_argument("--questions-per-doc", type=int, default=4)
     p.add_argument("--num-blocks", type=int, default=2048, help="device KV blocks per instance")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0, help="the instances' (0: no cap)")
     p.add_argument("--max-tokens", type=int, default=None, help="cap on answer tokens (default: the recorded ones)")
     p.add_argument("--sharegpt-max-turns", type=int, default=None)
     p.add_argument("--sharegpt-max-session-tokens", type=int, default=None)

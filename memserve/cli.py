@@ -79,6 +79,9 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="a prefill computes at most this many tokens a step, so that short prompts admitted "
+                        "beside a long one are not held behind it (vLLM's option); 0: no cap")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-cache", action="store_true", help="disable context caching (the baseline)")
     p.add_argument("--kv-layout", default="aggregated", choices=["aggregated", "layer-major"])
@@ -180,6 +183,7 @@ def _run_up(args: argparse.Namespace) -> int:
         disk_cache_gb=args.disk_cache_gb,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_cache,
         kv_layout=args.kv_layout,

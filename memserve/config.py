@@ -29,6 +29,7 @@ class EngineConfig:
     preload_buffer_layers: int = -1  # layers a load may run ahead of the compute; -1: AttentionStore §3.2's formula
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 0  # a prefill computes at most this many tokens a step; 0: no cap
     max_model_len: int | None = None  # defaults to the model's context window
     enable_prefix_caching: bool = True
     kv_layout: str = "aggregated"  # aggregated | layer-major
@@ -39,6 +40,13 @@ class EngineConfig:
     eviction_policy: str = "lru"  # kvcache/eviction.py
     cache_ttl_s: float | None = None  # cached blocks unused this long are dropped (kvcache/retention.py)
     seed: int = 0
+
+    @property
+    def prefill_chunk_tokens(self) -> int:
+        """The most prompt tokens one request computes in a step: what the router prices a
+        prefill's chunks by."""
+        cap = self.long_prefill_token_threshold
+        return min(cap, self.max_num_batched_tokens) if cap > 0 else self.max_num_batched_tokens
 
 
 @dataclass

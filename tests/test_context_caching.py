@@ -27,9 +27,10 @@ def tokenizer(model_dir):
     return Tokenizer.from_folder(model_dir)
 
 
-def make_engine(model_dir, caching: bool, num_blocks: int, num_host_blocks: int = 0) -> Engine:
+def make_engine(model_dir, caching: bool, num_blocks: int, num_host_blocks: int = 0, long_prefill: int = 0) -> Engine:
     cfg = EngineConfig(model=str(model_dir), dtype="float32", num_blocks=num_blocks, enable_prefix_caching=caching,
-                       max_num_batched_tokens=512, num_host_blocks=num_host_blocks)
+                       max_num_batched_tokens=512, num_host_blocks=num_host_blocks,
+                       long_prefill_token_threshold=long_prefill)
     return build_engine(cfg, model_dir)
 
 
@@ -97,6 +98,20 @@ def test_multiturn_sessions_identical_with_and_without_cache(engines, tokenizer)
             assert b[s][1] == 0
             if turn > 0:  # the whole previous turn (prompt and answer) is historical KV
                 assert c[s][1] > 0
+
+
+def test_capped_long_prefills_give_the_same_tokens(model_dir, engines, tokenizer):
+    """``long_prefill_token_threshold`` cuts every prompt into chunks of 48 tokens that
+    share their steps with the other sessions' chunks and decodes: the same tokens as
+    prefills in one step each."""
+    capped = make_engine(model_dir, True, 400, long_prefill=48)
+    convs = conversations(3, seed=3)
+    got = replay(capped, tokenizer, convs, 2, "cap")
+    base = replay(engines["baseline"], tokenizer, convs, 2, "cap-b")
+    assert [{s: t for s, (t, _) in turn.items()} for turn in got] == \
+           [{s: t for s, (t, _) in turn.items()} for turn in base]
+    assert max(len(tokenizer.encode_chat(conv[:1])) for conv in convs) > 2 * 48  # prompts of several chunks
+    assert any(cached for _, cached in got[1].values())  # the second turns reused the first ones' KV
 
 
 def test_identical_under_eviction_pressure(engines, tokenizer):

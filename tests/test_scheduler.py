@@ -74,9 +74,10 @@ class Clock:
 
 
 def make_engine(num_blocks: int = 64, budget: int = 32, max_num_seqs: int = 8, caching: bool = True,
-                num_host_blocks: int = 0) -> tuple[Engine, ScriptedRunner]:
+                num_host_blocks: int = 0, long_prefill: int = 0) -> tuple[Engine, ScriptedRunner]:
     cfg = EngineConfig(block_size=BS, num_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                       enable_prefix_caching=caching, num_host_blocks=num_host_blocks)
+                       enable_prefix_caching=caching, num_host_blocks=num_host_blocks,
+                       long_prefill_token_threshold=long_prefill)
     runner = ScriptedRunner(num_blocks, num_host_blocks)
     return Engine(cfg, runner, {EOS}, clock=Clock()), runner
 
@@ -114,6 +115,23 @@ def test_chunked_prefill_respects_the_token_budget_and_decodes_first():
     assert [c.sample for c in runner.plans[2].chunks] == [True, True]
     assert chunk_sizes(engine_step_plan(engine, runner)) == {"long": 1, "short": 1}  # both decode
     run_to_end(engine)
+    assert_no_block_held(engine)
+
+
+def test_a_long_prefill_leaves_room_for_a_short_prompt_beside_it():
+    """With the cap, the short prompt that the long one would hold back two steps (above)
+    is prefilled in the step after it arrives, and the long one still uses what is left."""
+    engine, runner = make_engine(budget=32, long_prefill=12)
+    add(engine, "long", list(range(1, 71)))  # 70 prompt tokens: chunks of 12
+    engine.step()
+    add(engine, "short", list(range(100, 140)))  # 40 tokens: capped too
+    engine.step()
+    engine.step()
+    assert [chunk_sizes(p) for p in runner.plans[:3]] == [
+        {"long": 12}, {"long": 12, "short": 12}, {"long": 12, "short": 12}]
+    outputs = run_to_end(engine)
+    assert {o.request_id: o.finish_reason for o in outputs if o.finished} == {"long": "length", "short": "length"}
+    assert all(n <= 12 for p in runner.plans for n in chunk_sizes(p).values())
     assert_no_block_held(engine)
 
 

@@ -24,7 +24,7 @@ def build_router(cfg: ServeConfig, model_name: str) -> Router:
     try:
         return Router.named(cfg.router, cost, Balance(cfg.router_balance_abs, cfg.router_balance_rel,
                                                            cfg.router_cache_threshold),
-                            step_tokens=cfg.engine.max_num_batched_tokens)
+                            step_tokens=cfg.engine.prefill_chunk_tokens)
     except ValueError as exc:
         raise RouterConfigError(str(exc)) from exc
 

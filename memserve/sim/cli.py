@@ -75,6 +75,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     sim.add_argument("--block-size", type=int, default=16)
     sim.add_argument("--max-num-seqs", type=int, default=64)
     sim.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    sim.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                     help="a prefill computes at most this many tokens a step; 0: no cap")
     sim.add_argument("--max-model-len", type=int, default=None)
     sim.add_argument("--no-prefix-cache", action="store_true")
     add_workload_arguments(p)
@@ -85,6 +87,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run_simulate_command(args: argparse.Namespace) -> int:
+    engine_cfg = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks,
+                              num_host_blocks=args.num_host_blocks, max_num_seqs=args.max_num_seqs,
+                              max_num_batched_tokens=args.max_num_batched_tokens,
+                              long_prefill_token_threshold=args.long_prefill_token_threshold,
+                              max_model_len=args.max_model_len,
+                              enable_prefix_caching=not args.no_prefix_cache, schedule_policy=args.schedule_policy,
+                              schedule_policy_options=args.schedule_policy_options, cost_model=args.cost_model,
+                              eviction_policy=args.eviction_policy)
     try:
         roles = ["colocated"] * int(args.instances) if args.instances.isdigit() else parse_instances(args.instances)[0]
         cost = CostModel.load(args.cost_model)
@@ -93,15 +103,9 @@ def run_simulate_command(args: argparse.Namespace) -> int:
         tokenizer = HFTokenizer(args.tokenizer) if args.tokenizer else SyntheticTokenizer()
         router = Router.named(args.router, cost, Balance(args.router_balance_abs, args.router_balance_rel,
                                                                     args.router_cache_threshold),
-                              step_tokens=args.max_num_batched_tokens)
+                              step_tokens=engine_cfg.prefill_chunk_tokens)
     except (ValueError, FileNotFoundError, OSError, KeyError) as e:
         return fail(str(e), EXIT_USAGE)
-    engine_cfg = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks,
-                              num_host_blocks=args.num_host_blocks, max_num_seqs=args.max_num_seqs,
-                              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                              enable_prefix_caching=not args.no_prefix_cache, schedule_policy=args.schedule_policy,
-                              schedule_policy_options=args.schedule_policy_options, cost_model=args.cost_model,
-                              eviction_policy=args.eviction_policy)
     predict = None
     if args.predict_error is not None:
         predict = NoisyOracle(args.predict_error, 0.0 if math.isinf(rate) else rate, args.padding, seed=args.seed)

@@ -7,7 +7,8 @@ policy orders admission and picks preemption victims. It never touches tensors o
 wall clock (the engine passes it a clock).
 
 Mechanics: every step has a token budget. Running requests go first (one token each when
-decoding, or their next prefill chunk), oldest first unless the policy reorders them
+decoding, or their next prefill chunk, of at most ``long_prefill_token_threshold`` tokens
+when that is set, as in vLLM, so that a long prompt leaves room for short ones beside it), oldest first unless the policy reorders them
 (``begin_step``); when blocks run out (or the policy's ``KVGate`` refuses them), the
 policy's victim is preempted: recomputed later (its blocks freed, its full blocks kept
 as cached KV) or swapped (its full blocks copied to the host tier), as the policy says;
@@ -42,6 +43,7 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    long_prefill_token_threshold: int = 0  # a prefill computes at most this many tokens a step; 0: no cap
 
 
 class Scheduler:
@@ -142,7 +144,7 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            num_new = min(len(seq.prompt_token_ids) + len(seq.output_token_ids) - seq.num_computed_tokens, budget)
+            num_new = self._num_new_tokens(seq, budget)
             while not allocate_slots(seq, num_new):
                 victim = self.policy.victim(self.running, seq)
                 self.running.remove(victim)
@@ -175,7 +177,7 @@ class Scheduler:
             if seq is None or self.kv.load_in_flight(seq.request_id):
                 break
             loading = self.kv.admit(seq, self.kv.get_computed_blocks(seq))
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = self._num_new_tokens(seq, budget)
             if not self.kv.allocate_slots(seq, num_new):
                 self.kv.free(seq)
                 seq.num_computed_tokens = 0
@@ -193,6 +195,16 @@ class Scheduler:
             self._unseen.add(seq.request_id)
             plan.chunks.append(self._chunk(seq, num_new))
             budget -= num_new
+
+    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
+        """Tokens ``seq`` computes this step: what it has left, within the step's budget and
+        the long-prefill cap (which keeps a long prompt from filling every step while short
+        ones wait behind it)."""
+        num_new = seq.num_tokens - seq.num_computed_tokens
+        cap = self.config.long_prefill_token_threshold
+        if 0 < cap < num_new:
+            num_new = cap
+        return min(num_new, budget)
 
     def _count_admission(self, seq: Sequence) -> None:
         if seq.num_preemptions == 0:
