@@ -88,6 +88,11 @@ def replay(engine: Engine, tokenizer: Tokenizer, convs: list[list[dict]], turns:
     return results
 
 
+def answers(replayed: list[dict]) -> list[dict]:
+    """A replay's answer tokens per turn and session, without their cached counts."""
+    return [{s: tokens for s, (tokens, _) in turn.items()} for turn in replayed]
+
+
 def test_multiturn_sessions_identical_with_and_without_cache(engines, tokenizer):
     convs = conversations(3)
     cached = replay(engines["cached"], tokenizer, convs, 3, "a")
@@ -108,8 +113,7 @@ def test_capped_long_prefills_give_the_same_tokens(model_dir, engines, tokenizer
     convs = conversations(3, seed=3)
     got = replay(capped, tokenizer, convs, 2, "cap")
     base = replay(engines["baseline"], tokenizer, convs, 2, "cap-b")
-    assert [{s: t for s, (t, _) in turn.items()} for turn in got] == \
-           [{s: t for s, (t, _) in turn.items()} for turn in base]
+    assert answers(got) == answers(base)
     assert max(len(tokenizer.encode_chat(conv[:1])) for conv in convs) > 2 * 48  # prompts of several chunks
     assert any(cached for _, cached in got[1].values())  # the second turns reused the first ones' KV
 
@@ -119,8 +123,7 @@ def test_identical_under_eviction_pressure(engines, tokenizer):
     convs = conversations(4, seed=1)
     pressured = replay(tiny, tokenizer, convs, 3, "c")
     base = replay(engines["baseline"], tokenizer, convs, 3, "d")
-    assert [{s: t for s, (t, _) in turn.items()} for turn in pressured] == \
-           [{s: t for s, (t, _) in turn.items()} for turn in base]
+    assert answers(pressured) == answers(base)
     assert any(e.type == REMOVED for e in tiny.drain_kv_events())  # cached KV was evicted
     assert any(cached for turn in pressured[1:] for _, cached in turn.values())  # and some was reused
     stats = tiny.mempool.stats()["device"]
@@ -135,8 +138,7 @@ def test_host_tier_keeps_evicted_kv_and_swaps_it_back(model_dir, engines, tokeni
     convs = conversations(4, seed=1)
     got = replay(tiered, tokenizer, convs, 3, "h")
     base = replay(engines["baseline"], tokenizer, convs, 3, "i")
-    assert [{s: t for s, (t, _) in turn.items()} for turn in got] == \
-           [{s: t for s, (t, _) in turn.items()} for turn in base]
+    assert answers(got) == answers(base)
     assert tiered.stats()["num_swapped_in"] > 0
     host = tiered.mempool.stats()["host"]
     assert host["cached"] > 0
@@ -160,8 +162,7 @@ def test_a_load_that_completes_late_gives_the_same_tokens(model_dir, engines, to
     convs = conversations(4, seed=1)
     got = replay(tiered, tokenizer, convs, 3, "late")
     base = replay(engines["baseline"], tokenizer, convs, 3, "late-b")
-    assert [{s: t for s, (t, _) in turn.items()} for turn in got] == \
-           [{s: t for s, (t, _) in turn.items()} for turn in base]
+    assert answers(got) == answers(base)
     assert steps_during_loads and max(steps_during_loads) > 0  # others stepped while a load ran
 
 

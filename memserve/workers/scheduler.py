@@ -7,18 +7,18 @@ policy orders admission and picks preemption victims. It never touches tensors o
 wall clock (the engine passes it a clock).
 
 Mechanics: every step has a token budget. Running requests go first (one token each when
-decoding, or their next prefill chunk, of at most ``long_prefill_token_threshold`` tokens
-when that is set, as in vLLM, so that a long prompt leaves room for short ones beside it), oldest first unless the policy reorders them
-(``begin_step``); when blocks run out (or the policy's ``KVGate`` refuses them), the
-policy's victim is preempted: recomputed later (its blocks freed, its full blocks kept
-as cached KV) or swapped (its full blocks copied to the host tier), as the policy says;
-the policy may also name running requests to preempt before the step so that waiting
-ones fit (``make_room``), which, unlike a running request going short, still lets the
-step admit. Waiting requests are admitted in the policy's order while budget, request slots and
-blocks last; an admitted request skips its cached prefix, and waits
-(``WAITING_FOR_KV``) while the slower-tier part of that prefix is copied in, or, with
-layer-wise preloading, only until the runner says the copy may stream under its prefill
-(``stream_loads``).
+decoding, or their next prefill chunk: at most ``long_prefill_token_threshold`` tokens
+when that is set, as in vLLM, so that a long prompt leaves room for short ones beside it),
+oldest first unless the policy reorders them (``begin_step``); when blocks run out (or the
+policy's ``KVGate`` refuses them), the policy's victim is preempted: recomputed later (its
+blocks freed, its full blocks kept as cached KV) or swapped (its full blocks copied to the
+host tier), as the policy says; the policy may also name running requests to preempt
+before the step so that waiting ones fit (``make_room``), which, unlike a running request
+going short, still lets the step admit. Waiting requests are admitted in the policy's
+order while budget, request slots and blocks last; an admitted request skips its cached
+prefix, and waits (``WAITING_FOR_KV``) while the slower-tier part of that prefix is copied
+in, or, with layer-wise preloading, only until the runner says the copy may stream under
+its prefill (``stream_loads``).
 
 Invariant: a request is in exactly one of ``policy`` (waiting), ``loading`` (waiting for
 KV), ``running``, or none (finished); the KV manager holds blocks exactly for requests in
