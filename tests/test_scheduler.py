@@ -119,8 +119,8 @@ def test_chunked_prefill_respects_the_token_budget_and_decodes_first():
 
 
 def test_a_long_prefill_leaves_room_for_a_short_prompt_beside_it():
-    """With the cap, the short prompt that the long one would hold back two steps (above)
-    is prefilled in the step after it arrives, and the long one still uses what is left."""
+    """With the cap, the short prompt that the long one holds back a step without it (the
+    test above) is prefilled in the step after it arrives, beside the long one's next chunk."""
     engine, runner = make_engine(budget=32, long_prefill=12)
     add(engine, "long", list(range(1, 71)))  # 70 prompt tokens: chunks of 12
     engine.step()
