@@ -47,6 +47,8 @@ def run_point(out: Path, args: argparse.Namespace, workload: str, share_ratio: i
             "--output", str(path)]
     if args.max_tokens:
         argv += ["--max-tokens", str(args.max_tokens)]
+    if args.no_shared_prefill_hold:
+        argv.append("--no-shared-prefill-hold")
     with contextlib.redirect_stdout(io.StringIO()):
         if memserve(argv) != 0:
             raise RuntimeError(f"memserve {' '.join(argv)} failed")
@@ -105,6 +107,7 @@ def main() -> None:
     p.add_argument("--questions-per-doc", type=int, default=4)
     p.add_argument("--num-blocks", type=int, default=2048, help="device KV blocks per instance")
     p.add_argument("--long-prefill-token-threshold", type=int, default=0, help="the instances' (0: no cap)")
+    p.add_argument("--no-shared-prefill-hold", action="store_true", help="the instances' (memserve simulate's flag)")
     p.add_argument("--max-tokens", type=int, default=None, help="cap on answer tokens (default: the recorded ones)")
     p.add_argument("--sharegpt-max-turns", type=int, default=None)
     p.add_argument("--sharegpt-max-session-tokens", type=int, default=None)

@@ -45,6 +45,7 @@ def main() -> None:
     p.add_argument("--num-sessions", type=int, default=40, help="sessions before sharing")
     p.add_argument("--num-blocks", type=int, default=512, help="device KV blocks per instance")
     p.add_argument("--long-prefill-token-threshold", type=int, default=0, help="the instances' (0: no cap)")
+    p.add_argument("--no-shared-prefill-hold", action="store_true", help="the instances' (memserve simulate's flag)")
     p.add_argument("--doc-len", type=int, default=768)
     p.add_argument("--questions-per-doc", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=16)

@@ -82,6 +82,9 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="a prefill computes at most this many tokens a step, so that short prompts admitted "
                         "beside a long one are not held behind it (vLLM's option); 0: no cap")
+    p.add_argument("--no-shared-prefill-hold", action="store_true",
+                   help="admit a request at once even when a running prefill is computing blocks of its "
+                        "prompt (by default it waits for them and finds them cached)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-cache", action="store_true", help="disable context caching (the baseline)")
     p.add_argument("--kv-layout", default="aggregated", choices=["aggregated", "layer-major"])
@@ -184,6 +187,7 @@ def _run_up(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
+        hold_shared_prefills=not args.no_shared_prefill_hold,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_cache,
         kv_layout=args.kv_layout,

@@ -30,6 +30,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int = 0  # a prefill computes at most this many tokens a step; 0: no cap
+    hold_shared_prefills: bool = True  # pass over requests sharing blocks a running prefill is computing
     max_model_len: int | None = None  # defaults to the model's context window
     enable_prefix_caching: bool = True
     kv_layout: str = "aggregated"  # aggregated | layer-major

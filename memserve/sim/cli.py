@@ -77,6 +77,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     sim.add_argument("--max-num-batched-tokens", type=int, default=2048)
     sim.add_argument("--long-prefill-token-threshold", type=int, default=0,
                      help="a prefill computes at most this many tokens a step; 0: no cap")
+    sim.add_argument("--no-shared-prefill-hold", action="store_true",
+                     help="admit a request at once even when a running prefill is computing blocks of its prompt")
     sim.add_argument("--max-model-len", type=int, default=None)
     sim.add_argument("--no-prefix-cache", action="store_true")
     add_workload_arguments(p)
@@ -91,6 +93,7 @@ def run_simulate_command(args: argparse.Namespace) -> int:
                               num_host_blocks=args.num_host_blocks, max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens,
                               long_prefill_token_threshold=args.long_prefill_token_threshold,
+                              hold_shared_prefills=not args.no_shared_prefill_hold,
                               max_model_len=args.max_model_len,
                               enable_prefix_caching=not args.no_prefix_cache, schedule_policy=args.schedule_policy,
                               schedule_policy_options=args.schedule_policy_options, cost_model=args.cost_model,

@@ -90,7 +90,7 @@ class Engine:
         """A scheduler over ``mempool`` with this engine's limits (warm-up makes its own)."""
         cfg = self.cfg
         limits = SchedulerConfig(cfg.max_num_seqs, max_num_batched_tokens or cfg.max_num_batched_tokens,
-                                 self.max_model_len, cfg.long_prefill_token_threshold)
+                                 self.max_model_len, cfg.long_prefill_token_threshold, cfg.hold_shared_prefills)
         return Scheduler(KVCacheManager(mempool, enable_prefix_caching, self.retention),
                          make_schedule_policy(cfg.schedule_policy, cfg.schedule_policy_options, self.policy_cost),
                          limits, self.eos_token_ids, self.clock)

@@ -78,23 +78,34 @@ class KVCacheManager:
         adopted = self._adopted.pop(seq.request_id, None)
         if adopted is not None:
             return adopted
-        if not self.enable_caching or seq.params.prompt_logprobs is not None:
+        hashes = self.prefix_names(seq)
+        if not hashes:
             return ComputedPrefix()
-        tokens = seq.all_token_ids[:-1]
-        hashes = seq.full_block_hashes(self.block_size, len(tokens) // self.block_size)
-        hit = self.mempool.match(tokens, take_ref=True, hashes=hashes)
+        hit = self.mempool.match(seq.all_token_ids[:-1], take_ref=True, hashes=hashes)
         # A block is never indexed under a slower-tier parent: slower blocks are a suffix.
         split = next((i for i, a in enumerate(hit) if addr_tier(a) != Tier.DEVICE), len(hit))
         return ComputedPrefix(hit[:split], hit[split:])
 
+    def prefix_names(self, seq: Sequence) -> list[int]:
+        """The block names a waiting request's admission looks up in the cache: its full
+        blocks but the last token's; none when it will not look (caching off, prompt
+        logprobs wanted, or KV adopted from a prefill instance)."""
+        if not self.enable_caching or seq.params.prompt_logprobs is not None or seq.request_id in self._adopted:
+            return []
+        return seq.full_block_hashes(self.block_size, (seq.num_tokens - 1) // self.block_size)
+
+    def names_to_compute(self, seq: Sequence) -> list[int]:
+        """The names of the full prompt blocks a running request has yet to compute: each
+        enters the cache in the step that computes it (none without caching)."""
+        first, last = seq.num_computed_tokens // self.block_size, seq.num_prompt_tokens // self.block_size
+        if not self.enable_caching or first >= last:
+            return []
+        return seq.full_block_hashes(self.block_size, last)[first:]
+
     def queued_prefixes(self, waiting: Iterable[Sequence]) -> Iterator[list[int]]:
         """The block names each waiting request will look up at admission, in queue
         order (the look-ahead window's input: ``kvcache/prefetch.py``)."""
-        if not self.enable_caching:
-            return
-        for seq in waiting:
-            if seq.params.prompt_logprobs is None:
-                yield seq.full_block_hashes(self.block_size, (seq.num_tokens - 1) // self.block_size)
+        return (self.prefix_names(seq) for seq in waiting)
 
     def admit(self, seq: Sequence, prefix: ComputedPrefix) -> bool:
         """Make ``prefix`` the request's computed KV; returns True when part of it must

@@ -44,6 +44,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     long_prefill_token_threshold: int = 0  # a prefill computes at most this many tokens a step; 0: no cap
+    hold_shared_prefills: bool = True  # admission passes over requests sharing blocks a running prefill computes
 
 
 class Scheduler:
@@ -171,11 +172,18 @@ class Scheduler:
     def _admit(self, plan: StepPlan, budget: int) -> None:
         """Admit waiting requests in the policy's order while budget, slots and blocks
         last. A request whose cached prefix must first be loaded gets the slots of its
-        first chunk now too, so it can run as soon as the load is done."""
+        first chunk now too, so it can run as soon as the load is done. A request that
+        shares a block with the part of a running prompt not computed yet is passed over
+        this step, and the requests behind it are not (``_blocks_computing``)."""
+        computing = self._blocks_computing() if self.config.hold_shared_prefills and len(self.policy) else None
+        passed_over: list[Sequence] = []
         while budget > 0 and len(self.running) + len(self.loading) < self.config.max_num_seqs:
             seq = self.policy.peek()
             if seq is None or self.kv.load_in_flight(seq.request_id):
                 break
+            if computing and not computing.isdisjoint(self.kv.prefix_names(seq)):
+                passed_over.append(self.policy.pop())
+                continue
             loading = self.kv.admit(seq, self.kv.get_computed_blocks(seq))
             num_new = self._num_new_tokens(seq, budget)
             if not self.kv.allocate_slots(seq, num_new):
@@ -195,6 +203,21 @@ class Scheduler:
             self._unseen.add(seq.request_id)
             plan.chunks.append(self._chunk(seq, num_new))
             budget -= num_new
+            if computing is not None:
+                computing.update(self.kv.names_to_compute(seq))
+        for seq in reversed(passed_over):  # back at the head, in their order
+            self.policy.push_preempted(seq)
+
+    def _blocks_computing(self) -> set[int]:
+        """Names of the prompt blocks running requests have yet to compute. A waiting
+        request that shares one would compute it a second time if admitted now; passed
+        over until its sharer has computed it, it finds it cached (copies of a prompt
+        routed to one instance arrive while the first is still in prefill; SGLang's
+        in-batch prefix caching passes over such requests the same way)."""
+        computing: set[int] = set()
+        for seq in self.running:
+            computing.update(self.kv.names_to_compute(seq))
+        return computing
 
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
         """Tokens ``seq`` computes this step: what it has left, within the step's budget and
