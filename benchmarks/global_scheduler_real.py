@@ -37,6 +37,8 @@ SHAREGPT_MAX_TURNS, SHAREGPT_MAX_SESSION_TOKENS = 3, 1500
 def server_flags(args: argparse.Namespace, policy: str) -> list[str]:
     flags = ["--cpu-workers", "3", "--num-blocks", str(args.num_blocks), "--router", policy,
              "--long-prefill-token-threshold", str(args.long_prefill_token_threshold)]
+    if args.no_shared_prefill_hold:
+        flags.append("--no-shared-prefill-hold")
     return flags + ["--cost-model", args.cost_model] if args.cost_model else flags
 
 
@@ -72,6 +74,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=512, help="KV blocks per worker")
     p.add_argument("--long-prefill-token-threshold", type=int, default=0, help="the workers' (0: no cap)")
+    p.add_argument("--no-shared-prefill-hold", action="store_true", help="the workers' (memserve up's flag)")
     p.add_argument("--seed", type=int, default=0, help="the bench's: which documents, questions and arrival times")
     add_hot_prefix_args(p)
     args = p.parse_args()

@@ -105,17 +105,37 @@ def test_multiturn_sessions_identical_with_and_without_cache(engines, tokenizer)
                 assert c[s][1] > 0
 
 
-def test_capped_long_prefills_give_the_same_tokens(model_dir, engines, tokenizer):
+@pytest.fixture(scope="module")
+def capped(model_dir):
+    """A caching engine whose prefills compute at most 48 tokens a step."""
+    return make_engine(model_dir, True, 400, long_prefill=48)
+
+
+def test_capped_long_prefills_give_the_same_tokens(capped, engines, tokenizer):
     """``long_prefill_token_threshold`` cuts every prompt into chunks of 48 tokens that
     share their steps with the other sessions' chunks and decodes: the same tokens as
     prefills in one step each."""
-    capped = make_engine(model_dir, True, 400, long_prefill=48)
     convs = conversations(3, seed=3)
     got = replay(capped, tokenizer, convs, 2, "cap")
     base = replay(engines["baseline"], tokenizer, convs, 2, "cap-b")
     assert answers(got) == answers(base)
     assert max(len(tokenizer.encode_chat(conv[:1])) for conv in convs) > 2 * 48  # prompts of several chunks
     assert any(cached for _, cached in got[1].values())  # the second turns reused the first ones' KV
+
+
+def test_copies_of_a_prompt_in_prefill_wait_for_its_blocks(capped, engines, tokenizer):
+    """Three copies of a long prompt submitted at once: the first prefills in chunks, the
+    other two wait until it has computed their blocks and then compute only the block with
+    their last token, giving the same tokens as the uncached engine."""
+    conv = max(conversations(20, seed=5), key=lambda c: len(c[0]["content"]))
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Copies: " + conv[0]["content"]}])
+    assert len(prompt) > 2 * 48
+    got = run(capped, {f"copy-{i}": prompt for i in range(3)})
+    base = run(engines["baseline"], {"base": prompt})
+    assert all(tokens == base["base"][0] for tokens, _ in got.values())
+    whole = (len(prompt) - 1) // 16 * 16  # every full block but the one with the last token
+    first, *copies = [cached for _, cached in got.values()]
+    assert first < whole and copies == [whole, whole]
 
 
 def test_identical_under_eviction_pressure(engines, tokenizer):

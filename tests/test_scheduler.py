@@ -74,10 +74,10 @@ class Clock:
 
 
 def make_engine(num_blocks: int = 64, budget: int = 32, max_num_seqs: int = 8, caching: bool = True,
-                num_host_blocks: int = 0, long_prefill: int = 0) -> tuple[Engine, ScriptedRunner]:
+                num_host_blocks: int = 0, long_prefill: int = 0, hold: bool = True) -> tuple[Engine, ScriptedRunner]:
     cfg = EngineConfig(block_size=BS, num_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                        enable_prefix_caching=caching, num_host_blocks=num_host_blocks,
-                       long_prefill_token_threshold=long_prefill)
+                       long_prefill_token_threshold=long_prefill, hold_shared_prefills=hold)
     runner = ScriptedRunner(num_blocks, num_host_blocks)
     return Engine(cfg, runner, {EOS}, clock=Clock()), runner
 
@@ -132,6 +132,30 @@ def test_a_long_prefill_leaves_room_for_a_short_prompt_beside_it():
     outputs = run_to_end(engine)
     assert {o.request_id: o.finish_reason for o in outputs if o.finished} == {"long": "length", "short": "length"}
     assert all(n <= 12 for p in runner.plans for n in chunk_sizes(p).values())
+    assert_no_block_held(engine)
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_a_copy_waits_for_the_prefill_computing_its_blocks(hold):
+    """A copy of a prompt that arrives while the first is in chunked prefill is passed over
+    until the first has computed the blocks they share, while a request behind it is
+    admitted; then it computes only the block holding its last token. Without the hold
+    it is admitted at once and recomputes all but the first chunk."""
+    engine, runner = make_engine(budget=32, long_prefill=12, hold=hold)
+    prompt = list(range(1, 41))  # 40 tokens, 10 blocks: chunks of 12, 12, 12, 4
+    add(engine, "first", prompt)
+    engine.step()
+    add(engine, "copy", prompt)
+    add(engine, "other", list(range(100, 108)))
+    outputs = [o for _ in range(3) for o in engine.step()]
+    if hold:
+        assert [chunk_sizes(p) for p in runner.plans[1:4]] == [
+            {"first": 12, "other": 8}, {"first": 12, "other": 1}, {"first": 4, "other": 1, "copy": 4}]
+    else:
+        assert chunk_sizes(runner.plans[1]) == {"first": 12, "copy": 12, "other": 8}
+    outputs += run_to_end(engine)
+    cached = {o.request_id: o.num_cached_tokens for o in outputs if o.finished}
+    assert cached == {"first": 0, "copy": 36 if hold else 12, "other": 0}
     assert_no_block_held(engine)
 
 
