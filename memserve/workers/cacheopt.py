@@ -73,7 +73,7 @@ class CacheOpt:
         self.cost = cost
         self._waiting: list[Sequence] = []  # admission order reversed: the next one is last
         self._sorted = True
-        self._preempted: set[str] = set()  # waiting ids that ran before (fcfs order puts them first)
+        self._preempted: set[str] = set()  # waiting ids put back by push_preempted (fcfs order puts them first)
         self._yielded: set[str] = set()  # ids preempted once to make room for waiting requests
         self._yielding: set[str] = set()  # of those, the ones preempted this step: admitted after the rest
         self.now = 0.0

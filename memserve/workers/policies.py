@@ -50,7 +50,8 @@ class SchedulePolicy(Protocol):
         ...
 
     def push_preempted(self, seq: Sequence) -> None:
-        """A preempted request waits again."""
+        """A request that left the queue waits again, ahead of new arrivals: preempted, or
+        passed over by this step's admission (``Scheduler._admit``)."""
         ...
 
     def peek(self) -> Sequence | None:

@@ -15,7 +15,9 @@ blocks freed, its full blocks kept as cached KV) or swapped (its full blocks cop
 host tier), as the policy says; the policy may also name running requests to preempt
 before the step so that waiting ones fit (``make_room``), which, unlike a running request
 going short, still lets the step admit. Waiting requests are admitted in the policy's
-order while budget, request slots and blocks last; an admitted request skips its cached
+order while budget, request slots and blocks last, except that one sharing a block that a
+running prefill has yet to compute is passed over (and put back at the head) until that
+block is computed and cached (``hold_shared_prefills``); an admitted request skips its cached
 prefix, and waits (``WAITING_FOR_KV``) while the slower-tier part of that prefix is copied
 in, or, with layer-wise preloading, only until the runner says the copy may stream under
 its prefill (``stream_loads``).
