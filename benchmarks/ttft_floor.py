@@ -1,0 +1,70 @@
+"""A floor under any routing policy's P99 TTFT on a recorded `memserve bench` run: how
+low the tail could go if every request reused all the KV it could and ran alone.
+
+Each request's floor is the cost model's prefill time for its prompt (``exec(x, y)``,
+one request alone in a step) with everything cacheable counted cached:
+- the session's previous turn (prompt and answer, whole blocks), or what the run's
+  earliest copy of this turn really found cached, whichever is more;
+- a copy of a turn (share ratio > 1: the same prompt replayed as another session) waits
+  at most for the earliest copy's floor to end, or computes it itself, whichever ends sooner.
+Nothing is charged for queueing, decode steps sharing the batch or the gateway, so no
+policy can do better on these arrivals; the floor's P99 is computed as the bench computes
+its own. ``--slowdown`` stretches the compute as ``kv_bound_routing_sim.py`` does: three
+one-thread workers busy at once on two cores run 1.5x slower than the profile. Closed-loop
+turns arrive when the previous answer ends, so each run is judged on its own arrivals.
+
+    python benchmarks/ttft_floor.py --cost-model cpu-1t.json R/sharegpt-sr3-session.json R/sharegpt-sr3-prompt-tree.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from memserve.gateway.cost_model import CostModel
+
+BLOCK = 16  # tokens a cached block holds (the workers' --block-size)
+
+
+def floors(records: list[dict], cost: CostModel) -> list[float]:
+    """The TTFT floor of each answered request of one run (seconds)."""
+    ok = [r for r in records if r["status"] == "ok" and r["chunk_times"]]
+    by_session = {(r["session_id"], r["turn"]): r for r in ok}
+    copies: dict[tuple[str, int], list[dict]] = defaultdict(list)  # (session before "~", turn) -> its copies
+    for r in ok:
+        copies[(r["session_id"].split("~")[0], r["turn"])].append(r)
+    out = []
+    for group in copies.values():
+        group.sort(key=lambda r: r["start"])
+        first = group[0]
+        prev = by_session.get((first["session_id"], first["turn"] - 1))
+        history = prev["prompt_tokens"] + prev["completion_tokens"] if prev else 0
+        prompt = first["prompt_tokens"]
+        cacheable = min(max(history // BLOCK * BLOCK, first["cached_tokens"]), prompt - 1)
+        alone = cost.prefill_s(prompt, cacheable / prompt)
+        out += [max(0.0, alone - (r["start"] - first["start"])) for r in group]
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cost-model", required=True, help="the workers' memserve profile (JSON) or a preset")
+    p.add_argument("--slowdown", type=float, default=1.0, help="compute slowdown of each worker against the profile")
+    p.add_argument("results", nargs="+", type=Path, help="memserve bench results files")
+    args = p.parse_args()
+    cost = CostModel.load(args.cost_model).slowed(args.slowdown)
+    for path in args.results:
+        r = json.loads(path.read_text())
+        floor = floors(r["requests"], cost)
+        p99 = r["ttft_ms"]["p99"]
+        floor_p99 = float(np.percentile(floor, 99)) * 1000
+        print(f"{path}: P99 TTFT {p99:7.0f} ms, floor {floor_p99:7.0f} ms ({floor_p99 / p99:.2f} of it); "
+              f"60% below it is {0.4 * p99:7.0f} ms")
+
+
+if __name__ == "__main__":
+    main()
