@@ -54,9 +54,9 @@ def bench(args: argparse.Namespace, url: str, workload: str, share_ratio: int, o
            *flags]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     r = json.loads(out.read_text())
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as m:  # the router's counters so far
-        router = [line for line in m.read().decode().splitlines() if line.startswith("memserve_router_")
-                  and "_bucket" not in line]
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as m:  # router and hold counters so far
+        router = [line for line in m.read().decode().splitlines()
+                  if line.startswith(("memserve_router_", "memserve_shared_prefill_holds")) and "_bucket" not in line]
     return {"ttft_p99_ms": r["ttft_ms"]["p99"], "ttft_mean_ms": r["ttft_ms"]["mean"], "jct_mean_ms": r["jct_ms"]["mean"],
             "cached_token_ratio": r["cached_token_ratio"], "requests": r["num_requests"]["ok"], "router": router}
 

@@ -47,7 +47,8 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.workers = [
             {"instance_id": 0, "alive": True, "num_running": 2, "num_waiting": 1,
-             "free_blocks": {"device": 100, "host": 400}, "cache_hit_rate": 0.25, "cached_tokens_total": 48},
+             "free_blocks": {"device": 100, "host": 400}, "cache_hit_rate": 0.25, "cached_tokens_total": 48,
+             "num_held_admissions": 3},
             {"instance_id": 1, "alive": True, "num_running": 0, "num_waiting": 0,
              "free_blocks": {"device": 128}, "cache_hit_rate": 0.0, "cached_tokens_total": 0},
         ]
@@ -508,6 +509,7 @@ async def test_metrics(tokenizer: Tokenizer) -> None:
     assert value("memserve_num_requests_waiting", instance="0") == 1
     assert value("memserve_cache_hit_rate", instance="0") == 0.25
     assert value("memserve_cached_tokens_total", instance="0") == 48
+    assert value("memserve_shared_prefill_holds_total", instance="0") == 3
     assert value("memserve_worker_alive", instance="1") == 1
 
 

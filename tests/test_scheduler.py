@@ -156,6 +156,7 @@ def test_a_copy_waits_for_the_prefill_computing_its_blocks(hold):
     outputs += run_to_end(engine)
     cached = {o.request_id: o.num_cached_tokens for o in outputs if o.finished}
     assert cached == {"first": 0, "copy": 36 if hold else 12, "other": 0}
+    assert engine.stats()["num_held_admissions"] == (1 if hold else 0)
     assert_no_block_held(engine)
 
 

@@ -303,6 +303,7 @@ class ZmqEngineClient:
                 "num_running": s.get("num_running", 0),
                 "num_waiting": s.get("num_waiting", 0),
                 "num_preemptions": s.get("num_preemptions", 0),
+                "num_held_admissions": s.get("num_held_admissions", 0),
                 "preemptions": s.get("preemptions", {}),  # by kind: swap, recompute
                 # The schedule policy's KV allocation (cacheopt): reserve and padding in use.
                 "kv_allocation": s.get("kv_allocation", {}),

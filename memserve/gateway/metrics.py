@@ -53,6 +53,9 @@ class EngineStatsCollector(Collector):
                                      labels=["instance"])
         cached = CounterMetricFamily("memserve_cached_tokens", "Prompt tokens served from the KV cache",
                                      labels=["instance"])
+        held = CounterMetricFamily("memserve_shared_prefill_holds",
+                                   "Requests admitted after waiting for a running prefill to compute blocks of "
+                                   "their prompt (found cached instead of computed twice)", labels=["instance"])
         tier_labels = ["instance", "tier"]
         tier_bytes = GaugeMetricFamily("memserve_kv_tier_bytes_used", "Bytes of KV blocks allocated per tier",
                                        labels=tier_labels)
@@ -98,6 +101,7 @@ class EngineStatsCollector(Collector):
                 free_blocks.add_metric([instance, tier], count)
             hit_rate.add_metric([instance], worker.get("cache_hit_rate", 0.0))
             cached.add_metric([instance], worker.get("cached_tokens_total", 0))
+            held.add_metric([instance], worker.get("num_held_admissions", 0))
             for tier, io in worker.get("kv_tiers", {}).items():
                 tier_bytes.add_metric([instance, tier], io["bytes_used"])
                 tier_hits.add_metric([instance, tier], io["hits"])
@@ -113,7 +117,7 @@ class EngineStatsCollector(Collector):
             if allocation:
                 reserve.add_metric([instance], allocation["reserve_in_use_blocks"])
                 unheld.add_metric([instance], allocation["unheld_blocks"])
-        yield from (alive, running, waiting, free_blocks, hit_rate, cached, tier_bytes, tier_hits, tier_read,
+        yield from (alive, running, waiting, free_blocks, hit_rate, cached, held, tier_bytes, tier_hits, tier_read,
                     tier_write, tier_saving, save_queue, tier_queue, prefetched, prefetch_hits, role, handoff,
                     reserve, unheld)
 

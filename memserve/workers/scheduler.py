@@ -63,6 +63,7 @@ class Scheduler:
         self._unseen: set[str] = set()  # admitted, not yet announced to the runner
         self._finished_ids: list[str] = []  # left since the last plan
         self.num_preemptions = 0
+        self.num_held_admissions = 0  # requests admitted after a hold for a running prefill's blocks
         self.preemptions = {kind.value: 0 for kind in PreemptKind}
         self.kv.gate = policy.attach(kv)
         self.prompt_tokens_total = 0
@@ -185,6 +186,7 @@ class Scheduler:
                 break
             if computing and not computing.isdisjoint(self.kv.prefix_names(seq)):
                 passed_over.append(self.policy.pop())
+                seq.num_held_steps += 1
                 continue
             loading = self.kv.admit(seq, self.kv.get_computed_blocks(seq))
             num_new = self._num_new_tokens(seq, budget)
@@ -232,6 +234,8 @@ class Scheduler:
         return min(num_new, budget)
 
     def _count_admission(self, seq: Sequence) -> None:
+        if seq.num_held_steps and seq.num_preemptions == 0:
+            self.num_held_admissions += 1
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = seq.num_computed_tokens
             self.prompt_tokens_total += seq.num_prompt_tokens
@@ -339,6 +343,7 @@ class Scheduler:
             "num_running": len(self.running),
             "num_waiting": self.num_waiting,
             "num_preemptions": self.num_preemptions,
+            "num_held_admissions": self.num_held_admissions,
             "preemptions": dict(self.preemptions),
             "num_swapped_in": self.kv.num_loaded_blocks,
             "prompt_tokens_total": self.prompt_tokens_total,

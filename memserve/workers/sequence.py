@@ -39,6 +39,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    # Steps admission passed it over while a running prefill computed blocks of its prompt.
+    num_held_steps: int = 0
     # A choice forked from another request (n > 1, workers/parallel_sampling.py): that
     # request's id and this choice's index; its outputs go out under that id.
     choice_of: str | None = None
