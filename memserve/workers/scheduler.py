@@ -234,12 +234,12 @@ class Scheduler:
         return min(num_new, budget)
 
     def _count_admission(self, seq: Sequence) -> None:
-        if seq.num_held_steps and seq.num_preemptions == 0:
-            self.num_held_admissions += 1
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = seq.num_computed_tokens
             self.prompt_tokens_total += seq.num_prompt_tokens
             self.cached_tokens_total += seq.num_cached_tokens
+            if seq.num_held_steps:
+                self.num_held_admissions += 1
 
     def _chunk(self, seq: Sequence, num_new: int) -> ScheduledChunk:
         start = seq.num_computed_tokens
