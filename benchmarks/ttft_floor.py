@@ -13,6 +13,11 @@ its own. ``--slowdown`` stretches the compute as ``kv_bound_routing_sim.py`` doe
 one-thread workers busy at once on two cores run 1.5x slower than the profile. Closed-loop
 turns arrive when the previous answer ends, so each run is judged on its own arrivals.
 
+The session floor is the same with reuse limited to each session's own previous turn: the
+most session routing could reuse, since a copy is another session. The ratio of the two
+floors on one run's arrivals is the most that routing by prefix could take off session
+routing's P99 if neither queued: the ceiling on prompt-tree's gain, set by the workload.
+
     python benchmarks/ttft_floor.py --cost-model cpu-1t.json R/sharegpt-sr3-session.json R/sharegpt-sr3-prompt-tree.json
 """
 
@@ -30,9 +35,22 @@ from memserve.gateway.cost_model import CostModel
 BLOCK = 16  # tokens a cached block holds (the workers' --block-size)
 
 
+def _answered(records: list[dict]) -> list[dict]:
+    return [r for r in records if r["status"] == "ok" and r["chunk_times"]]
+
+
+def _alone_s(r: dict, by_session: dict[tuple[str, int], dict], cost: CostModel, found: int = 0) -> float:
+    """``r``'s prefill alone with its session's previous turn cached, or ``found`` tokens."""
+    prev = by_session.get((r["session_id"], r["turn"] - 1))
+    history = prev["prompt_tokens"] + prev["completion_tokens"] if prev else 0
+    prompt = r["prompt_tokens"]
+    cacheable = min(max(history // BLOCK * BLOCK, found), prompt - 1)
+    return cost.prefill_s(prompt, cacheable / prompt)
+
+
 def floors(records: list[dict], cost: CostModel) -> list[float]:
-    """The TTFT floor of each answered request of one run (seconds)."""
-    ok = [r for r in records if r["status"] == "ok" and r["chunk_times"]]
+    """The TTFT floor of each answered request of one run (seconds), any routing."""
+    ok = _answered(records)
     by_session = {(r["session_id"], r["turn"]): r for r in ok}
     copies: dict[tuple[str, int], list[dict]] = defaultdict(list)  # (session before "~", turn) -> its copies
     for r in ok:
@@ -41,13 +59,20 @@ def floors(records: list[dict], cost: CostModel) -> list[float]:
     for group in copies.values():
         group.sort(key=lambda r: r["start"])
         first = group[0]
-        prev = by_session.get((first["session_id"], first["turn"] - 1))
-        history = prev["prompt_tokens"] + prev["completion_tokens"] if prev else 0
-        prompt = first["prompt_tokens"]
-        cacheable = min(max(history // BLOCK * BLOCK, first["cached_tokens"]), prompt - 1)
-        alone = cost.prefill_s(prompt, cacheable / prompt)
+        alone = _alone_s(first, by_session, cost, first["cached_tokens"])
         out += [max(0.0, alone - (r["start"] - first["start"])) for r in group]
     return out
+
+
+def session_floors(records: list[dict], cost: CostModel) -> list[float]:
+    """The TTFT floor of each answered request (seconds) reusing only its own session's KV."""
+    ok = _answered(records)
+    by_session = {(r["session_id"], r["turn"]): r for r in ok}
+    return [_alone_s(r, by_session, cost) for r in ok]
+
+
+def p99_ms(seconds: list[float]) -> float:
+    return float(np.percentile(seconds, 99)) * 1000
 
 
 def main() -> None:
@@ -59,11 +84,12 @@ def main() -> None:
     cost = CostModel.load(args.cost_model).slowed(args.slowdown)
     for path in args.results:
         r = json.loads(path.read_text())
-        floor = floors(r["requests"], cost)
         p99 = r["ttft_ms"]["p99"]
-        floor_p99 = float(np.percentile(floor, 99)) * 1000
+        floor_p99 = p99_ms(floors(r["requests"], cost))
+        session_p99 = p99_ms(session_floors(r["requests"], cost))
         print(f"{path}: P99 TTFT {p99:7.0f} ms, floor {floor_p99:7.0f} ms ({floor_p99 / p99:.2f} of it); "
-              f"60% below it is {0.4 * p99:7.0f} ms")
+              f"60% below it is {0.4 * p99:7.0f} ms; session floor {session_p99:7.0f} ms, "
+              f"floor / session floor {floor_p99 / session_p99:.2f}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The TTFT floor of benchmarks/ttft_floor.py on hand-built bench records: a first turn
 pays its whole prompt but what its earliest copy found cached, a later turn only what its
 session's previous turn does not cover, and a copy only the earliest copy's floor left
-when it arrives."""
+when it arrives; the session floor counts only the session's own previous turn."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from ttft_floor import floors  # noqa: E402
+from ttft_floor import floors, session_floors  # noqa: E402
 
 from memserve.gateway.cost_model import CostModel  # noqa: E402
 
@@ -33,5 +33,9 @@ def test_floors_count_history_and_copies():
         record("a", 2, 20.0, 600, cached=16),  # its history, 500 + 16 tokens, was cacheable
         {**record("b", 1, 0.0, 900), "status": "error"},  # not answered: no floor
     ]
-    got = floors(records, cost)
-    assert got == pytest.approx([first_turn, first_turn - 0.01, 0.0, cost.prefill_s(600, 512 / 600)])
+    second_turn = cost.prefill_s(600, 512 / 600)
+    assert floors(records, cost) == pytest.approx([first_turn, first_turn - 0.01, 0.0, second_turn])
+    cold = cost.prefill_s(500, 0.0)
+    assert cold > first_turn
+    # Without reuse across sessions each copy computes the whole prompt; the history still counts.
+    assert session_floors(records, cost) == pytest.approx([cold, cold, cold, second_turn])
