@@ -13,10 +13,11 @@ its own. ``--slowdown`` stretches the compute as ``kv_bound_routing_sim.py`` doe
 one-thread workers busy at once on two cores run 1.5x slower than the profile. Closed-loop
 turns arrive when the previous answer ends, so each run is judged on its own arrivals.
 
-The session floor is the same with reuse limited to each session's own previous turn: the
-most session routing could reuse, since a copy is another session. The ratio of the two
-floors on one run's arrivals is the most that routing by prefix could take off session
-routing's P99 if neither queued: the ceiling on prompt-tree's gain, set by the workload.
+The session floor is the same with reuse limited to each session's own previous turn: what
+session routing reuses by design (a copy is another session, and finds its prompt cached
+only if it lands by chance where an earlier copy ran). The ratio of the two floors on one
+run's arrivals is about what routing by prefix could take off session routing's P99 if
+no worker queued: the part of prompt-tree's gain that the workload alone gives.
 
     python benchmarks/ttft_floor.py --cost-model cpu-1t.json R/sharegpt-sr3-session.json R/sharegpt-sr3-prompt-tree.json
 """
