@@ -36,8 +36,9 @@ from memserve.gateway.cost_model import CostModel
 BLOCK = 16  # tokens a cached block holds (the workers' --block-size)
 
 
-def _answered(records: list[dict]) -> list[dict]:
-    return [r for r in records if r["status"] == "ok" and r["chunk_times"]]
+def _answered_turns(records: list[dict]) -> dict[tuple[str, int], dict]:
+    """The answered requests of one run by (session, turn), in the run's order."""
+    return {(r["session_id"], r["turn"]): r for r in records if r["status"] == "ok" and r["chunk_times"]}
 
 
 def _alone_s(r: dict, by_session: dict[tuple[str, int], dict], cost: CostModel, found: int = 0) -> float:
@@ -51,10 +52,9 @@ def _alone_s(r: dict, by_session: dict[tuple[str, int], dict], cost: CostModel, 
 
 def floors(records: list[dict], cost: CostModel) -> list[float]:
     """The TTFT floor of each answered request of one run (seconds), any routing."""
-    ok = _answered(records)
-    by_session = {(r["session_id"], r["turn"]): r for r in ok}
+    by_session = _answered_turns(records)
     copies: dict[tuple[str, int], list[dict]] = defaultdict(list)  # (session before "~", turn) -> its copies
-    for r in ok:
+    for r in by_session.values():
         copies[(r["session_id"].split("~")[0], r["turn"])].append(r)
     out = []
     for group in copies.values():
@@ -67,9 +67,8 @@ def floors(records: list[dict], cost: CostModel) -> list[float]:
 
 def session_floors(records: list[dict], cost: CostModel) -> list[float]:
     """The TTFT floor of each answered request (seconds) reusing only its own session's KV."""
-    ok = _answered(records)
-    by_session = {(r["session_id"], r["turn"]): r for r in ok}
-    return [_alone_s(r, by_session, cost) for r in ok]
+    by_session = _answered_turns(records)
+    return [_alone_s(r, by_session, cost) for r in by_session.values()]
 
 
 def p99_ms(seconds: list[float]) -> float:
