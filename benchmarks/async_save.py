@@ -26,8 +26,8 @@ import numpy as np
 
 from memserve.config import EngineConfig
 from memserve.ipc.messages import AddRequest, SamplingParams
-from memserve.models.gguf_convert import ensure_model_dir
-from memserve.workers.engine import build_engine
+from memserve.model_files.gguf_convert import ensure_model_dir
+from memserve.workers.real_engine import build_engine
 
 DECODE_TOKENS = 20
 CONCURRENT = 2

@@ -41,7 +41,7 @@ def generate(model_dir: Path, dtype: str, prompts: list[list[int]], max_tokens: 
     """Greedy outputs of every prompt (batched as the engine schedules them) and seconds taken."""
     from memserve.config import EngineConfig
     from memserve.ipc.messages import AddRequest, SamplingParams
-    from memserve.workers.engine import build_engine
+    from memserve.workers.real_engine import build_engine
 
     cfg = EngineConfig(dtype=dtype, num_blocks=4096, enable_prefix_caching=False, max_num_seqs=16)
     engine = build_engine(cfg, model_dir)
@@ -79,7 +79,7 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(args.threads)
-    from memserve.models.gguf_convert import ensure_model_dir
+    from memserve.model_files.gguf_convert import ensure_model_dir
 
     model_dir = ensure_model_dir(None)
     prompts = sharegpt_prompts(model_dir, args.prompts, args.max_prompt_len)

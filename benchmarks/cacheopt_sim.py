@@ -27,9 +27,9 @@ import io
 import json
 from pathlib import Path
 
-from memserve.bench.metrics import tbt_attainment_ceiling
+from memserve.workload.metrics import tbt_attainment_ceiling
 from memserve.cli import main as memserve
-from memserve.gateway.cost_model import CostModel
+from memserve.costmodel.store import load_cost_model
 
 SLO_SCALE = (0.5, 2.5)  # CacheOpt §5: each request's SLOs are the base times a scale uniform in this range
 ABLATIONS = ("CKA", "RSA", "PA", "GR", "PP", "PSS")
@@ -130,7 +130,7 @@ def main() -> None:
     base = [run_point(args.out / f"base-{r}.json", args, r, table["fcfs"], None) for r in rates]
     slo = (sum(b["ttft_mean_ms"] for b in base) / len(base), sum(b["tbt_mean_ms"] for b in base) / len(base))
     print(f"SLO base (fcfs means over the rates): TTFT {slo[0]:.1f} ms, TBT {slo[1]:.1f} ms; scale U{list(SLO_SCALE)}")
-    step_floor_ms = CostModel.load(args.cost_model).decode_step_s(1, 0) * 1000
+    step_floor_ms = load_cost_model(args.cost_model).decode_step_s(1, 0) * 1000
     ceiling = tbt_attainment_ceiling(slo[1], SLO_SCALE, step_floor_ms)
     print(f"TBT attainment ceiling: a one-sequence decode step takes {step_floor_ms:.1f} ms, so the requests whose "
           f"TBT SLO is below it miss it under any policy; at most {ceiling:.3f} can meet theirs")

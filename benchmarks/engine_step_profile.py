@@ -87,7 +87,7 @@ class PlanMaker:
 
     def chunk(self, cached: int, new: int, sample: bool = True):
         """Blocks are taken round-robin: distinct within any plan that fits in the pool."""
-        from memserve.workers.step_plan import ScheduledChunk
+        from memserve.workers.engine.step_plan import ScheduledChunk
 
         self.count += 1
         blocks = []
@@ -99,7 +99,7 @@ class PlanMaker:
 
     def plan(self, chunks: list):
         from memserve.ipc.messages import SamplingParams
-        from memserve.workers.step_plan import NewRequestData, StepPlan
+        from memserve.workers.engine.step_plan import NewRequestData, StepPlan
 
         greedy = SamplingParams(max_tokens=1 << 20, temperature=0.0)
         return StepPlan(new_requests=[NewRequestData(c.request_id, greedy) for c in chunks], chunks=chunks)
@@ -197,7 +197,7 @@ def setup(args: argparse.Namespace):
     import torch
 
     from memserve.config import EngineConfig
-    from memserve.models.gguf_convert import ensure_model_dir
+    from memserve.model_files.gguf_convert import ensure_model_dir
     from memserve.workers.model_runner import ModelRunner
 
     if args.threads:

@@ -25,7 +25,7 @@ from pathlib import Path
 from hot_prefix import add_hot_prefix_args, hot_prefix_flags
 from serve_process import serving
 
-from memserve.models.gguf_convert import ensure_model_dir
+from memserve.model_files.gguf_convert import ensure_model_dir
 
 POLICIES = ("least-load", "session", "prompt-tree", "cost")
 # ShareGPT as replayed on three CPU workers: the first turns, conversations that fit,

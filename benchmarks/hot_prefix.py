@@ -1,5 +1,5 @@
-"""The skewed load for the global-scheduler benchmarks (issue 12: "cost <= prompt-tree's
-P99 TTFT, strictly lower under skewed load"): single-turn requests that all share one of
+"""The skewed load for the global-scheduler benchmarks (the cost policy should
+reach a P99 TTFT at most prompt-tree's, and lower under skewed load): single-turn requests that all share one of
 a few long system prompts, fewer prompts than instances. Prompt-tree follows the cache
 onto the instances holding them until its load-imbalance guard fires; the cost policy
 weighs each holder's queue against pulling the prompt (eq. 2) or recomputing it on an

@@ -27,7 +27,7 @@ from pathlib import Path
 from global_scheduler_real import SHAREGPT_MAX_SESSION_TOKENS, SHAREGPT_MAX_TURNS
 from global_scheduler_sim import run_point
 
-from memserve.gateway.cost_model import CostModel
+from memserve.costmodel.store import load_cost_model
 
 POLICIES = ("session", "prompt-tree", "cost")
 AVERAGED = ("ttft_p99_ms", "ttft_mean_ms", "cached_token_ratio")  # over the seeds
@@ -55,7 +55,7 @@ def main() -> None:
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     model = args.out / "cost-model.json"
-    CostModel.load(args.cost_model).slowed(args.slowdown).save(model)
+    load_cost_model(args.cost_model).slowed(args.slowdown).save(model)
     policies = args.policies.split(",")
     summary: dict = {}
     for point in args.points.split(","):

@@ -30,8 +30,9 @@ import time
 from memserve.config import EngineConfig
 from memserve.ipc.messages import AddRequest, SamplingParams
 from memserve.kvcache.address import Tier, addr_block, addr_tier
-from memserve.models.gguf_convert import ensure_model_dir
-from memserve.workers.engine import Engine, build_engine
+from memserve.model_files.gguf_convert import ensure_model_dir
+from memserve.workers.engine.engine import Engine
+from memserve.workers.real_engine import build_engine
 from memserve.workers.layer_preload import AUTO
 
 

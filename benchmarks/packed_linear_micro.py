@@ -1,6 +1,6 @@
 """The served model's linear layers, timed with torch's F.linear against oneDNN over
 prepacked weights (``memserve/workers/model/packed_linear.py``), at decode and prefill
-batch sizes: why the CPU engine packs its weights at load (issue 15).
+batch sizes: why the CPU engine packs its weights at load.
 
     python benchmarks/packed_linear_micro.py [--threads 1] [--dtype float32] [--rows 1,8,16,32,256]
 
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from memserve.models.gguf_convert import ensure_model_dir
+from memserve.model_files.gguf_convert import ensure_model_dir
 from memserve.workers.model.model_config import ModelConfig
 from memserve.workers.model.packed_linear import PackedLinear
 

@@ -1,11 +1,11 @@
-"""Decode attention over the paged KV cache on this CPU: the grouped gather as before
-issue 15, what ships now, and paths that read the blocks in place, as ratios measured in
+"""Decode attention over the paged KV cache on this CPU: the grouped gather of the
+first paged decode path, what ships now, and paths that read the blocks in place, as ratios measured in
 one run (speed-ups are over the first method named).
 
 Candidates, each attending B single-token queries to B contexts held in scattered
 16-token blocks (SmolLM2-135M's shape: 9 query heads, 3 KV heads, head dim 64):
 
-- ``gather``: the decode path before issue 15 (``index_select`` the group's blocks into a
+- ``gather``: the first paged decode path (``index_select`` the group's blocks into a
   padded dense buffer, then one SDPA call with ``enable_gqa``; bf16 upcast to float32
   first), kept here as the reference;
 - ``fold``: ``attention.paged_attention`` with chunking off: the same gather, GQA folded
@@ -92,7 +92,7 @@ class Case:
 # ------------------------------------------------------------------ the reference
 def gather_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan,
                      scale: float) -> torch.Tensor:
-    """Decode attention as it was before issue 15 (one decode group)."""
+    """Decode attention as the first paged decode path computed it (one decode group)."""
     group = plan.decodes[0]
     queries = q[group.tokens].unsqueeze(2)
     keys = plan.gather(k_cache, group.block_tables, "decode-0-k")

@@ -22,10 +22,10 @@ import time
 from memserve.config import EngineConfig
 from memserve.gateway.cluster import Cluster, plan_workers
 from memserve.gateway.engine_client import ZmqEngineClient
-from memserve.gateway.pd_topology import apply_pd_mode
+from memserve.gateway.routing.pd_topology import apply_pd_mode
 from memserve.ipc.channel import GatewayChannel
 from memserve.ipc.messages import SamplingParams
-from memserve.models.gguf_convert import ensure_model_dir
+from memserve.model_files.gguf_convert import ensure_model_dir
 
 MODES = ("by-request-agg", "by-request", "by-layer")
 KEYS = ("handoffs", "bytes_sent", "messages", "transfer_s", "kv_ready_s")

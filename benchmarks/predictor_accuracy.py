@@ -33,9 +33,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from memserve.bench.dataset import default_sharegpt_path
-from memserve.gateway.tokenizer import Tokenizer
-from memserve.models.gguf_convert import ensure_model_dir
+from memserve.workload.dataset import default_sharegpt_path
+from memserve.text.tokenizer import Tokenizer
+from memserve.model_files.gguf_convert import ensure_model_dir
 from memserve.predictor.dataset import (
     DEFAULT_TABLE,
     Example,

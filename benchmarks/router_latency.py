@@ -14,9 +14,9 @@ import random
 import statistics
 import time
 
-from memserve.gateway.cost_model import CostModel
-from memserve.gateway.route_types import RouteRequest, WorkerView
-from memserve.gateway.router import ROUTING_POLICIES, Router
+from memserve.costmodel.store import load_cost_model
+from memserve.gateway.routing.route_types import RouteRequest, WorkerView
+from memserve.gateway.routing.router import ROUTING_POLICIES, Router
 from memserve.kvcache.events import STORED, KVEvent
 from memserve.kvcache.hashing import block_hashes
 from memserve.kvcache.mirror import PromptTreeMirror
@@ -58,7 +58,7 @@ def main() -> None:
     for r in range(args.requests):
         base = rng.choice(docs) if r % 2 else rng.choice(systems) + [rng.randrange(1, 50_000) for _ in range(1792)]
         requests.append(base + [rng.randrange(1, 50_000) for _ in range(64)])
-    cost = CostModel.load(args.cost_model)
+    cost = load_cost_model(args.cost_model)
     print(f"{args.instances} instances, {total} cached blocks in the mirrors ({len(docs)} documents of "
           f"{args.doc_len} tokens), prompts of {len(requests[0])} tokens, {args.in_flight} requests in flight each")
     for name in ROUTING_POLICIES:

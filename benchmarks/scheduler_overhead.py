@@ -32,16 +32,16 @@ def measure(running: int, steps: int, repeats: int) -> dict:
     from memserve.kvcache.address import Tier
     from memserve.kvcache.mempool import MemPool
     from memserve.workers import scheduler as sched_mod
-    from memserve.workers.sequence import Sequence
+    from memserve.workers.engine.sequence import Sequence
 
     num_blocks = running * (600 + steps) // 16
     samples = []
     for r in range(repeats):
         mempool = MemPool(0, {Tier.DEVICE: num_blocks}, 16)
         if hasattr(sched_mod, "SchedulerConfig"):  # this tree
-            from memserve.workers.kv_manager import KVCacheManager
-            from memserve.workers.policies import make_schedule_policy
-            from memserve.workers.step_plan import StepResult
+            from memserve.workers.engine.kv_manager import KVCacheManager
+            from memserve.workers.engine.policies import make_schedule_policy
+            from memserve.workers.engine.step_plan import StepResult
 
             sched = sched_mod.Scheduler(KVCacheManager(mempool, True), make_schedule_policy("fcfs"),
                                         sched_mod.SchedulerConfig(running, running * 512, 1 << 20), set(), time.monotonic)

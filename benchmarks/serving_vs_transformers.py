@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 from conftest import SHARED_DATA, start_server, stop_server  # noqa: E402
 
-from memserve.models.gguf_convert import ensure_model_dir  # noqa: E402
+from memserve.model_files.gguf_convert import ensure_model_dir  # noqa: E402
 
 
 def sharegpt_prompts(tokenizer, n: int, max_len: int, seed: int = 0) -> list[list[int]]:

@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from memserve.models.gguf_convert import ensure_model_dir
+from memserve.model_files.gguf_convert import ensure_model_dir
 from serve_process import serving
 
 WORKLOADS = {

@@ -40,9 +40,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from memserve.bench.metrics import compute_metrics
-from memserve.bench.records import RequestRecord
-from memserve.bench.runner import ReplayOptions
+from memserve.workload.metrics import compute_metrics
+from memserve.workload.records import RequestRecord
+from memserve.workload.replay import ReplayOptions
 from serve_process import serving
 
 

@@ -82,7 +82,7 @@ def _first_turn_ttft(o: Outcome) -> float:
 def conversations(tokenizer, n: int, turns: int, max_tokens: int, max_len: int) -> list[list[dict]]:
     """The first ``n`` ShareGPT conversations with ``turns`` user turns whose last turn
     (with short answers) fits ``max_len`` tokens."""
-    from memserve.bench.dataset import default_sharegpt_path
+    from memserve.workload.dataset import default_sharegpt_path
 
     out = []
     for line in default_sharegpt_path().read_text().splitlines():
@@ -153,10 +153,10 @@ def real_configs(args) -> list[tuple[str, dict]]:
 
 def run_real(args) -> list[Outcome]:
     from memserve.config import EngineConfig
-    from memserve.gateway.tokenizer import Tokenizer
+    from memserve.text.tokenizer import Tokenizer
     from memserve.kvcache.disk_store import HEADER_NBYTES
-    from memserve.models.gguf_convert import ensure_model_dir
-    from memserve.workers.engine import build_engine
+    from memserve.model_files.gguf_convert import ensure_model_dir
+    from memserve.workers.real_engine import build_engine
 
     model_dir = ensure_model_dir(None)
     tokenizer = Tokenizer.from_folder(model_dir)
@@ -206,8 +206,8 @@ def sim_configs(args, base) -> list[tuple[str, dict]]:
 def run_simulated(args, sim_argv: list[str]) -> list[Outcome]:
     from memserve.bench.cli import build_sessions, replay_options
     from memserve.config import EngineConfig
-    from memserve.gateway.cost_model import CostModel
-    from memserve.gateway.router import Balance, Router
+    from memserve.costmodel.store import load_cost_model
+    from memserve.gateway.routing.router import Balance, Router
     from memserve.sim.cli import add_parser
     from memserve.sim.simulator import Simulation
     from memserve.sim.tokens import HFTokenizer, SyntheticTokenizer
@@ -215,7 +215,7 @@ def run_simulated(args, sim_argv: list[str]) -> list[Outcome]:
     root = argparse.ArgumentParser(prog="memserve")
     add_parser(root.add_subparsers())
     base = root.parse_args(["simulate", *sim_argv])
-    cost = CostModel.load(base.cost_model)
+    cost = load_cost_model(base.cost_model)
     _, parts, _ = build_sessions(base, 1)
     tokenizer = HFTokenizer(base.tokenizer) if base.tokenizer else SyntheticTokenizer()
     outcomes = []

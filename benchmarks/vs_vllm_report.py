@@ -14,7 +14,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from memserve.bench.report import load_points, lookup
+from memserve.workload.report import load_points, lookup
 
 METRICS = [
     ("TTFT p50 (ms)", ("ttft_ms", "p50")),

@@ -9,12 +9,12 @@ import os
 import sys
 
 from memserve.config import EngineConfig, ServeConfig
-from memserve.gateway.admission import MODES as ADMISSION_MODES
-from memserve.gateway.pd_topology import PD_MODES, parse_instances
-from memserve.gateway.router import ROUTING_POLICIES
-from memserve.gateway.truncation import DEFAULT_TRUNCATION, TRUNCATION_MODES
+from memserve.gateway.routing.admission import MODES as ADMISSION_MODES
+from memserve.gateway.routing.pd_topology import PD_MODES, parse_instances
+from memserve.gateway.routing.router import ROUTING_POLICIES
+from memserve.text.truncation import DEFAULT_TRUNCATION, TRUNCATION_MODES
 from memserve.kvcache.eviction import EVICTION_POLICIES
-from memserve.workers.policies import SCHEDULE_POLICIES, make_schedule_policy
+from memserve.workers.engine.policies import SCHEDULE_POLICIES, make_schedule_policy
 
 
 def _positive_float(text: str) -> float:
@@ -285,7 +285,8 @@ def _run_profile(args: argparse.Namespace) -> int:
     return profile(args)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand's flags; ``docs/configuration.md`` is generated from this."""
     parser = argparse.ArgumentParser(prog="memserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_up(sub)
@@ -295,7 +296,11 @@ def main(argv: list[str] | None = None) -> int:
 
     add_bench(sub)
     add_simulate(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
 

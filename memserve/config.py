@@ -6,6 +6,9 @@ The gateway builds one ``ServeConfig`` from the command line and hands each work
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 @dataclass
@@ -34,9 +37,9 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's context window
     enable_prefix_caching: bool = True
     kv_layout: str = "aggregated"  # aggregated | layer-major
-    transfer_mode: str = "by-request-agg"  # PD handoffs: by-request-agg | by-request | by-layer (workers/pd_sender.py)
-    schedule_policy: str = "fcfs"  # workers/policies.py
-    schedule_policy_options: str = ""  # e.g. cacheopt's "disable=PA,GR;reserve=8" (workers/cacheopt_options.py)
+    transfer_mode: str = "by-request-agg"  # PD handoffs: by-request-agg | by-request | by-layer (workers/engine/pd_sender.py)
+    schedule_policy: str = "fcfs"  # workers/engine/policies/__init__.py
+    schedule_policy_options: str = ""  # e.g. cacheopt's "disable=PA,GR;reserve=8" (workers/engine/policies/cacheopt/options.py)
     cost_model: str | None = None  # JSON or preset: cacheopt weighs swap against recompute by it
     eviction_policy: str = "lru"  # kvcache/eviction.py
     cache_ttl_s: float | None = None  # cached blocks unused this long are dropped (kvcache/retention.py)
@@ -78,17 +81,17 @@ class ServeConfig:
     cpu_workers: int = 1
     gpus: list[int] | None = None
     roles: list[str] | None = None  # one per worker (--instances); None: all colocated
-    pd_mode: str = "pd-caching-3"  # disaggregated caching milestone (gateway/pd_topology.py)
+    pd_mode: str = "pd-caching-3"  # disaggregated caching milestone (gateway/routing/pd_topology.py)
     served_model_name: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
-    router: str = "least-load"  # gateway/router.py
+    router: str = "least-load"  # gateway/routing/router.py
     cost_model: str | None = None  # a cost-model JSON or preset; default: this model's `memserve profile`
     router_balance_abs: int = 16  # load-imbalance guard (gateway/route_types.Balance)
     router_balance_rel: float = 1.5
     router_cache_threshold: float = 0.5  # prompt-tree follows prefixes covering at least this share
     slo_ttft_ms: float | None = None  # default SLOs of requests that name none (body field or header)
     slo_tbt_ms: float | None = None
-    admission: str = "reject"  # off | reject | queue (gateway/admission.py); needs a cost model
+    admission: str = "reject"  # off | reject | queue (gateway/routing/admission.py); needs a cost model
     admission_queue_size: int = 256  # requests held at most by --admission queue; 429 beyond
     predictor: str = "on"  # on | off: gateway output-length prediction for AddRequest (memserve/predictor/)
     heartbeat_timeout_s: float = 5.0  # a worker silent this long is declared dead and restarted
@@ -98,4 +101,14 @@ class ServeConfig:
     header_timeout_s: float = 10.0  # a request head must arrive this soon after connect / the last response
     body_timeout_s: float = 10.0  # a request body must arrive within this
     max_connections: int = 1024  # open HTTP connections; past it a new one is answered 503
-    truncation: str = "kv-shift"  # a chat over the context window: kv-shift | recompute | error (gateway/truncation.py)
+    truncation: str = "kv-shift"  # a chat over the context window: kv-shift | recompute | error (text/truncation.py)
+
+
+def served_model_name(cfg: ServeConfig) -> str:
+    """The name clients ask for: ``--served-model-name``, else the folder's or GGUF's name."""
+    if cfg.served_model_name:
+        return cfg.served_model_name
+    if cfg.engine.model is None:
+        return DEFAULT_MODEL_NAME
+    path = Path(cfg.engine.model)
+    return path.stem.split(".")[0] if path.suffix == ".gguf" else path.name

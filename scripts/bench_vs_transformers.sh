@@ -88,7 +88,7 @@ $PY -c "import fastapi, uvicorn" 2>/dev/null || {
   exit 1
 }
 # The Hugging Face folder memserve converts its embedded GGUF into (override: MODEL_DIR=...).
-MODEL_DIR=${MODEL_DIR:-$($PY -c "from memserve.models.gguf_convert import ensure_model_dir; print(ensure_model_dir(None))")}
+MODEL_DIR=${MODEL_DIR:-$($PY -c "from memserve.model_files.gguf_convert import ensure_model_dir; print(ensure_model_dir(None))")}
 log "model folder: $MODEL_DIR"
 # transformers serve picks the model class from config.json's "architectures".
 $PY -c 'import json, sys; sys.exit(0 if json.load(open(sys.argv[1])).get("architectures") else 1)' \

@@ -85,7 +85,7 @@ def stop_server(handle: ServerHandle, timeout_s: float = 20.0) -> int:
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     """The embedded SmolLM2 as a Hugging Face folder (converted once, then cached)."""
-    from memserve.models.gguf_convert import ensure_model_dir
+    from memserve.model_files.gguf_convert import ensure_model_dir
 
     return ensure_model_dir(None)
 
@@ -100,7 +100,7 @@ def tokenizer_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def tokenizer(tokenizer_folder: Path):
-    from memserve.gateway.tokenizer import Tokenizer
+    from memserve.text.tokenizer import Tokenizer
 
     return Tokenizer.from_folder(tokenizer_folder)
 

@@ -1,4 +1,4 @@
-"""Admission control (gateway/admission.py) on a fake clock and hand-built predictions:
+"""Admission control (gateway/routing/admission.py) on a fake clock and hand-built predictions:
 the verdict and its Retry-After worked out by hand, each mode (off, reject, queue), the
 held queue's bound, its re-judging when work leaves the ledger, its deadline, and the
 predictions taken from the router's own candidates and ledger."""
@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from memserve.gateway.admission import (
+from memserve.gateway.routing.admission import (
     DEADLINE,
     INFEASIBLE,
     QUEUE,
@@ -21,7 +21,7 @@ from memserve.gateway.admission import (
     judge,
     predict,
 )
-from memserve.gateway.cost_model import (
+from memserve.costmodel.model import (
     AttentionCost,
     BandwidthCost,
     CostKey,
@@ -30,7 +30,7 @@ from memserve.gateway.cost_model import (
     OperatorCost,
 )
 from memserve.gateway.engine_protocol import RequestRejected
-from memserve.gateway.router import Router, RouteRequest, WorkerView
+from memserve.gateway.routing.router import Router, RouteRequest, WorkerView
 from memserve.kvcache.mirror import PromptTreeMirror
 
 BS = 4

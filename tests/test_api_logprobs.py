@@ -18,8 +18,9 @@ import torch
 from conftest import ServerHandle
 from memserve.config import EngineConfig
 from memserve.ipc.messages import AddRequest, SamplingParams
-from memserve.models.gguf_convert import ensure_model_dir
-from memserve.workers.engine import Engine, build_engine
+from memserve.model_files.gguf_convert import ensure_model_dir
+from memserve.workers.engine.engine import Engine
+from memserve.workers.real_engine import build_engine
 from test_openai_schema import COMPLETION_CHUNK, assert_valid, request, sse_chunks
 from test_serving_e2e import hf  # noqa: F401  (the transformers reference fixture)
 

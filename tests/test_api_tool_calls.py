@@ -16,7 +16,7 @@ import pytest
 from jsonschema import Draft202012Validator
 
 from conftest import ServerHandle
-from memserve.gateway.tokenizer import Tokenizer
+from memserve.text.tokenizer import Tokenizer
 from test_gateway_api import FakeEngine, async_test, post, serve
 from test_openai_schema import assert_valid, chunk_schema, generate, sse_chunks
 

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from memserve.bench.client import OpenAIClient, RequestSpec, SSEDecoder, error_message, normalize_base_url
-from memserve.bench.metrics import (
+from memserve.workload.metrics import (
     by_turn,
     cached_token_ratio,
     compute_metrics,
@@ -21,8 +21,8 @@ from memserve.bench.metrics import (
     tpot_ms,
     ttft_ms,
 )
-from memserve.bench.records import RequestRecord
-from memserve.bench.report import RunPoint, baselines, compare_table, lookup
+from memserve.workload.records import RequestRecord
+from memserve.workload.report import RunPoint, baselines, compare_table, lookup
 
 
 def rec(session="s", turn=1, start=0.0, chunks=(), tokens=None, end=None, prompt=None, cached=None,

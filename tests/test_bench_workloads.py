@@ -10,11 +10,12 @@ import statistics
 import pytest
 
 from memserve.bench.client import RequestSpec
-from memserve.bench.dataset import DEFAULT_SHAREGPT, TextCorpus, default_sharegpt_path, load_conversations
-from memserve.bench.records import RequestRecord
-from memserve.bench.runner import Replayer, ReplayOptions, arrival_offsets
-from memserve.bench.tokens import HeuristicTokenCounter, TokenizerTokenCounter
-from memserve.bench.workloads import LengthDist, Session, Turn, WorkloadSpec, build_workload
+from memserve.workload.dataset import DEFAULT_SHAREGPT, TextCorpus, default_sharegpt_path, load_conversations
+from memserve.workload.records import RequestRecord
+from memserve.bench.runner import Replayer
+from memserve.workload.replay import ReplayOptions, arrival_offsets
+from memserve.workload.tokens import HeuristicTokenCounter, TokenizerTokenCounter
+from memserve.workload.workloads import LengthDist, Session, Turn, WorkloadSpec, build_workload
 
 COUNTER = HeuristicTokenCounter()
 

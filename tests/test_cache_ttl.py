@@ -18,7 +18,7 @@ from memserve.kvcache.address import Tier
 from memserve.kvcache.events import REMOVED, KVEvents
 from memserve.kvcache.mirror import PromptTreeMirror
 from memserve.kvcache.retention import Retention
-from memserve.workers.engine import Engine
+from memserve.workers.engine.engine import Engine
 
 TTL = 16.0
 

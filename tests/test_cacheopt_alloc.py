@@ -1,4 +1,4 @@
-"""CacheOpt's allocation arithmetic (workers/cacheopt_alloc.py) against hand-computed
+"""CacheOpt's allocation arithmetic (workers/engine/policies/cacheopt/alloc.py) against hand-computed
 values: demand, amortised cuts (with a floor stopping a cut), and the embedding host."""
 
 from __future__ import annotations
@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 
 from memserve.ipc.messages import SamplingParams
-from memserve.workers.cacheopt_alloc import (
+from memserve.workers.engine.policies.cacheopt.alloc import (
     Host,
     amortise,
     blocks_for,
     demand_tokens,
     embedding_host,
 )
-from memserve.workers.sequence import Sequence
+from memserve.workers.engine.sequence import Sequence
 
 
 def seq(prompt: int, predicted: int | None, outputs: int = 0, max_tokens: int = 100) -> Sequence:

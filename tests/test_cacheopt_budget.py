@@ -1,4 +1,4 @@
-"""The TBT-bounded step budget of cacheopt (workers/cacheopt_budget.py and
+"""The TBT-bounded step budget of cacheopt (workers/engine/policies/cacheopt/budget.py and
 ``CacheOpt._tbt_budget``) against hand-computed values: a long prompt is chunked so
 that the decoding requests' next tokens still come within their TBT SLO, a deadline no
 useful chunk can meet is given up rather than stalling prefills, a prefill progresses
@@ -11,7 +11,7 @@ import pytest
 from test_cacheopt_policy import add, make, policy
 from test_scheduler import chunk_sizes
 
-from memserve.gateway.cost_model import (
+from memserve.costmodel.model import (
     AttentionCost,
     BandwidthCost,
     CostKey,
@@ -19,7 +19,7 @@ from memserve.gateway.cost_model import (
     DecodeCost,
     OperatorCost,
 )
-from memserve.workers.cacheopt_budget import (
+from memserve.workers.engine.policies.cacheopt.budget import (
     prefill_tokens_within,
     step_prefill_tokens,
     ttft_chunk,

@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 
 from memserve.config import EngineConfig
-from memserve.gateway.tokenizer import Tokenizer
+from memserve.text.tokenizer import Tokenizer
 from memserve.ipc.messages import AddRequest, SamplingParams
-from memserve.models.gguf_convert import ensure_model_dir
-from memserve.workers.engine import Engine, build_engine
+from memserve.model_files.gguf_convert import ensure_model_dir
+from memserve.workers.engine.engine import Engine
+from memserve.workers.real_engine import build_engine
 
 PROMPTS = ["Write a haiku about the sea.", "What is the capital of France? Answer in one sentence.",
            "List three prime numbers.", "Explain what a KV cache is, briefly.", "Say hello in Spanish.",

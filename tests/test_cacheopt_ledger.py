@@ -1,12 +1,12 @@
-"""CacheOpt's KV ledger (workers/cacheopt_ledger.py) on a counted pool: promised blocks
+"""CacheOpt's KV ledger (workers/engine/policies/cacheopt/ledger.py) on a counted pool: promised blocks
 are kept from others, growth past an allocation takes free blocks then the reserve,
 embedding lends a host's unused allocation and gives it back, held requests wait."""
 
 from __future__ import annotations
 
 from memserve.ipc.messages import SamplingParams
-from memserve.workers.cacheopt_ledger import KVLedger
-from memserve.workers.sequence import Sequence
+from memserve.workers.engine.policies.cacheopt.ledger import KVLedger
+from memserve.workers.engine.sequence import Sequence
 
 
 class Pool:

@@ -1,4 +1,4 @@
-"""CacheOpt §3.3.2 for waiting requests (workers/cacheopt.py ``make_room``): a waiting
+"""CacheOpt §3.3.2 for waiting requests (workers/engine/policies/cacheopt/policy.py ``make_room``): a waiting
 request about to miss its TTFT SLO, with no KV for its basic need, gets room by
 preempting running requests in §3.4's order, and is admitted in the same step; a victim
 yields to waiting requests at most once; a deadline already missed preempts nobody.

@@ -1,7 +1,7 @@
 """``--schedule-policy cacheopt`` in the real Engine, Scheduler, KV manager and MemPool,
 driven by the scripted runner and fake clock of test_scheduler.py: deadline-first
 admission, predicted-demand allocation, embedding, the global reserve, swap through
-the host tier, the starvation bound of workers/cacheopt.py, and no leaked block."""
+the host tier, the starvation bound of workers/engine/policies/cacheopt/policy.py, and no leaked block."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from test_scheduler import (
 )
 
 from memserve.config import EngineConfig
-from memserve.gateway.cost_model import (
+from memserve.costmodel.model import (
     AttentionCost,
     BandwidthCost,
     CostKey,
@@ -29,8 +29,8 @@ from memserve.gateway.cost_model import (
     OperatorCost,
 )
 from memserve.ipc.messages import AddRequest, SamplingParams
-from memserve.workers.cacheopt import CacheOpt
-from memserve.workers.engine import Engine
+from memserve.workers.engine.policies.cacheopt.policy import CacheOpt
+from memserve.workers.engine.engine import Engine
 
 
 def make(num_blocks: int = 64, budget: int = 32, max_num_seqs: int = 8, options: str = "", num_host_blocks: int = 0,
@@ -152,7 +152,7 @@ def test_attach_finds_the_sweet_spot_from_the_cost_model():
 
 
 def test_a_loose_request_under_a_stream_of_tighter_ones_is_served_within_the_bound():
-    """Bound (workers/cacheopt.py): nothing arriving after d - S_min overtakes a request
+    """Bound (workers/engine/policies/cacheopt/policy.py): nothing arriving after d - S_min overtakes a request
     with deadline d. Here d = 0.2 s, S_min = 0.03 s, one request served per 10 ms step and
     one arriving per step: the loose one goes at step 17 or 18 (a tie at 0.2 s), after
     16-17 later arrivals overtook it, never later."""

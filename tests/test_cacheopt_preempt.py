@@ -1,10 +1,10 @@
 """CacheOpt's preemption choices against hand-computed values: the victim order in
-magnitude bands (workers/cacheopt_preempt.py) and the swap/recompute sweet spot
-L_r(S) = L_s(S) (workers/cacheopt_sweetspot.py)."""
+magnitude bands (workers/engine/policies/cacheopt/preempt.py) and the swap/recompute sweet spot
+L_r(S) = L_s(S) (workers/engine/policies/cacheopt/sweetspot.py)."""
 
 from __future__ import annotations
 
-from memserve.gateway.cost_model import (
+from memserve.costmodel.model import (
     AttentionCost,
     BandwidthCost,
     CostKey,
@@ -13,9 +13,9 @@ from memserve.gateway.cost_model import (
     OperatorCost,
 )
 from memserve.ipc.messages import SamplingParams
-from memserve.workers.cacheopt_preempt import pick_victim, victim_order_key
-from memserve.workers.cacheopt_sweetspot import recompute_s, swap_s, sweet_spot
-from memserve.workers.sequence import Sequence
+from memserve.workers.engine.policies.cacheopt.preempt import pick_victim, victim_order_key
+from memserve.workers.engine.policies.cacheopt.sweetspot import recompute_s, swap_s, sweet_spot
+from memserve.workers.engine.sequence import Sequence
 
 
 def seq(rid: str, predicted: int, outputs: int = 0, arrival: float = 0.0) -> Sequence:

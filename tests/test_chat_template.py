@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from memserve.gateway.tokenizer import ChatTemplateError, Tokenizer
+from memserve.text.tokenizer import ChatTemplateError, Tokenizer
 
 
 def smollm2_tokenizer_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:

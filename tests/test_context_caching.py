@@ -13,11 +13,12 @@ import pytest
 
 from conftest import SHARED_DATA
 from memserve.config import EngineConfig
-from memserve.gateway.tokenizer import Tokenizer
+from memserve.text.tokenizer import Tokenizer
 from memserve.ipc.messages import AddRequest, SamplingParams, decode, encode
 from memserve.kvcache.events import REMOVED, KVEvents
 from memserve.kvcache.mirror import PromptTreeMirror
-from memserve.workers.engine import Engine, build_engine
+from memserve.workers.engine.engine import Engine
+from memserve.workers.real_engine import build_engine
 
 MAX_TOKENS = 12
 

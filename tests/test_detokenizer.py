@@ -8,8 +8,8 @@ import random
 import pytest
 from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
-from memserve.gateway.detokenizer import IncrementalDetokenizer
-from memserve.gateway.tokenizer import Tokenizer
+from memserve.text.detokenizer import IncrementalDetokenizer
+from memserve.text.tokenizer import Tokenizer
 from test_chat_template import smollm2_tokenizer_folder
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from memserve.config import EngineConfig
 from memserve.ipc.messages import AddRequest, SamplingParams
-from memserve.workers.engine import Engine, build_engine
+from memserve.workers.engine.engine import Engine
+from memserve.workers.real_engine import build_engine
 from memserve.workers.warmup import warm_up
 
 PROMPT = [1, 504, 3458, 282, 4649, 314]  # a few in-vocabulary token ids

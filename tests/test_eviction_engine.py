@@ -12,8 +12,8 @@ import pytest
 from test_context_caching import replay
 from test_tiered_engine import TURNS, short_conversations, tiered_config, tokens_of
 
-from memserve.gateway.tokenizer import Tokenizer
-from memserve.workers.engine import build_engine
+from memserve.text.tokenizer import Tokenizer
+from memserve.workers.real_engine import build_engine
 
 
 def run(model_dir, tmp_path, policy: str, convs) -> tuple[list, dict]:

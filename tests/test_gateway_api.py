@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from memserve.gateway.app import create_app
 from memserve.gateway.engine_protocol import EngineUnavailable, RequestRejected
-from memserve.gateway.tokenizer import Tokenizer
+from memserve.text.tokenizer import Tokenizer
 from memserve.ipc.messages import RequestOutput, SamplingParams
 
 MODEL = "smollm2-test"
@@ -563,7 +563,7 @@ def test_gateway_never_imports_torch(tokenizer_folder: Path) -> None:
     code = (
         "import sys, types\n"
         "from memserve.gateway.app import create_app\n"
-        "from memserve.gateway.tokenizer import Tokenizer\n"
+        "from memserve.text.tokenizer import Tokenizer\n"
         f"tokenizer = Tokenizer.from_folder({str(tokenizer_folder)!r})\n"
         "engine = types.SimpleNamespace(max_model_len=64, stats=lambda: {'workers': []})\n"
         "create_app(engine, tokenizer, 'm')\n"

@@ -34,7 +34,7 @@ from memserve.gateway.connection import GatewayRunner
 from memserve.gateway.errors import APIError
 from memserve.gateway.prompt_encoder import INLINE_MAX_CHARS, PromptEncoder
 from memserve.gateway.protocol import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
-from memserve.gateway.tokenizer import Tokenizer
+from memserve.text.tokenizer import Tokenizer
 from memserve.gateway.tool_calls import template_inputs
 from test_gateway_api import MESSAGES, MODEL, FakeEngine, async_test, post, serve
 
@@ -398,7 +398,7 @@ async def test_a_killed_tokenizer_process_costs_one_503_and_is_replaced(tokenize
 ORPHANING_GATEWAY = """
 import asyncio, multiprocessing, sys, time
 from memserve.gateway.prompt_encoder import INLINE_MAX_CHARS, PromptEncoder
-from memserve.gateway.tokenizer import Tokenizer
+from memserve.text.tokenizer import Tokenizer
 
 async def main():
     encoder = PromptEncoder(Tokenizer.from_folder(sys.argv[1]), processes=2)

@@ -14,13 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from memserve.models.default_model import default_gguf_path
-from memserve.models.gguf_convert import WEIGHTS_FILE, ensure_model_dir, hf_tensor_name, unpermute_rotary_rows
+from memserve.model_files.default_model import default_gguf_path
+from memserve.model_files.gguf_convert import WEIGHTS_FILE, ensure_model_dir, hf_tensor_name, unpermute_rotary_rows
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 _CONVERT_WITHOUT_TORCH = """
 import sys
-from memserve.models.gguf_convert import ensure_model_dir
+from memserve.model_files.gguf_convert import ensure_model_dir
 path = ensure_model_dir(None)
 assert "torch" not in sys.modules, "ensure_model_dir imported torch into the caller"
 print(path)

@@ -1,4 +1,4 @@
-"""Position-decoupled truncation (issue 10, AttentionStore §3.4): re-positioned keys,
+"""Position-decoupled truncation (AttentionStore §3.4): re-positioned keys,
 the worker's reuse of a truncated conversation's cached KV, and how close kv-shift comes
 to recomputing.
 
@@ -19,16 +19,17 @@ import pytest
 import torch
 
 from memserve.config import EngineConfig
-from memserve.gateway.tokenizer import Tokenizer
+from memserve.text.tokenizer import Tokenizer
 from memserve.ipc.messages import AddRequest, SamplingParams
 from memserve.kvcache.address import Tier
 from memserve.kvcache.mempool import MemPool
-from memserve.workers.engine import Engine, build_engine
+from memserve.workers.engine.engine import Engine
+from memserve.workers.real_engine import build_engine
 from memserve.workers.model.attention import allocate_kv_cache, layer_kv
 from memserve.workers.model.kv_shift import shift_blocks
 from memserve.workers.model.loader import load_model
 from memserve.workers.model.rope import RotaryEmbedding, apply_rotary
-from memserve.workers.truncated_prefix import reuse_truncated
+from memserve.workers.engine.truncated_prefix import reuse_truncated
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from truncation_quality import PagedSequence, Sample, continuation_logprobs, load_samples, new_pool

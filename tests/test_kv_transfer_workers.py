@@ -14,10 +14,10 @@ import time
 from memserve.config import EngineConfig
 from memserve.gateway.cluster import Cluster, plan_workers
 from memserve.gateway.engine_client import ZmqEngineClient
-from memserve.gateway.tokenizer import Tokenizer
+from memserve.text.tokenizer import Tokenizer
 from memserve.ipc.channel import GatewayChannel
 from memserve.ipc.messages import ExpectTransfer, SamplingParams, TransferPrefix
-from memserve.models.gguf_convert import ensure_model_dir
+from memserve.model_files.gguf_convert import ensure_model_dir
 
 BLOCK = 16
 
@@ -106,7 +106,7 @@ async def busy_receiver_scenario(model_dir) -> None:
     try:
         await collect(client.generate("warm", prompt, SamplingParams(max_tokens=2, temperature=0.0), instance=0))
         ticket, blocks = "busy-receiver", len(prompt) // BLOCK
-        await client._ask(1, ExpectTransfer(9001, ticket, 0, blocks), 30)  # worker 1 is idle: answered at once
+        await client.ask(1, ExpectTransfer(9001, ticket, 0, blocks), 30)  # worker 1 is idle: answered at once
         long_prompt = random.Random(0).choices(range(1000, 40000), k=2000)  # one step of seconds on a CPU
         first_token_at: list[float] = []
 
@@ -117,7 +117,7 @@ async def busy_receiver_scenario(model_dir) -> None:
 
         prefill = asyncio.create_task(long_prefill())
         await asyncio.sleep(0.3)  # worker 1 is inside the long step now
-        done = await client._ask(0, TransferPrefix(9002, list(prompt), 1, ticket), 30)
+        done = await client.ask(0, TransferPrefix(9002, list(prompt), 1, ticket), 30)
         done_at = time.monotonic()
         await prefill
         assert done.error is None and done.num_blocks == blocks

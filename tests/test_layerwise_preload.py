@@ -13,12 +13,13 @@ import pytest
 from test_context_caching import conversations, replay, run
 
 from memserve.config import EngineConfig
-from memserve.gateway.tokenizer import Tokenizer
+from memserve.text.tokenizer import Tokenizer
 from memserve.ipc.messages import AddRequest, SamplingParams
 from memserve.kvcache.address import Tier, addr_tier
-from memserve.workers.engine import Engine, build_engine
+from memserve.workers.engine.engine import Engine
+from memserve.workers.real_engine import build_engine
 from memserve.workers.layer_preload import LayerwisePreloader, LoadFailed, buffer_layers
-from memserve.workers.step_plan import KVLoad, ScheduledChunk, StepPlan
+from memserve.workers.engine.step_plan import KVLoad, ScheduledChunk, StepPlan
 
 LAYERS = 8
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from memserve.workers.model.attention import AttentionMetadata, allocate_kv_cache
-from memserve.models.default_model import default_gguf_path
+from memserve.model_files.default_model import default_gguf_path
 from memserve.workers.model.llama import LlamaForCausalLM
 from memserve.workers.model.loader import load_model
 from memserve.workers.model.model_config import ModelConfig

@@ -21,7 +21,7 @@ from jsonschema import Draft202012Validator
 from conftest import REPO, ServerHandle
 from memserve.gateway.engine_protocol import EngineUnavailable, RequestRejected
 from memserve.gateway.responses import ChatFormat, CompletionFormat, Usage
-from memserve.gateway.tokenizer import Tokenizer
+from memserve.text.tokenizer import Tokenizer
 from test_chat_template import _folder_without_template
 from test_gateway_api import MESSAGES, FakeEngine, async_test, post, serve
 

@@ -9,7 +9,8 @@ import pytest
 
 from memserve.config import EngineConfig
 from memserve.ipc.messages import AddRequest, SamplingParams
-from memserve.workers.engine import Engine, build_engine
+from memserve.workers.engine.engine import Engine
+from memserve.workers.real_engine import build_engine
 
 BLOCK_SIZE = 16
 PROMPT = list(range(100, 140))  # 2 full blocks and 8 tokens

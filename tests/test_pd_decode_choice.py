@@ -12,7 +12,7 @@ from test_sim_pd import conversation, simulate
 
 from memserve.gateway.engine_protocol import EngineUnavailable
 from memserve.gateway.pd_flow import PDFlow, pick_decode
-from memserve.gateway.route_types import Balance, WorkerView
+from memserve.gateway.routing.route_types import Balance, WorkerView
 from memserve.kvcache.events import STORED, KVEvent
 from memserve.kvcache.hashing import block_hashes
 from memserve.kvcache.mirror import PromptTreeMirror
@@ -87,7 +87,7 @@ def test_degraded_instances_are_picked_by_load_only():
                                                 ("pd-caching-3", 1)])
 def test_gateway_follows_the_prefix_only_where_decode_caches(mode, expected):
     views = [view(0, 0, PROMPT, role="prefill"), view(1, 1, PROMPT), view(2, 0)]
-    client = SimpleNamespace(_views=lambda: views, router=SimpleNamespace(balance=Balance()))
+    client = SimpleNamespace(views=lambda: views, router=SimpleNamespace(balance=Balance()))
     assert PDFlow(client, mode)._pick_decode(PROMPT) == expected  # type: ignore[arg-type]
     assert PDFlow(client, mode)._pick_decode(PROMPT, exclude=expected) == 3 - expected  # type: ignore[arg-type]
 

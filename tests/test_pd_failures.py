@@ -51,7 +51,7 @@ async def decode_failures(transfer_mode: str) -> None:
             tokens += out.new_token_ids
             reason = out.finish_reason
             if len(tokens) >= 12 and client.cluster.workers[1].alive:
-                assert client._streams["killed-decode"].worker == 1
+                assert client.streams["killed-decode"].worker == 1
                 os.kill(client.cluster.workers[1].process.pid, signal.SIGKILL)
         assert reason == "length" and tokens == reference
         assert client.pd.counts["decode_lost"] == 1

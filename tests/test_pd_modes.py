@@ -11,7 +11,7 @@ import asyncio
 import pytest
 from pd_harness import BLOCK, collect, pd_cluster, settled, user_turns
 
-from memserve.gateway.pd_topology import PD_MODES, parse_instances, role_caches
+from memserve.gateway.routing.pd_topology import PD_MODES, parse_instances, role_caches
 from memserve.ipc.messages import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)

@@ -1,4 +1,4 @@
-"""Prompts routed but not yet in their worker's KV events (gateway/pending_prefixes.py):
+"""Prompts routed but not yet in their worker's KV events (gateway/routing/pending_prefixes.py):
 two copies of a prompt sent back to back go to one worker under prompt-tree and cost
 (hand-computed on the exact linear cost model of test_router); a claim ends when the
 worker's events cover it, when its request ends, or after its TTL on the injected
@@ -11,9 +11,9 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from test_router import BS, PROMPT, linear_cost, mirror, view
 
-from memserve.gateway.pending_prefixes import PendingPrefixes
-from memserve.gateway.route_types import RouteDecision
-from memserve.gateway.router import Router, RouteRequest, WorkerView
+from memserve.gateway.routing.pending_prefixes import PendingPrefixes
+from memserve.gateway.routing.route_types import RouteDecision
+from memserve.gateway.routing.router import Router, RouteRequest, WorkerView
 from memserve.gateway.routing_metrics import RouterStatsCollector
 from memserve.kvcache.events import STORED, KVEvent
 from memserve.kvcache.hashing import block_hashes

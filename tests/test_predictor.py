@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from memserve.gateway.engine_client import ZmqEngineClient
-from memserve.gateway.tokenizer import Tokenizer
+from memserve.text.tokenizer import Tokenizer
 from memserve.ipc.messages import AddRequest, RequestOutput, SamplingParams
 from memserve.predictor.arrival_rate import ArrivalRate
 from memserve.predictor.dataset import DEFAULT_TABLE, load_table, tokenizer_fingerprint
@@ -285,7 +285,7 @@ class _ScriptedChannel:
     async def send(self, worker: int, msg) -> None:
         if isinstance(msg, AddRequest):
             self.sent.append(msg)
-            queue = self.client_ref[0]._streams[msg.request_id].queue
+            queue = self.client_ref[0].streams[msg.request_id].queue
             half = self.length // 2
             queue.put_nowait(RequestOutput(msg.request_id, [5] * half))
             queue.put_nowait(RequestOutput(msg.request_id, [5] * (self.length - half), True, "stop"))

@@ -11,8 +11,8 @@ from test_scheduler import BS, Clock, ScriptedRunner, add, run_to_end
 
 from memserve.config import EngineConfig
 from memserve.kvcache.address import Tier, addr_tier
-from memserve.workers.engine import Engine
-from memserve.workers.sequence import SequenceStatus
+from memserve.workers.engine.engine import Engine
+from memserve.workers.engine.sequence import SequenceStatus
 
 DEVICE_BLOCKS, HOST_BLOCKS, DISK_BLOCKS = 8, 8, 64
 

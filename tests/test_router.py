@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from memserve.gateway.cost_model import (
+from memserve.costmodel.model import (
     AttentionCost,
     BandwidthCost,
     CostKey,
@@ -19,16 +19,16 @@ from memserve.gateway.cost_model import (
     OperatorCost,
 )
 from memserve.gateway.engine_protocol import EngineUnavailable
-from memserve.gateway.queued_work import QueuedWork
-from memserve.gateway.route_types import (
+from memserve.gateway.routing.queued_work import QueuedWork
+from memserve.gateway.routing.route_types import (
     Balance,
     Candidate,
     RouteDecision,
     RoutingContext,
 )
-from memserve.gateway.router import LeastLoad, Router, RouteRequest, WorkerView
+from memserve.gateway.routing.router import LeastLoad, Router, RouteRequest, WorkerView
 from memserve.gateway.routing_metrics import RouterStatsCollector
-from memserve.gateway.routing_policies import exec_s
+from memserve.gateway.routing.policies import exec_s
 from memserve.kvcache.events import STORED, KVEvent
 from memserve.kvcache.hashing import block_hashes
 from memserve.kvcache.mirror import PromptTreeMirror

@@ -18,7 +18,7 @@ import pytest
 from conftest import start_server, stop_server
 from openai import AsyncOpenAI
 
-from memserve.gateway.cost_model import (
+from memserve.costmodel.model import (
     AttentionCost,
     BandwidthCost,
     CostKey,

@@ -13,11 +13,11 @@ import argparse
 from conftest import SHARED_DATA
 
 from memserve.bench.cli import build_sessions, replay_options
-from memserve.bench.metrics import compute_metrics
+from memserve.workload.metrics import compute_metrics
 from memserve.config import EngineConfig
-from memserve.gateway.cost_model import CostModel
-from memserve.gateway.route_types import PULL, RouteDecision
-from memserve.gateway.router import Router
+from memserve.costmodel.store import load_cost_model
+from memserve.gateway.routing.route_types import PULL, RouteDecision
+from memserve.gateway.routing.router import Router
 from memserve.sim.cli import add_parser
 from memserve.sim.simulator import Simulation
 from memserve.sim.tokens import SyntheticTokenizer
@@ -36,7 +36,7 @@ def simulate(router_name: str, *extra: str) -> tuple[Simulation, list[tuple[str,
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
     args = parser.parse_args(["simulate", *ARGS, *extra, "--router", router_name])
-    cost = CostModel.load(args.cost_model)
+    cost = load_cost_model(args.cost_model)
     _, parts, _ = build_sessions(args, 1)
     router = Router.named(router_name, cost, step_tokens=args.max_num_batched_tokens)
     decisions: list[tuple[str, RouteDecision]] = []

@@ -12,9 +12,9 @@ from test_mempool import NumpyBlockMover
 from memserve.config import EngineConfig
 from memserve.ipc.messages import AddRequest, RequestOutput, SamplingParams
 from memserve.kvcache.address import Tier
-from memserve.workers.engine import Engine
-from memserve.workers.sequence import SequenceStatus
-from memserve.workers.step_plan import KVLoad, StepPlan, StepResult
+from memserve.workers.engine.engine import Engine
+from memserve.workers.engine.sequence import SequenceStatus
+from memserve.workers.engine.step_plan import KVLoad, StepPlan, StepResult
 
 BS = 4
 VOCAB = 1000

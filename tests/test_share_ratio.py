@@ -3,9 +3,9 @@ times as distinct sessions with identical turns, in a seeded, shuffled order."""
 
 from __future__ import annotations
 
-from memserve.bench.dataset import TextCorpus, default_sharegpt_path, load_conversations
-from memserve.bench.tokens import HeuristicTokenCounter
-from memserve.bench.workloads import Session, WorkloadSpec, build_workload
+from memserve.workload.dataset import TextCorpus, default_sharegpt_path, load_conversations
+from memserve.workload.tokens import HeuristicTokenCounter
+from memserve.workload.workloads import Session, WorkloadSpec, build_workload
 
 
 def sessions(share_ratio: int) -> list[Session]:

@@ -9,13 +9,13 @@ import json
 
 import pytest
 
-from memserve.bench.runner import ReplayOptions
-from memserve.bench.workloads import Session, Turn
+from memserve.workload.replay import ReplayOptions
+from memserve.workload.workloads import Session, Turn
 from memserve.cli import main as memserve
 from memserve.config import EngineConfig
-from memserve.gateway.cost_model import CostModel
-from memserve.gateway.pd_topology import PD_MODES
-from memserve.gateway.router import Router
+from memserve.costmodel.store import load_cost_model
+from memserve.gateway.routing.pd_topology import PD_MODES
+from memserve.gateway.routing.router import Router
 from memserve.sim.simulator import Simulation
 from memserve.sim.tokens import SyntheticTokenizer
 
@@ -34,7 +34,7 @@ def conversation(i: int, turns: int, output_len: int = 40) -> Session:
 
 def simulate(roles: list[str], mode: str, sessions: list[Session], think_time_s: float = 0.0,
              num_blocks: int = 256) -> Simulation:
-    cost = CostModel.load("llama2-13b-h800")
+    cost = load_cost_model("llama2-13b-h800")
     cfg = EngineConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks, max_num_seqs=8, max_num_batched_tokens=512,
                        max_model_len=2048)
     sim = Simulation(cost, cfg, len(roles), Router.named("prompt-tree", cost), SyntheticTokenizer(),

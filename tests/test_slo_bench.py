@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from memserve.bench.cli import configure_parser, replay_options
-from memserve.bench.records import RequestRecord
-from memserve.bench.runner import ReplayOptions
+from memserve.workload.records import RequestRecord
+from memserve.workload.replay import ReplayOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import slo_serving

@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 from conftest import start_server, stop_server
 
-from memserve.gateway.cost_model import (
+from memserve.costmodel.model import (
     AttentionCost,
     BandwidthCost,
     CostKey,

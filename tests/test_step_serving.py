@@ -3,7 +3,7 @@ since the step began or since it was last served (a fake clock and counter)."""
 
 from __future__ import annotations
 
-from memserve.workers.step_plan import StepPlan
+from memserve.workers.engine.step_plan import StepPlan
 from memserve.workers.step_serving import ServeBetweenLayers
 
 

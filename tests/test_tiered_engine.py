@@ -18,11 +18,12 @@ import pytest
 from test_context_caching import replay
 
 from memserve.config import EngineConfig
-from memserve.gateway.tokenizer import Tokenizer
+from memserve.text.tokenizer import Tokenizer
 from memserve.kvcache.address import Tier
 from memserve.kvcache.events import REMOVED, STORED
-from memserve.models.gguf_convert import ensure_model_dir
-from memserve.workers.engine import Engine, build_engine
+from memserve.model_files.gguf_convert import ensure_model_dir
+from memserve.workers.engine.engine import Engine
+from memserve.workers.real_engine import build_engine
 
 REPO = Path(__file__).resolve().parent.parent
 DEVICE_BLOCKS = 16  # 256 tokens: one conversation at a time, barely

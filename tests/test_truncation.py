@@ -1,4 +1,4 @@
-"""The gateway side of ``--truncation`` (issue 10): which tokens an over-long chat loses
+"""The gateway side of ``--truncation``: which tokens an over-long chat loses
 (whole blocks right after the system prompt), what the worker is told, and the 400 of
 ``error``; then a long conversation through the gateway onto a real in-process engine,
 served from shifted KV (kv-shift) or recomputed (recompute)."""
@@ -16,8 +16,8 @@ from test_gateway_api import async_test
 
 from memserve.config import EngineConfig
 from memserve.gateway.app import create_app
-from memserve.gateway.tokenizer import Tokenizer
-from memserve.gateway.truncation import (
+from memserve.text.tokenizer import Tokenizer
+from memserve.text.truncation import (
     CannotTruncate,
     Truncation,
     head_messages,
@@ -27,7 +27,8 @@ from memserve.gateway.truncation import (
     truncate,
 )
 from memserve.ipc.messages import AddRequest, RequestOutput, SamplingParams
-from memserve.workers.engine import Engine, build_engine
+from memserve.workers.engine.engine import Engine
+from memserve.workers.real_engine import build_engine
 
 BS = 16
 MODEL = "SmolLM2-135M-Instruct"

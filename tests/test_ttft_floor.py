@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from ttft_floor import floors, session_floors  # noqa: E402
 
-from memserve.gateway.cost_model import CostModel  # noqa: E402
+from memserve.costmodel.store import load_cost_model
 
 
 def record(session: str, turn: int, start: float, prompt: int, cached: int = 0, completion: int = 16) -> dict:
@@ -23,7 +23,7 @@ def record(session: str, turn: int, start: float, prompt: int, cached: int = 0, 
 
 
 def test_floors_count_history_and_copies():
-    cost = CostModel.load("opt-13b-a100")
+    cost = load_cost_model("opt-13b-a100")
     first_turn = cost.prefill_s(500, 32 / 500)
     assert first_turn > 0.01
     records = [

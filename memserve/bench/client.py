@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from memserve.bench.records import RequestRecord
+from memserve.workload.records import RequestRecord
 
 DIALECTS = ("memserve", "openai", "transformers")
 ENDPOINTS = ("chat", "completions")

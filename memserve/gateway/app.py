@@ -33,7 +33,7 @@ from typing import AsyncIterator, Awaitable, Callable
 import orjson
 from aiohttp import web
 
-from memserve.gateway.detokenizer import IncrementalDetokenizer
+from memserve.text.detokenizer import IncrementalDetokenizer
 from memserve.gateway.engine_protocol import EngineClient, EngineUnavailable, RequestRejected
 from memserve.gateway.errors import APIError, bad_request
 from memserve.gateway.logprobs import LoggedToken, TokenLog, TokenStrings
@@ -51,9 +51,9 @@ from memserve.gateway.protocol import (
 )
 from memserve.gateway.responses import CompletionFormat, LogprobsRenderer, ResponseFormat, Usage
 from memserve.gateway.tokenize_api import parse_detokenize_request, parse_tokenize_request
-from memserve.gateway.tokenizer import ChatTemplateError, Tokenizer
+from memserve.text.tokenizer import ChatTemplateError, Tokenizer
 from memserve.gateway.tool_calls import chat_format, template_inputs
-from memserve.gateway.truncation import (
+from memserve.text.truncation import (
     DEFAULT_TRUNCATION,
     CannotTruncate,
     common_prefix,
@@ -358,7 +358,7 @@ class _OpenAIServer:
     async def _fit_window(self, req: GenerationRequest, messages: list[dict], tools: list[dict] | None,
                           prompt_ids: list[int]) -> list[int]:
         """A conversation over the context window loses whole blocks of its oldest turns
-        (``--truncation``, gateway/truncation.py); with ``error`` it gets the usual 400."""
+        (``--truncation``, text/truncation.py); with ``error`` it gets the usual 400."""
         max_model_len = self._engine.max_model_len
         if self._truncation == "error" or not overflows(len(prompt_ids), max_model_len, req.max_tokens):
             return prompt_ids
@@ -549,7 +549,7 @@ def create_app(engine: EngineClient, tokenizer: Tokenizer, model_name: str, max_
     handler_cancellation=True)`` so that a client disconnect cancels its handler at once
     and malformed HTTP gets error objects too. ``slo_defaults``: the SLOs (``ttft_ms``,
     ``tbt_ms``) of requests that set none. ``truncation``: what becomes of a chat over the
-    context window (gateway/truncation.py); ``block_size``: the workers' KV block size."""
+    context window (text/truncation.py); ``block_size``: the workers' KV block size."""
     metrics = GatewayMetrics(engine.stats)
     app = web.Application(client_max_size=max_body_bytes, middlewares=[_error_middleware(metrics)])
     encoder = PromptEncoder(tokenizer, tokenizer_processes)

@@ -10,14 +10,14 @@ import logging
 import secrets
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator
 
-from memserve.gateway.admission import OFF, Admission, predict
+from memserve.gateway.routing.admission import OFF, Admission, predict
 from memserve.gateway.cluster import Cluster, WorkerHandle
 from memserve.gateway.pd_flow import HANDOFF_TIMEOUT_S, PDFlow
-from memserve.gateway.pd_topology import is_disaggregated
-from memserve.gateway.router import LeastLoad, RouteDecision, RouteRequest, Router, WorkerView
+from memserve.gateway.request_stream import RETRY, RequestStream
+from memserve.gateway.routing.pd_topology import is_disaggregated
+from memserve.gateway.routing.router import LeastLoad, RouteDecision, RouteRequest, Router, WorkerView
 from memserve.ipc.channel import GatewayChannel
 from memserve.ipc.messages import (
     AbortRequest,
@@ -56,24 +56,6 @@ class WorkerStartError(RuntimeError):
     pass
 
 
-@dataclass
-class _Stream:
-    """A request in flight: where it runs and whether a token reached the caller yet."""
-
-    worker: int
-    pinned: bool = False
-    started: bool = False
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    # Disaggregated (gateway/pd_flow.py): the decode instance taking it over, and whether
-    # it can resume elsewhere after tokens were streamed (a death then means a retry).
-    peer: int | None = None
-    resumable: bool = False
-
-
-# Put on a stream's queue when its worker died before the first token: send it again.
-_RETRY = RequestOutput("", [], False, "retry")
-
-
 class ZmqEngineClient:
     """Implements ``gateway.engine_protocol.EngineClient`` over real worker processes."""
 
@@ -88,11 +70,11 @@ class ZmqEngineClient:
         self.block_size = block_size
         self.max_model_len = 0
         self.mirrors = {i: PromptTreeMirror(i, block_size) for i in cluster.workers}
-        self._streams: dict[str, _Stream] = {}
+        self.streams: dict[str, RequestStream] = {}
         self._tasks: list[asyncio.Task] = []
         self._start_error: str | None = None
         self._transfers: dict[int, asyncio.Future[TransferDone | TransferExpected]] = {}
-        self._transfer_ids = itertools.count(1)
+        self.transfer_ids = itertools.count(1)
         roles = [h.config.role for h in cluster.workers.values()]
         self.pd = PDFlow(self, pd_mode, handoff_timeout_s) if is_disaggregated(roles) else None
         self.predictor: Predictor | None = None  # set by the server once bootstrapped (--predictor on)
@@ -144,7 +126,7 @@ class ZmqEngineClient:
         (nothing reached the client yet, so that is safe); with none left it raises
         ``EngineUnavailable``. With ``params.n > 1`` the outputs of all choices come here,
         each with its ``index``, until every choice finished (or one failed)."""
-        if request_id in self._streams:
+        if request_id in self.streams:
             raise ValueError(f"duplicate request id {request_id}")
         if self.pd is not None and instance is None and self.pd.applies(params, len(prompt_token_ids)):
             async for out in self.pd.generate(request_id, prompt_token_ids, params, session_id, slo):
@@ -152,22 +134,22 @@ class ZmqEngineClient:
             return
         route = RouteRequest(request_id, prompt_token_ids, session_id, slo or {}, params.max_tokens, params.n)
         if instance is None:
-            await self._admit(route)
-        decision = self._pick_worker(route) if instance is None else None
-        stream = _Stream(instance if decision is None else decision.instance, pinned=instance is not None)
-        self._streams[request_id] = stream
+            await self.admit(route)
+        decision = self.pick_worker(route) if instance is None else None
+        stream = RequestStream(instance if decision is None else decision.instance, pinned=instance is not None)
+        self.streams[request_id] = stream
         finished = False
         unfinished = params.n
         produced: Counter[int] = Counter()  # tokens per choice, for the predictor
         try:
             if decision is not None and decision.pull_from is not None:
-                await self._pull_prefix(decision.pull_from, decision.instance, prompt_token_ids)
-            add = self._add_request(request_id, prompt_token_ids, params, session_id, slo)
+                await self.pull_prefix(decision.pull_from, decision.instance, prompt_token_ids)
+            add = self.add_request(request_id, prompt_token_ids, params, session_id, slo)
             await self.channel.send(stream.worker, add)
             while not finished:
                 out = await stream.queue.get()
-                if out is _RETRY:
-                    stream.worker = self._pick_worker(route).instance
+                if out is RETRY:
+                    stream.worker = self.pick_worker(route).instance
                     log.warning("request %s: its worker died before the first token; retrying on worker %d",
                                 request_id, stream.worker)
                     await self.channel.send(stream.worker, add)
@@ -175,25 +157,25 @@ class ZmqEngineClient:
                 produced[out.index] += len(out.new_token_ids)
                 if out.finished:
                     unfinished -= 1
-                    self._learn(request_id, produced[out.index], out.finish_reason)
+                    self.learn(request_id, produced[out.index], out.finish_reason)
                 finished = unfinished == 0 or out.finish_reason == "error"
                 yield out
         finally:
-            self._release(request_id)
+            self.release(request_id)
             if not finished:
-                await self._send_abort(stream.worker, request_id)
+                await self.send_abort(stream.worker, request_id)
 
     async def abort(self, request_id: str) -> None:
-        stream = self._streams.pop(request_id, None)
+        stream = self.streams.pop(request_id, None)
         if stream is not None:
-            await self._send_abort(stream.worker, request_id)
+            await self.send_abort(stream.worker, request_id)
             stream.queue.put_nowait(RequestOutput(request_id, [], True, "abort"))
 
     async def abort_choice(self, request_id: str, index: int) -> None:
         """Stop one choice of an n > 1 request; the request goes on with the others."""
-        stream = self._streams.get(request_id)
+        stream = self.streams.get(request_id)
         if stream is not None:
-            await self._send_abort(stream.worker, choice_request_id(request_id, index))
+            await self.send_abort(stream.worker, choice_request_id(request_id, index))
 
     async def transfer_prefix(self, src: int, dst: int, token_ids: list[int], timeout_s: float = 60.0,
                               incremental: bool = False) -> int:
@@ -201,22 +183,22 @@ class ZmqEngineClient:
         returns the number of blocks that arrived there. ``dst`` is told to expect the
         transfer under a fresh ticket before ``src`` starts it; ``incremental``: ``dst``
         pins what it caches of them and only the blocks after that are sent."""
-        tid = next(self._transfer_ids)
+        tid = next(self.transfer_ids)
         ticket = secrets.token_hex(16)
         name = f"transfer-{tid}"  # an abort under this name frees dst's pins if nothing arrives
-        expected = await self._ask(dst, ExpectTransfer(tid, ticket, src, len(token_ids) // self.block_size,
+        expected = await self.ask(dst, ExpectTransfer(tid, ticket, src, len(token_ids) // self.block_size,
                                                        list(token_ids) if incremental else None, name), timeout_s)
         try:
-            reply = await self._ask(src, TransferPrefix(tid, list(token_ids), dst, ticket, expected.cached_blocks),
+            reply = await self.ask(src, TransferPrefix(tid, list(token_ids), dst, ticket, expected.cached_blocks),
                                     timeout_s)
         finally:
             if incremental:
-                await self._send_abort(dst, name)
+                await self.send_abort(dst, name)
         if reply.error:
             raise RuntimeError(f"prefix transfer {src} -> {dst} failed: {reply.error}")
         return reply.num_blocks
 
-    async def _ask(self, worker: int, msg: ExpectTransfer | TransferPrefix, timeout_s: float):
+    async def ask(self, worker: int, msg: ExpectTransfer | TransferPrefix, timeout_s: float):
         """Send a transfer message and wait for the worker's answer to it."""
         answer = self._transfers[msg.transfer_id] = asyncio.get_running_loop().create_future()
         try:
@@ -225,13 +207,13 @@ class ZmqEngineClient:
         finally:
             self._transfers.pop(msg.transfer_id, None)
 
-    async def _send_abort(self, worker: int, request_id: str) -> None:
+    async def send_abort(self, worker: int, request_id: str) -> None:
         try:
             await self.channel.send(worker, AbortRequest(request_id))
         except Exception:  # the worker is gone; its requests are failed by the watcher
             pass
 
-    async def _pull_prefix(self, src: int, dst: int, token_ids: list[int]) -> None:
+    async def pull_prefix(self, src: int, dst: int, token_ids: list[int]) -> None:
         """MemServe eq. 2: the router found it cheaper to move ``src``'s longer cached
         prefix to ``dst`` than to recompute it there. A failed pull only means recompute."""
         try:
@@ -241,23 +223,23 @@ class ZmqEngineClient:
             log.warning("prefix pull %d -> %d failed (%s); the prompt is recomputed", src, dst, exc)
             self.router.pull_done(False)
 
-    async def _admit(self, request: RouteRequest) -> None:
+    async def admit(self, request: RouteRequest) -> None:
         """Admission control on the request's TTFT SLO; needs the router's cost model."""
         ttft_ms = request.slo.get("ttft_ms")
         if ttft_ms is None or self.router.cost is None:
             return
         cost = self.router.cost
         await self.admission.admit(ttft_ms / 1000.0, lambda: predict(
-            self.router.candidates(request, self._views()), cost, request, self.block_size, self.router.ledger))
+            self.router.candidates(request, self.views()), cost, request, self.block_size, self.router.ledger))
 
-    def _views(self) -> list[WorkerView]:
+    def views(self) -> list[WorkerView]:
         """The workers as they are now."""
-        in_flight = Counter(stream.worker for stream in self._streams.values())
+        in_flight = Counter(stream.worker for stream in self.streams.values())
         states = self.cluster.states(self.router.ledger.work_s)
         return [WorkerView(i, states[i], in_flight[i], h.stats, self.mirrors[i], h.config.role)
                 for i, h in self.cluster.workers.items()]
 
-    def _add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      session_id: str | None, slo: dict | None, handoff: bool = False) -> AddRequest:
         """The worker's message for a new request, colocated or disaggregated alike: its
         SLOs and the predictor's output length (None when the predictor is off or untrained)."""
@@ -267,24 +249,24 @@ class ZmqEngineClient:
         return AddRequest(request_id, list(prompt_token_ids), params, session_id, time.time(),
                           slo.get("priority", 0), slo.get("ttft_ms"), slo.get("tbt_ms"), predicted, handoff=handoff)
 
-    def _release(self, request_id: str) -> None:
+    def release(self, request_id: str) -> None:
         """A request is over, colocated or disaggregated: forget its stream, prediction and
         routing load, and let a queued admission look again."""
         if self.predictor is not None:
             self.predictor.forget(request_id)
-        self._streams.pop(request_id, None)
+        self.streams.pop(request_id, None)
         self.router.release(request_id)
         self.admission.notify()
 
-    def _learn(self, request_id: str, output_tokens: int, finish_reason: str | None) -> None:
+    def learn(self, request_id: str, output_tokens: int, finish_reason: str | None) -> None:
         """Feed a finished choice back to the predictor; a due refit runs off the event loop,
         on idle CPU cycles only."""
         if self.predictor is not None and self.predictor.observe(request_id, output_tokens, finish_reason):
             self.predictor.refit_in_background()
 
-    def _pick_worker(self, request: RouteRequest) -> RouteDecision:
+    def pick_worker(self, request: RouteRequest) -> RouteDecision:
         """The router's choice among the workers as they are now."""
-        return self.router.route(request, self._views())
+        return self.router.route(request, self.views())
 
     def stats(self) -> dict:
         workers = []
@@ -319,7 +301,7 @@ class ZmqEngineClient:
                 "pd": s.get("pd", {}),  # KV handoffs sent (prefill) and received (decode)
             })
         return {"workers": workers, "spare_workers": self.cluster.spare_states(),
-                "num_requests_in_flight": len(self._streams), "router": self.router.stats(),
+                "num_requests_in_flight": len(self.streams), "router": self.router.stats(),
                 "admission": self.admission.stats(), **({"pd": self.pd.stats()} if self.pd else {}),
                 **({"predictor": self.predictor.stats()} if self.predictor else {})}
 
@@ -337,7 +319,7 @@ class ZmqEngineClient:
     def _dispatch(self, instance_id: int, msg) -> None:
         if isinstance(msg, StepOutputs):
             for out in msg.outputs:
-                stream = self._streams.get(out.request_id)
+                stream = self.streams.get(out.request_id)
                 if stream is not None and stream.worker == instance_id:
                     self.router.observe(out.request_id, len(out.new_token_ids))
                     if out.new_token_ids and not stream.started:  # its prefill left the queued work
@@ -350,7 +332,7 @@ class ZmqEngineClient:
         elif isinstance(msg, Heartbeat):
             self.cluster.heartbeat(instance_id, msg.stats)
         elif isinstance(msg, HandoffDone):  # from the prefill instance, or the decode one the KV reached
-            stream = self._streams.get(msg.request_id)
+            stream = self.streams.get(msg.request_id)
             if stream is not None and instance_id in (stream.worker, stream.peer):
                 stream.queue.put_nowait(msg)
         elif isinstance(msg, (TransferDone, TransferExpected)):
@@ -385,10 +367,10 @@ class ZmqEngineClient:
     def _fail_worker(self, h: WorkerHandle) -> None:
         log.error("worker %d died (exit code %s); failing its requests and restarting it", h.instance_id,
                   h.process.poll() if h.process else None)
-        for rid, stream in list(self._streams.items()):
+        for rid, stream in list(self.streams.items()):
             if h.instance_id in (stream.worker, stream.peer):
                 retry = (not stream.started or stream.resumable) and not stream.pinned
-                stream.queue.put_nowait(_RETRY if retry else
+                stream.queue.put_nowait(RETRY if retry else
                                         RequestOutput(rid, [], True, "error", error=f"worker {stream.worker} died"))
         self.mirrors[h.instance_id].reset()
         self.cluster.restart(h)

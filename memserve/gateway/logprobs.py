@@ -14,7 +14,7 @@ starts in the choice's text); an echoed prompt's first token has null logprobs."
 
 from __future__ import annotations
 
-from memserve.gateway.tokenizer import Tokenizer
+from memserve.text.tokenizer import Tokenizer
 from memserve.ipc.messages import TokenLogprobs
 
 VERY_UNLIKELY = -9999.0

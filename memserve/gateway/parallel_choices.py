@@ -1,5 +1,5 @@
 """``n > 1`` at the gateway: one engine request whose outputs carry their choice's index
-(the worker forks the choices on the prompt's shared KV: workers/parallel_sampling.py),
+(the worker forks the choices on the prompt's shared KV: workers/engine/parallel_sampling.py),
 seen by each choice's generation as an engine of its own.
 
 ``choice_engines`` gives n such engines. The first ``generate`` call starts the one engine

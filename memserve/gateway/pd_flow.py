@@ -21,7 +21,7 @@ drives it; the client sees one ordinary stream.
 
 With ``--transfer-mode by-layer`` on P, step 2 comes before step 1: D is named and
 pinned, and P told where to send, before P gets the request, so P sends each layer's KV
-as its prefill computes it (``workers/pd_layer_sender.py``); step 3 follows the first
+as its prefill computes it (``workers/engine/pd_layer_sender.py``); step 3 follows the first
 token as usual. This costs a round trip to D ahead of the prefill; when it fails, the
 request hands off after its first token as in the other modes.
 
@@ -30,7 +30,7 @@ one (nothing was streamed); once tokens were streamed, a handoff that fails, sta
 D dead or its heartbeats late at a check every ``handoff_timeout_s``, or ``HANDOFF_MAX_S``
 passed) or loses P or D resumes the request on a live decode instance without the KV (it
 recomputes from its own cache), with every token so far; when none is left, the stream
-ends with an error. Aborts reach both instances; each frees what it holds for the request (``workers/pd_sender.py``, ``workers/pd_receiver.py``)."""
+ends with an error. Aborts reach both instances; each frees what it holds for the request (``workers/engine/pd_sender.py``, ``workers/engine/pd_receiver.py``)."""
 
 from __future__ import annotations
 
@@ -41,20 +41,17 @@ import math
 import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from memserve.gateway.cluster import DEGRADED_AFTER_HEARTBEATS
 from memserve.gateway.engine_protocol import EngineUnavailable
-from memserve.gateway.pd_topology import role_caches
-from memserve.gateway.route_types import (
-    Balance,
-    Candidate,
+from memserve.gateway.request_stream import RETRY, RequestStream
+from memserve.gateway.routing.decode_choice import pick_decode
+from memserve.gateway.routing.pd_topology import role_caches
+from memserve.gateway.routing.route_types import (
     RouteRequest,
-    RoutingContext,
-    WorkerView,
 )
-from memserve.gateway.routing_policies import PromptTree
 from memserve.ipc.messages import (
     AddRequest,
     ExpectTransfer,
@@ -63,10 +60,9 @@ from memserve.ipc.messages import (
     RequestOutput,
     SamplingParams,
 )
-from memserve.kvcache.hashing import block_hashes
 
 if TYPE_CHECKING:
-    from memserve.gateway.engine_client import ZmqEngineClient, _Stream
+    from memserve.gateway.engine_client import ZmqEngineClient
 
 log = logging.getLogger("memserve.gateway")
 
@@ -84,38 +80,6 @@ EARLY_TICKET_TTL_S = 600.0
 MAX_RESUMES = 3
 # Reasons a request ends on the decode instance with its answer whole (its KV is worth keeping).
 COMPLETE = ("stop", "length")
-# The decode choice's load-imbalance guard: a decode instance with more than 2 requests in
-# flight beyond the least loaded one is passed over whatever it caches. Tighter than the
-# router's (16 by default): each request in a decode batch lengthens every step of it, while
-# a prefix D holds saves only a transfer (benchmarks/pd_sim.py, long-doc-qa, 4 P + 4 D: with
-# 16, 2-5% higher P99 JCT than least-loaded; with 2, within 2% and half the blocks sent).
-DECODE_BALANCE = Balance(abs_threshold=2, rel_threshold=1.0)
-
-
-def pick_decode(views: list[WorkerView], exclude: int | None = None, prompt: Sequence[int] | None = None,
-                balance: Balance = DECODE_BALANCE) -> int:
-    """The live decode instance to take a request, avoiding ``exclude`` unless it is the
-    only one left.
-
-    Given the ``prompt`` (pd-caching-2/3, where decode instances cache), the prompt-tree
-    rule among the decode instances: the one whose mirrored tree holds the longest prefix
-    of it, so that P sends only the blocks D lacks and a conversation's turns keep
-    meeting their earlier KV on one D (MemServe §5.1 (c), §6). Ties, a prefix shorter than
-    ``balance.cache_threshold`` of the prompt and a choice the load-imbalance guard
-    overrides go by load. Without a prompt: the least loaded (fewest in flight)."""
-    decode = [v for v in views if v.role == "decode"]
-    live = [v for v in decode if v.state == "ok"] or [v for v in decode if v.state == "degraded"]
-    if not live:
-        raise EngineUnavailable("no live decode instance")
-    others = [v for v in live if v.instance_id != exclude] or live
-    block_size = others[0].mirror.block_size if prompt else 1
-    hashes = block_hashes(prompt, block_size) if prompt else []
-    candidates = [Candidate(v, len(v.mirror.match_hashes(hashes)) if hashes and v.state == "ok" else 0)
-                  for v in others]
-    request = RouteRequest("", list(prompt or ()))
-    return PromptTree().choose(request, candidates, RoutingContext(None, balance, block_size)).instance
-
-
 class PDFlow:
     def __init__(self, client: ZmqEngineClient, pd_mode: str, handoff_timeout_s: float = HANDOFF_TIMEOUT_S) -> None:
         self.client = client
@@ -133,16 +97,14 @@ class PDFlow:
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, session_id: str | None,
                        slo: dict | None) -> AsyncIterator[RequestOutput]:
-        from memserve.gateway.engine_client import _RETRY, _Stream
-
         c = self.client
         slo = slo or {}
         route = RouteRequest(request_id, prompt, session_id, slo, params.max_tokens, params.n)
-        await c._admit(route)
-        decision = c._pick_worker(route)
-        stream = _Stream(decision.instance, resumable=True)
-        c._streams[request_id] = stream
-        add = c._add_request(request_id, prompt, params, session_id, slo, handoff=True)
+        await c.admit(route)
+        decision = c.pick_worker(route)
+        stream = RequestStream(decision.instance, resumable=True)
+        c.streams[request_id] = stream
+        add = c.add_request(request_id, prompt, params, session_id, slo, handoff=True)
         prefill, phase = decision.instance, "prefill"
         tokens: list[int] = []
         cached = 0
@@ -155,7 +117,7 @@ class PDFlow:
         done_early: HandoffDone | None = None  # the KV arrived before the first token was seen here
         try:
             if decision.pull_from is not None:
-                await c._pull_prefix(decision.pull_from, decision.instance, prompt)
+                await c.pull_prefix(decision.pull_from, decision.instance, prompt)
             early, naming = await self._send_prefill(stream, add, prefill)
             while not finished:
                 try:
@@ -165,15 +127,15 @@ class PDFlow:
                     if self._healthy(prefill, stream.peer) and time.monotonic() - handoff_since < HANDOFF_MAX_S:
                         continue  # both are alive, one is busy stepping: the handoff goes on
                     item = HandoffDone(request_id, "", 0, error="the handoff stalled: an instance is not healthy")
-                if item is _RETRY and phase == "prefill":
+                if item is RETRY and phase == "prefill":
                     if naming is not None:
                         naming.cancel()
                     if early or naming is not None:  # P or D died: both drop the request, D is named anew
-                        await c._send_abort(prefill, request_id)
+                        await c.send_abort(prefill, request_id)
                         if stream.peer is not None:
-                            await c._send_abort(stream.peer, request_id)
+                            await c.send_abort(stream.peer, request_id)
                         stream.peer, done_early = None, None
-                    stream.worker = prefill = c._pick_worker(route).instance
+                    stream.worker = prefill = c.pick_worker(route).instance
                     log.warning("request %s: its prefill instance died; retrying on instance %d", request_id, prefill)
                     early, naming = await self._send_prefill(stream, add, prefill)
                     continue
@@ -182,12 +144,12 @@ class PDFlow:
                     continue
                 if isinstance(item, HandoffDone) and phase != "handoff":
                     continue  # a late answer: the request resumed without that handoff
-                if item is _RETRY or isinstance(item, HandoffDone):
+                if item is RETRY or isinstance(item, HandoffDone):
                     if handoff is not None:
                         handoff.cancel()
                     ticket = item.ticket if isinstance(item, HandoffDone) and item.error is None else ""
                     if not ticket and phase == "handoff":
-                        await c._send_abort(prefill, request_id)  # P drops the KV it kept (or is sending)
+                        await c.send_abort(prefill, request_id)  # P drops the KV it kept (or is sending)
                     if not ticket:
                         self.counts["handoff_failed" if phase == "handoff" else "decode_lost"] += 1
                         log.warning("request %s: %s; resuming on a decode instance without its KV", request_id,
@@ -222,19 +184,19 @@ class PDFlow:
                 else:
                     out.num_cached_tokens = cached  # what the prefill found cached is the request's
                 if out.finished:
-                    c._learn(request_id, len(tokens), out.finish_reason)
+                    c.learn(request_id, len(tokens), out.finish_reason)
                 if finished and phase == "decode" and out.finish_reason in COMPLETE and self.pd_mode == "pd-caching-3":
                     self._return_kv(stream.worker, prefill, prompt + tokens)
                 yield out
         finally:
-            c._release(request_id)
+            c.release(request_id)
             for task in (handoff, naming):
                 if task is not None:
                     task.cancel()
             if not finished or ((early or naming is not None) and phase == "prefill"):
                 # (D holds what it pinned, or P sent, for a request that ended on P)
                 for instance in {prefill, stream.worker, stream.peer} - {None}:
-                    await c._send_abort(instance, request_id)  # type: ignore[arg-type]
+                    await c.send_abort(instance, request_id)  # type: ignore[arg-type]
 
     def _healthy(self, *instances: int | None) -> bool:
         """Alive and heartbeating (a long step alone does not count: the handoff is served
@@ -247,9 +209,9 @@ class PDFlow:
     def _pick_decode(self, prompt: list[int], exclude: int | None = None) -> int:
         """``pick_decode`` among the decode instances as they are now; by prefix only where
         they cache."""
-        return pick_decode(self.client._views(), exclude, prompt if self.decode_caches else None)
+        return pick_decode(self.client.views(), exclude, prompt if self.decode_caches else None)
 
-    async def _send_prefill(self, stream: _Stream, add: AddRequest, prefill: int) -> tuple[bool, asyncio.Task | None]:
+    async def _send_prefill(self, stream: RequestStream, add: AddRequest, prefill: int) -> tuple[bool, asyncio.Task | None]:
         """Send the request to P with D named early: by-layer, before P gets it (whether
         that worked, no task); other modes, while P prefills (a task: the prefill is not
         held up by D's answer; its result is whether P was told)."""
@@ -264,7 +226,7 @@ class PDFlow:
     def _by_layer(self, prefill: int) -> bool:
         return self.client.cluster.workers[prefill].config.engine.transfer_mode == "by-layer"
 
-    async def _handoff(self, stream: _Stream, request_id: str, prefill: int, prompt: list[int],
+    async def _handoff(self, stream: RequestStream, request_id: str, prefill: int, prompt: list[int],
                        early: bool = False) -> bool:
         """Name the decode instance, let it pin what it has, and start P's send (``early``:
         tell P where to send before its prefill ends); whether P was told. On a failure P
@@ -277,10 +239,10 @@ class PDFlow:
             num_blocks = math.ceil(len(prompt) / c.block_size)
             # At least the last block is sent: it holds the prompt's tail (a partial block).
             pin = prompt[: (num_blocks - 1) * c.block_size] if self.decode_caches else None
-            expect = ExpectTransfer(next(c._transfer_ids), ticket, prefill, num_blocks, pin, request_id,
+            expect = ExpectTransfer(next(c.transfer_ids), ticket, prefill, num_blocks, pin, request_id,
                                     EARLY_TICKET_TTL_S if early else None)
             # Later, the request's loop watches D's health; before the prefill nothing does.
-            reply = await c._ask(decode, expect, self.handoff_timeout_s if early else HANDOFF_MAX_S)
+            reply = await c.ask(decode, expect, self.handoff_timeout_s if early else HANDOFF_MAX_S)
             self.counts["blocks_skipped"] += reply.cached_blocks
             await c.channel.send(prefill, HandoffStart(request_id, decode, ticket, reply.cached_blocks,
                                                        self.decode_caches))
@@ -292,21 +254,21 @@ class PDFlow:
                 log.warning("request %s: naming its decode instance before the prefill failed (%r); it hands off "
                             "after its first token", request_id, exc)
                 if stream.peer is not None:
-                    await c._send_abort(stream.peer, request_id)
+                    await c.send_abort(stream.peer, request_id)
                 stream.peer = None
                 return False
-            await c._send_abort(prefill, request_id)  # frees the KV P kept
+            await c.send_abort(prefill, request_id)  # frees the KV P kept
             stream.queue.put_nowait(HandoffDone(request_id, "", 0, error=f"handoff failed: {exc!r}"))
             return False
 
-    async def _resume(self, stream: _Stream, add: AddRequest, tokens: list[int], ticket: str, fresh: bool) -> None:
+    async def _resume(self, stream: RequestStream, add: AddRequest, tokens: list[int], ticket: str, fresh: bool) -> None:
         """Continue the request on a decode instance: the one that has its KV (``ticket``),
         else (``fresh``) another live one, which recomputes it."""
         c = self.client
         old = stream.peer
         decode = old if not fresh and old is not None else self._pick_decode(add.prompt_token_ids, exclude=old)
         if fresh and old is not None:
-            await c._send_abort(old, add.request_id)  # frees what it holds for the request
+            await c.send_abort(old, add.request_id)  # frees what it holds for the request
         stream.peer = stream.worker = decode
         self.counts["handoffs" if ticket else "resumed_without_kv"] += 1
         params = dataclasses.replace(add.params, prompt_logprobs=None)  # P sent them with the first token

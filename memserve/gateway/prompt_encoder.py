@@ -25,7 +25,7 @@ from typing import Callable, TypeVar
 import orjson
 
 from memserve.gateway.errors import APIError
-from memserve.gateway.tokenizer import Tokenizer
+from memserve.text.tokenizer import Tokenizer
 
 # Above this, work goes to the pool: ~10 ms of tokenising, well over a round trip's cost.
 INLINE_MAX_CHARS = 8192

@@ -153,7 +153,7 @@ class GenerationRequest:
     # fields below: the endpoints' own fields follow without defaults
     cache_ttl_s: float | None = field(default=None, kw_only=True)
     # --truncation kv-shift: the tokens the gateway dropped from an over-long conversation
-    # and where (gateway/truncation.py), so the worker can reuse their successors' KV.
+    # and where (text/truncation.py), so the worker can reuse their successors' KV.
     dropped_at: int = field(default=0, kw_only=True)
     dropped_token_ids: list[int] = field(default_factory=list, kw_only=True)
 

@@ -5,9 +5,10 @@ served model; without one, routing works but predicts nothing and ``cost`` is re
 from __future__ import annotations
 
 from memserve.config import ServeConfig
-from memserve.gateway.cost_model import CostModel, find_profile
-from memserve.gateway.route_types import Balance
-from memserve.gateway.router import Router
+from memserve.costmodel.model import CostModel
+from memserve.costmodel.store import find_profile, load_cost_model
+from memserve.gateway.routing.route_types import Balance
+from memserve.gateway.routing.router import Router
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -18,7 +19,7 @@ class RouterConfigError(ValueError):
 
 def build_router(cfg: ServeConfig, model_name: str) -> Router:
     try:
-        cost = CostModel.load(cfg.cost_model) if cfg.cost_model else _profiled(model_name, cfg.engine.dtype)
+        cost = load_cost_model(cfg.cost_model) if cfg.cost_model else _profiled(model_name, cfg.engine.dtype)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise RouterConfigError(f"cannot load the cost model {cfg.cost_model or 'profile'}: {exc}") from exc
     try:
@@ -33,5 +34,5 @@ def _profiled(model_name: str, dtype: str) -> CostModel | None:
     for d in DTYPES if dtype == "auto" else (dtype,):
         path = find_profile(model_name, d)
         if path is not None:
-            return CostModel.load(path)
+            return load_cost_model(path)
     return None

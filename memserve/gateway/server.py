@@ -14,25 +14,24 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from memserve.config import ServeConfig
-from memserve.gateway.admission import OFF, Admission
+from memserve.config import ServeConfig, served_model_name
+from memserve.gateway.routing.admission import OFF, Admission
 from memserve.gateway.app import create_app
 from memserve.gateway.cluster import Cluster, plan_workers
 from memserve.gateway.connection import GatewayRunner
 from memserve.gateway.engine_client import ZmqEngineClient
-from memserve.gateway.pd_topology import apply_pd_mode
+from memserve.gateway.routing.pd_topology import apply_pd_mode
 from memserve.gateway.router_setup import build_router
-from memserve.gateway.tokenizer import Tokenizer
+from memserve.text.tokenizer import Tokenizer
 from memserve.ipc.channel import GatewayChannel
 from memserve.ipc.curve import ENV_VAR, CurveKeys
-from memserve.models.gguf_convert import ensure_model_dir
+from memserve.model_files.gguf_convert import ensure_model_dir
 
 if TYPE_CHECKING:
     from memserve.predictor.predictor import Predictor
 
 log = logging.getLogger("memserve.gateway")
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def _build_predictor(model_dir: Path, tokenizer: Tokenizer) -> Predictor:
@@ -53,15 +52,6 @@ def _internal_channel(cfg: ServeConfig) -> tuple[str, GatewayChannel]:
         return runtime_dir, GatewayChannel(f"ipc://{runtime_dir}/gateway")
     os.environ[ENV_VAR] = CurveKeys.generate().to_env()
     return runtime_dir, GatewayChannel(f"tcp://{cfg.internal_host}:*")
-
-
-def served_model_name(cfg: ServeConfig) -> str:
-    if cfg.served_model_name:
-        return cfg.served_model_name
-    if cfg.engine.model is None:
-        return DEFAULT_MODEL_NAME
-    path = Path(cfg.engine.model)
-    return path.stem.split(".")[0] if path.suffix == ".gguf" else path.name
 
 
 async def serve(cfg: ServeConfig) -> None:

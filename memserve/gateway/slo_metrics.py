@@ -1,4 +1,4 @@
-"""SLO metrics on /metrics (issue 13, CacheOpt §5's measures, taken in the gateway):
+"""SLO metrics on /metrics (CacheOpt §5's measures, taken in the gateway):
 
 - ``memserve_slo_requests_total{slo, outcome}``: finished requests that carried a TTFT
   or TBT SLO, by whether they met it (attainment = met / (met + missed)). TTFT is HTTP

@@ -48,7 +48,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
-    # Sequences sampled from the prompt (they share its KV blocks: workers/parallel_sampling.py).
+    # Sequences sampled from the prompt (they share its KV blocks: workers/engine/parallel_sampling.py).
     n: int = 1
     # An llguidance grammar the output must match (structured output, forced tool calls:
     # workers/model/grammar.py); None leaves the output free.
@@ -56,10 +56,10 @@ class SamplingParams:
     # Keep the request's conversation cached at least this long after its last use, when
     # that is longer than the server's --cache-ttl (kvcache/retention.py).
     cache_ttl_s: float | None = None
-    # Position-decoupled truncation (gateway/truncation.py, --truncation kv-shift): the
+    # Position-decoupled truncation (text/truncation.py, --truncation kv-shift): the
     # gateway removed these tokens from the conversation at token offset ``dropped_at``
     # (both block-aligned); the worker may reuse the KV cached for them before, shifted
-    # (workers/truncated_prefix.py). Empty: nothing dropped, or recompute it.
+    # (workers/engine/truncated_prefix.py). Empty: nothing dropped, or recompute it.
     dropped_at: int = 0
     dropped_token_ids: list[int] = field(default_factory=list)
 

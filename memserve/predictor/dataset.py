@@ -44,7 +44,7 @@ class Table:
 
 def sharegpt_conversations(path: Path) -> dict[int, list[dict]]:
     """Messages of each conversation by 1-based line of the ShareGPT file, cut before the
-    first empty or out-of-order message (as ``memserve.bench.dataset`` does). The prompt
+    first empty or out-of-order message (as ``memserve.workload.dataset`` does). The prompt
     of a table row is ``messages[:2 * turn - 1]``."""
     out = {}
     for line_no, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):

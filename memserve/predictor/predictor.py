@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from memserve.gateway.tokenizer import Tokenizer
+from memserve.text.tokenizer import Tokenizer
 from memserve.predictor.arrival_rate import ArrivalRate
 from memserve.predictor.dataset import (
     DEFAULT_TABLE,

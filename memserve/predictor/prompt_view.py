@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memserve.gateway.tokenizer import Tokenizer
+from memserve.text.tokenizer import Tokenizer
 
 # Turn-start marker + role name of the chat formats we know; the first one whose marker
 # is a single token of the tokenizer is used.

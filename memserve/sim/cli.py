@@ -12,7 +12,7 @@ import time
 
 from rich.console import Console
 
-from memserve.bench.cli import (
+from memserve.workload.options import (
     add_load_arguments,
     add_output_arguments,
     add_workload_arguments,
@@ -23,18 +23,18 @@ from memserve.bench.cli import (
     run_config,
     write_outputs,
 )
-from memserve.bench.report import RunPoint, print_run
-from memserve.bench.runner import ReplayResult
+from memserve.workload.report import RunPoint, print_run
+from memserve.workload.replay import ReplayResult
 from memserve.config import EngineConfig
-from memserve.gateway.admission import DEFAULT_MAX_HELD, MODES as ADMISSION_MODES, Admission
-from memserve.gateway.cost_model import CostModel
-from memserve.gateway.pd_topology import PD_MODES, parse_instances
-from memserve.gateway.router import ROUTING_POLICIES, Balance, Router
+from memserve.gateway.routing.admission import DEFAULT_MAX_HELD, MODES as ADMISSION_MODES, Admission
+from memserve.costmodel.store import load_cost_model
+from memserve.gateway.routing.pd_topology import PD_MODES, parse_instances
+from memserve.gateway.routing.router import ROUTING_POLICIES, Balance, Router
 from memserve.kvcache.eviction import EVICTION_POLICIES
 from memserve.sim.predictor import PADDINGS, NoisyOracle
 from memserve.sim.simulator import Simulation
 from memserve.sim.tokens import HFTokenizer, SyntheticTokenizer
-from memserve.workers.policies import SCHEDULE_POLICIES
+from memserve.workers.engine.policies import SCHEDULE_POLICIES
 
 EXIT_OK, EXIT_USAGE = 0, 2
 
@@ -61,7 +61,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                      help="--admission queue: requests held at most")
     sim.add_argument("--schedule-policy", default="fcfs", choices=sorted(SCHEDULE_POLICIES))
     sim.add_argument("--schedule-policy-options", default="",
-                     help="e.g. cacheopt's ablations: 'disable=RSA' (RSA, PA, GR, PP, PSS; workers/cacheopt_options.py)")
+                     help="e.g. cacheopt's ablations: 'disable=RSA' (RSA, PA, GR, PP, PSS; workers/engine/policies/cacheopt/options.py)")
     sim.add_argument("--predict-error", type=float, default=None,
                      help="play the gateway's output-length predictor: a noisy oracle whose log-error has this "
                           "standard deviation (sim/predictor.py); default: no predictions")
@@ -100,7 +100,7 @@ def run_simulate_command(args: argparse.Namespace) -> int:
                               eviction_policy=args.eviction_policy)
     try:
         roles = ["colocated"] * int(args.instances) if args.instances.isdigit() else parse_instances(args.instances)[0]
-        cost = CostModel.load(args.cost_model)
+        cost = load_cost_model(args.cost_model)
         rate = args.rate or args.request_rate or math.inf
         spec, parts, dataset = build_sessions(args, 1)
         tokenizer = HFTokenizer(args.tokenizer) if args.tokenizer else SyntheticTokenizer()

@@ -27,8 +27,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from memserve.gateway.pd_flow import pick_decode
-from memserve.gateway.pd_topology import role_caches
+from memserve.gateway.routing.decode_choice import pick_decode
+from memserve.gateway.routing.pd_topology import role_caches
 from memserve.ipc.messages import (
     AddRequest,
     ExpectTransfer,
@@ -38,8 +38,8 @@ from memserve.ipc.messages import (
 )
 from memserve.kvcache.mempool import KVFlags
 from memserve.sim.transfer import SimNetwork
-from memserve.workers.pd_receiver import KVReceiver
-from memserve.workers.pd_sender import HandoffSender
+from memserve.workers.engine.pd_receiver import KVReceiver
+from memserve.workers.engine.pd_sender import HandoffSender
 
 if TYPE_CHECKING:
     from memserve.sim.simulator import Simulation
@@ -102,7 +102,7 @@ class SimPDFlow:
         """Name the decode instance, let it pin what it caches, and start P's send."""
         h = self._handoffs[rid]
         h.decode = self._pick_decode(h.add.prompt_token_ids)
-        self.sim._in_flight[rid].instance = h.decode
+        self.sim.in_flight[rid].instance = h.decode
         prompt = h.add.prompt_token_ids
         ticket = f"handoff-{next(self._ids)}"
         num_blocks = math.ceil(len(prompt) / self.block_size)
@@ -116,7 +116,7 @@ class SimPDFlow:
 
     def _pick_decode(self, prompt: list[int], exclude: int | None = None) -> int:
         """The gateway's ``pick_decode`` over the simulated instances."""
-        return pick_decode(self.sim._views(), exclude, prompt if self.decode_caches else None)
+        return pick_decode(self.sim.views(), exclude, prompt if self.decode_caches else None)
 
     def _arrived(self, src: int, dst: int) -> None:
         """A transfer src -> dst ended: D takes what arrived, P reports its sends."""
@@ -136,15 +136,15 @@ class SimPDFlow:
             self.receivers[decode].abort(done.request_id)  # frees what D pinned for it
             decode, ticket = self._pick_decode(h.add.prompt_token_ids, exclude=decode), ""
             h.decode = decode
-            self.sim._in_flight[done.request_id].instance = decode
+            self.sim.in_flight[done.request_id].instance = decode
         h.phase = "decode"
         resume = dataclasses.replace(h.add, handoff=False, output_token_ids=list(h.first), kv_ticket=ticket)
         refused = self.receivers[decode].resume(resume)
         if refused is not None:
             rid = done.request_id
-            self.sim._finish(rid, self.sim._in_flight[rid], self.sim.now, refused.error or "refused")
+            self.sim.finish(rid, self.sim.in_flight[rid], self.sim.now, refused.error or "refused")
             return
-        self.sim._wake(decode, self.sim.now)
+        self.sim.wake(decode, self.sim.now)
 
     def finished(self, rid: str, output: list[int], at: float, ok: bool) -> None:
         """The request ended; pd-caching-3 returns a whole answer's KV to its prefill

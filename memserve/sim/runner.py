@@ -15,9 +15,9 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable
 
-from memserve.gateway.cost_model import CostModel
+from memserve.costmodel.model import CostModel
 from memserve.kvcache.address import Tier
-from memserve.workers.step_plan import KVLoad, StepPlan, StepResult
+from memserve.workers.engine.step_plan import KVLoad, StepPlan, StepResult
 
 SIM_VOCAB = 1 << 20  # synthetic token ids live below this
 # An NVMe SSD's sequential read, "several GB/s" (AttentionStore §3.3): an assumption.

@@ -3,7 +3,7 @@
 Each instance is a real ``Engine`` (scheduler, KV cache manager, MemPool, policies) over
 a ``SimulatedRunner``; requests are routed by the real gateway ``Router`` over mirrors
 fed by the engines' own KV events. Nothing here re-implements a policy: it only decides
-*when* things happen. The gateway's admission control (``gateway/admission.py``) judges
+*when* things happen. The gateway's admission control (``gateway/routing/admission.py``) judges
 each request with a TTFT SLO on arrival, as ``memserve up`` does: a refused request is
 recorded with status 429 (it meets no SLO), and ``queue`` mode holds requests and judges
 them again whenever a request gets its first token or finishes. With prefill and decode
@@ -30,14 +30,14 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from memserve.bench.records import RequestRecord
-from memserve.bench.runner import ReplayOptions, arrival_offsets
-from memserve.bench.workloads import Session
+from memserve.workload.records import RequestRecord
+from memserve.workload.replay import ReplayOptions, arrival_offsets
+from memserve.workload.workloads import Session
 from memserve.config import EngineConfig
-from memserve.gateway.admission import OFF, Admission, Verdict, predict
-from memserve.gateway.cost_model import CostModel
-from memserve.gateway.pd_topology import is_disaggregated, role_caches
-from memserve.gateway.router import Router, RouteRequest, WorkerView
+from memserve.gateway.routing.admission import OFF, Admission, Verdict, predict
+from memserve.costmodel.model import CostModel
+from memserve.gateway.routing.pd_topology import is_disaggregated, role_caches
+from memserve.gateway.routing.router import Router, RouteRequest, WorkerView
 from memserve.ipc.messages import AddRequest, RequestOutput, SamplingParams
 from memserve.kvcache.blocks import OutOfBlocks
 from memserve.kvcache.events import KVEvents
@@ -45,7 +45,7 @@ from memserve.kvcache.mirror import PromptTreeMirror
 from memserve.sim.pd_flow import SimPDFlow
 from memserve.sim.runner import SimulatedRunner
 from memserve.sim.tokens import TextTokenizer, chat_tokens
-from memserve.workers.engine import Engine
+from memserve.workers.engine.engine import Engine
 
 # A step that computed nothing while work remains (only loads in flight) polls again after this.
 IDLE_POLL_S = 1e-3
@@ -113,7 +113,7 @@ class Simulation:
             self.instances.append(_Instance(engine, runner, PromptTreeMirror(i, engine_cfg.block_size), role))
         self._events: list[tuple[float, int, str, tuple]] = []
         self._seq = itertools.count()
-        self._in_flight: dict[str, _Turn] = {}
+        self.in_flight: dict[str, _Turn] = {}
         self.records: list[RequestRecord] = []
         self.num_steps = 0
         self.pd = SimPDFlow(self, pd_mode) if is_disaggregated(roles) else None
@@ -175,7 +175,7 @@ class Simulation:
             self._route(arrival)
             return
         request = arrival.request
-        predictions = predict(self.router.candidates(request, self._views()), self.cost, request, self.block_size,
+        predictions = predict(self.router.candidates(request, self.views()), self.cost, request, self.block_size,
                               self.router.ledger)
         outcome = self.admission.look(slo_ms / 1000.0, self.now - arrival.record.start, predictions, held)
         if isinstance(outcome, Verdict):
@@ -203,7 +203,7 @@ class Simulation:
 
     def _route(self, arrival: _Arrival) -> None:
         request, record = arrival.request, arrival.record
-        decision = self.router.route(request, self._views())
+        decision = self.router.route(request, self.views())
         rid, prompt, slo, max_tokens = request.request_id, request.prompt_token_ids, request.slo, request.max_tokens
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         add = AddRequest(rid, prompt, params, request.session_id, 0.0, 0, slo.get("ttft_ms"), slo.get("tbt_ms"),
@@ -222,8 +222,8 @@ class Simulation:
             turn.record.end, turn.record.status, turn.record.error = self.now, "400", refused.error
             self.records.append(turn.record)
             return
-        self._in_flight[add.request_id] = turn
-        self._wake(turn.instance, self.now)
+        self.in_flight[add.request_id] = turn
+        self.wake(turn.instance, self.now)
 
     def _pull(self, src: int, dst: int, prompt: list[int]) -> float:
         """MemServe eq. 2 on the cost-model clock, as the gateway's prefix pull: ``src``'s
@@ -247,14 +247,14 @@ class Simulation:
         wait = max(0.0, self.instances[src].step_end - self.now)
         return wait + self.cost.transfer_s(n * target.block_size * self.cost.kv_bytes_per_token)
 
-    def _views(self) -> list[WorkerView]:
+    def views(self) -> list[WorkerView]:
         in_flight = [0] * len(self.instances)
-        for t in self._in_flight.values():
+        for t in self.in_flight.values():
             in_flight[t.instance] += 1
         return [WorkerView(i, "ok", in_flight[i], inst.stats, inst.mirror, inst.role)
                 for i, inst in enumerate(self.instances)]
 
-    def _wake(self, i: int, at: float) -> None:
+    def wake(self, i: int, at: float) -> None:
         if not self.instances[i].busy:
             self.instances[i].busy = True
             self._push(at, "step", (i,))
@@ -270,10 +270,10 @@ class Simulation:
         self.schedule(done_at, lambda: self._deliver(i, outputs))  # before the next step's event
         if inst.engine.has_work:
             if inst.runner.last_step_s > 0:
-                self._wake(i, done_at)
+                self.wake(i, done_at)
             else:
                 load_done = inst.runner.next_load_done()
-                self._wake(i, load_done if load_done is not None and load_done > self.now else self.now + IDLE_POLL_S)
+                self.wake(i, load_done if load_done is not None and load_done > self.now else self.now + IDLE_POLL_S)
 
     def _deliver(self, i: int, outputs: list[RequestOutput]) -> None:
         """A step's results leave the worker when the step ends, not when it starts: its
@@ -287,7 +287,7 @@ class Simulation:
             outputs = self.pd.filter(i, outputs, self.now)
         news = False  # a request got its first token or finished: queued work left the ledger
         for out in outputs:
-            turn = self._in_flight.get(out.request_id)
+            turn = self.in_flight.get(out.request_id)
             if turn is None:
                 continue
             rec = turn.record
@@ -299,7 +299,7 @@ class Simulation:
                 rec.chunk_tokens.append(len(out.new_token_ids))
                 turn.output += out.new_token_ids
             if out.finished:
-                self._finish(out.request_id, turn, self.now, out.error)
+                self.finish(out.request_id, turn, self.now, out.error)
         if news and self._held:
             self._notify_admission()
 
@@ -310,8 +310,8 @@ class Simulation:
             self.instances[i].mirror.apply(KVEvents(i, events))
             self.router.kv_events_applied(self.instances[i].mirror)
 
-    def _finish(self, rid: str, turn: _Turn, at: float, error: str | None) -> None:
-        del self._in_flight[rid]
+    def finish(self, rid: str, turn: _Turn, at: float, error: str | None) -> None:
+        del self.in_flight[rid]
         self.router.release(rid)
         if self.pd is not None:
             self.pd.finished(rid, turn.output, at, error is None)

@@ -49,7 +49,7 @@ class HFTokenizer:
 
         from tokenizers import Tokenizer
 
-        from memserve.gateway.tokenizer import Tokenizer as ChatTokenizer
+        from memserve.text.tokenizer import Tokenizer as ChatTokenizer
 
         p = Path(path)
         self._tok = Tokenizer.from_file(str(p / "tokenizer.json" if p.is_dir() else p))

@@ -1,5 +1,5 @@
 """KV transfers between simulated instances: the ``KVTransferEndpoint`` interface that the
-real prefill and decode sides use (``workers/pd_sender.py``, ``workers/pd_receiver.py``)
+real prefill and decode sides use (``workers/engine/pd_sender.py``, ``workers/engine/pd_receiver.py``)
 over the cost model's link instead of ZeroMQ, so the simulator drives their code as is.
 
 The bookkeeping is the real endpoint's, in the same order: a receiver accepts only a
@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from memserve.gateway.cost_model import CostModel
+from memserve.costmodel.model import CostModel
 from memserve.ipc.kv_transfer import ReceivedKV, TransferError, insert_received
 from memserve.kvcache.blocks import MemPoolError
 from memserve.kvcache.mempool import KVFlags, MemPool

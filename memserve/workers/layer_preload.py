@@ -29,7 +29,7 @@ from queue import SimpleQueue
 from threading import Condition, Thread
 
 from memserve.kvcache.address import Tier
-from memserve.workers.step_plan import KVLoad, StepPlan
+from memserve.workers.engine.step_plan import KVLoad, StepPlan
 
 AUTO = -1  # ``--preload-buffer-layers auto``: §3.2's formula, per load
 # Waking a throttled copy thread stalls the step a little (a thread hand-off: the GIL, a

@@ -34,11 +34,12 @@ from typing import Any, Callable
 
 import torch
 
-from memserve.config import EngineConfig, ServeConfig
-from memserve.gateway.cost_model import CostKey, CostModel, default_path, slug
+from memserve.config import EngineConfig, ServeConfig, served_model_name
+from memserve.costmodel.model import CostKey, CostModel, slug
+from memserve.costmodel.store import default_path
 from memserve.ipc.messages import AddRequest, RequestOutput, SamplingParams
 from memserve.kvcache.address import Tier
-from memserve.workers.cost_fit import (
+from memserve.costmodel.fit import (
     OVERHEAD,
     BandwidthSample,
     DecodeSample,
@@ -47,9 +48,10 @@ from memserve.workers.cost_fit import (
     Samples,
     fit_cost_model,
 )
-from memserve.workers.engine import Engine, build_engine
+from memserve.workers.engine.engine import Engine
+from memserve.workers.real_engine import build_engine
 from memserve.workers.kv_pools import KVPools
-from memserve.models.gguf_convert import ensure_model_dir
+from memserve.model_files.gguf_convert import ensure_model_dir
 from memserve.workers.model_runner import ModelRunner
 from memserve.workers.op_timer import OperatorTimer, llama_operator_classes
 from memserve.workers.transfer_probe import TransferProbe
@@ -303,8 +305,6 @@ def profile(model: str | None, dtype: str, device: str, grid: Grid, repeats: int
             on_run: Callable[[str], None] = lambda _: None) -> tuple[CostModel, list[FitError]]:
     """Measure ``grid`` on ``model`` and fit its cost model; returns it and its held-out
     errors. ``on_run`` is called after each of the ``repeats * points`` runs."""
-    from memserve.gateway.server import served_model_name
-
     model_dir = ensure_model_dir(model)
     prefill_points, decode_points = grid.prefill_points(), grid.decode_points()
     cfg = EngineConfig(

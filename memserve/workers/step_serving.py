@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from memserve.workers.step_plan import StepPlan
+    from memserve.workers.engine.step_plan import StepPlan
 
 SERVE_INTERVAL_S = 0.02  # when nothing waits, serving costs one poll of the socket (microseconds)
 

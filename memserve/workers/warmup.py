@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 from memserve.ipc.messages import SamplingParams
 from memserve.kvcache.address import Tier
 from memserve.kvcache.mempool import MemPool
-from memserve.workers.sequence import Sequence
+from memserve.workers.engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from memserve.workers.engine import Engine
+    from memserve.workers.engine.engine import Engine
 
 # Decode batch sizes and prompt lengths run once each (capped by the pool and context).
 # The code paths matter, not the sizes: small shapes keep a restart after a crash fast.

@@ -44,12 +44,12 @@ from memserve.ipc.messages import (
 from memserve.kvcache.events import KVEvents
 from memserve.kvcache.mempool import KVFlags
 from memserve.ipc.kv_transfer import KVTransferEndpoint
-from memserve.workers.pd_receiver import KVReceiver
-from memserve.workers.pd_sender import HandoffSender
+from memserve.workers.engine.pd_receiver import KVReceiver
+from memserve.workers.engine.pd_sender import HandoffSender
 from memserve.workers.cpu_threads import bound_cpus, pin_compute_threads
 from memserve.workers.heartbeat import HeartbeatThread
 from memserve.workers.step_serving import ServeBetweenLayers
-from memserve.models.gguf_convert import ensure_model_dir
+from memserve.model_files.gguf_convert import ensure_model_dir
 from memserve.workers.warmup import warm_up
 
 log = logging.getLogger("memserve.worker")
@@ -88,7 +88,7 @@ class Worker:
     def prepare(self) -> None:
         """The heavy part of starting, which needs no identity: the model, its KV pool and
         the warm-up (on a throwaway engine). A spare worker does it ahead of time."""
-        from memserve.workers.engine import Engine, eos_token_ids  # heavy: torch and the model
+        from memserve.workers.engine.engine import Engine, eos_token_ids  # heavy: torch and the model
         from memserve.workers.model_runner import ModelRunner
 
         model_dir = ensure_model_dir(self.cfg.engine.model)
@@ -103,7 +103,7 @@ class Worker:
 
     def start(self) -> None:
         """Become instance ``self.id`` on the prepared model and report ready."""
-        from memserve.workers.engine import Engine
+        from memserve.workers.engine.engine import Engine
 
         self.engine = e = Engine(self.cfg.engine, self.runner, self.eos_token_ids, self.id)
         # On one machine, the KV socket is a file in the gateway's private (0700) runtime

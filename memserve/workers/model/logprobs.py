@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from memserve.ipc.messages import SamplingParams, TokenLogprobs
-from memserve.workers.step_plan import ScheduledChunk
+from memserve.workers.engine.step_plan import ScheduledChunk
 
 # Prompt positions whose [vocab] logits are materialised at once: 512 x 49k floats is
 # 100 MB, and a 2k-token chunk done in one pass would be four times that.

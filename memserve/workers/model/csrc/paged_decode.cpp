@@ -1,4 +1,4 @@
-// Decode attention over the paged KV cache, read in place (issue 15).
+// Decode attention over the paged KV cache, read in place.
 //
 // Each query row (one new token of a sequence) attends to its sequence's first
 // context_lens[row] tokens, held in the cache blocks its block table names. Nothing is

@@ -1,0 +1,168 @@
+"""The gateway's ledger of the requests it has in flight on each worker, priced by the
+cost model: MemServe eq. 1's first term (the work queued on instance p) from prompt
+tokens still to prefill and the decode batch still expected to run, rather than from
+request counts. A prompt longer than the workers' token budget per step
+(``step_tokens``, the engine's ``max_num_batched_tokens``) is prefilled in chunks, one a
+step, each step also running the decode batch. It also remembers what the router
+predicted for each request's TTFT so that the error of the cost model can be measured
+against the first token's real arrival.
+
+Pure Python on an injected clock: the simulator runs it unchanged."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from memserve.costmodel.model import CostModel
+
+# Decode steps assumed for a request whose max_tokens is unknown or larger: most
+# answers stop at end-of-sequence well before a large max_tokens. One that runs past its
+# expected length is then expected to run as long again (up to its max_tokens).
+EXPECTED_OUTPUT_CAP = 512
+
+
+def expected_output_tokens(max_tokens: int | None, n: int = 1) -> int:
+    """Tokens a request is expected to generate, all choices together: ``max_tokens`` per
+    choice, capped at ``EXPECTED_OUTPUT_CAP``."""
+    return min(max_tokens or EXPECTED_OUTPUT_CAP, EXPECTED_OUTPUT_CAP) * max(n, 1)
+
+
+def prefill_chunks_s(cost: CostModel, prompt_tokens: int, cached_tokens: int, step_tokens: int | None) -> list[float]:
+    """exec() of each step a prefill takes: its uncached tokens in chunks of at most
+    ``step_tokens`` (all in one without a budget), each attending to everything before
+    it. At least one token is computed (the engine needs its logits)."""
+    start, chunks = min(cached_tokens, prompt_tokens - 1), []
+    while start < prompt_tokens:
+        end = min(prompt_tokens, start + (step_tokens or prompt_tokens))
+        chunks.append(cost.prefill_s(end, start / end))
+        start = end
+    return chunks
+
+
+@dataclass
+class _Entry:
+    instance: int
+    prompt_tokens: int
+    uncached_tokens: int  # prompt tokens it computes (its KV blocks to allocate)
+    prefill_s: float  # exec(x, y) predicted at routing time
+    first_step_s: float  # its first chunk's share of prefill_s: the step a prefix push waits behind
+    steps: int  # prefill chunks it takes
+    expected_tokens: int  # decode steps expected over all choices
+    max_total_tokens: int | None  # max_tokens over all choices; None: unbounded
+    routed_at: float
+    predicted_ttft_s: float | None
+    generated: int = 0
+
+
+@dataclass(frozen=True)
+class TTFTSample:
+    predicted_s: float
+    actual_s: float
+
+
+class QueuedWork:
+    def __init__(self, cost: CostModel | None, clock: Callable[[], float], step_tokens: int | None = None) -> None:
+        self.cost = cost
+        self.clock = clock
+        self.step_tokens = step_tokens  # None: a prompt is prefilled in one step
+        self._entries: dict[str, _Entry] = {}
+        self._on: dict[int, dict[str, _Entry]] = {}  # the same entries by instance
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def admit(self, request_id: str, instance: int, prompt_tokens: int, cached_tokens: int,
+              max_tokens: int | None, n: int = 1, predicted_ttft_s: float | None = None) -> None:
+        """Record a routed request (again, when it is re-routed after its worker died)."""
+        chunks = prefill_chunks_s(self.cost, prompt_tokens, cached_tokens, self.step_tokens) if self.cost else []
+        prefill, first, steps = sum(chunks), chunks[0] if chunks else 0.0, max(len(chunks), 1)
+        expected = expected_output_tokens(max_tokens, n)
+        self.release(request_id)
+        entry = _Entry(instance, prompt_tokens, prompt_tokens - min(cached_tokens, prompt_tokens), prefill, first, steps,
+                       expected, max_tokens * max(n, 1) if max_tokens else None, self.clock(), predicted_ttft_s)
+        self._entries[request_id] = self._on.setdefault(instance, {})[request_id] = entry
+
+    def observe(self, request_id: str, new_tokens: int, at: float | None = None) -> TTFTSample | None:
+        """Count tokens the request produced; its first ones give a TTFT sample (when a
+        prediction was made)."""
+        entry = self._entries.get(request_id)
+        if entry is None or new_tokens <= 0:
+            return None
+        first = entry.generated == 0
+        entry.generated += new_tokens
+        if entry.generated >= entry.expected_tokens:  # past the cap: as long again, within max_tokens
+            entry.expected_tokens = min(2 * entry.generated, entry.max_total_tokens or 2 * entry.generated)
+        if first and entry.predicted_ttft_s is not None:
+            return TTFTSample(entry.predicted_ttft_s, (self.clock() if at is None else at) - entry.routed_at)
+        return None
+
+    def release(self, request_id: str) -> None:
+        entry = self._entries.pop(request_id, None)
+        if entry is not None:
+            del self._on[entry.instance][request_id]
+
+    def waiting_tokens(self, instance: int) -> int:
+        """Prompt tokens the requests on ``instance`` that have no token yet still compute:
+        the KV they allocate there, possibly after the worker's last report of its free
+        blocks (counted whether or not that report already shows them)."""
+        return sum(e.uncached_tokens for e in self._on.get(instance, {}).values() if e.generated == 0)
+
+    def kv_wait_s(self, instance: int, blocks: int, free_blocks: int, block_size: int,
+                  horizon_tokens: int | None = None) -> float:
+        """Predicted wait before a newcomer that needs ``blocks`` KV blocks to start fits on
+        ``instance``, which can allocate ``free_blocks`` now (free and evictable, less what
+        its waiting prompts compute). The queued work ignores KV; under KV pressure this is
+        the longer wait. 0 when it fits now.
+
+        A newcomer starting t decode steps (of ``decode_s``) from now finds room when what
+        the requests there hold by then leaves ``blocks`` free: each grows by a token a
+        step towards its expected length until ``horizon_tokens`` steps past t (when the
+        newcomer's first token is due; None: to its end, as an engine that admits on the
+        prompt alone preempts a newcomer when the others grow), and a decoding one frees
+        all it holds when it finishes. t is 0 or the moment one of them finishes."""
+        # (tokens to go, decoding, tokens now, blocks held now) of each request there
+        now = [(max(e.expected_tokens - e.generated, 1), e.generated > 0, e.prompt_tokens + e.generated,
+                math.ceil((e.prompt_tokens + e.generated if e.generated else e.uncached_tokens) / block_size))
+               for e in self._on.get(instance, {}).values()]
+
+        def room(t: int) -> int:
+            free = free_blocks
+            for left, decoding, tokens, held in now:
+                if decoding and left <= t:
+                    free += held
+                else:
+                    grown = left if horizon_tokens is None else min(left, t + horizon_tokens)
+                    free -= math.ceil((tokens + grown) / block_size) - held
+            return free
+
+        for t in [0, *sorted({left for left, decoding, _, _ in now if decoding})]:
+            if blocks <= room(t):
+                break
+        return t * self.decode_s(instance)
+
+    def step_s(self, instance: int) -> float:
+        """Predicted length of the step ``instance`` runs now: the first chunk of its
+        oldest waiting prefill with its decode batch. A worker serves a prefix push
+        between two steps, so a pull from it starts after about this long (not after the
+        whole of a long prefill)."""
+        waiting = [e for e in self._on.get(instance, {}).values() if e.generated == 0]  # admission order
+        return (waiting[0].first_step_s if waiting else 0.0) + self.decode_s(instance)
+
+    def decode_s(self, instance: int) -> float:
+        """Predicted length of one step of the decode batch running on ``instance``: the
+        requests that produced tokens and are still expected to be generating."""
+        if self.cost is None:
+            return 0.0
+        decoding = [e for e in self._on.get(instance, {}).values() if 0 < e.generated < e.expected_tokens]
+        return self.cost.decode_step_s(len(decoding), sum(e.prompt_tokens + e.generated for e in decoding))
+
+    def work_s(self, instance: int) -> float:
+        """Predicted delay before a new request's prefill on ``instance`` finishes its
+        queue: the prefills still to run there (eq. 1's sum of exec(x', y')) plus one step
+        of the running decode batch per prefill step (each chunk of each waiting prefill,
+        and the new request's first), since the engine batches prefills with the decodes
+        of the requests still expected to be generating."""
+        waiting = [e for e in self._on.get(instance, {}).values() if e.generated == 0]
+        return sum(e.prefill_s for e in waiting) + (sum(e.steps for e in waiting) + 1) * self.decode_s(instance)

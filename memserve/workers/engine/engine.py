@@ -1,0 +1,188 @@
+"""The engine of one worker: scheduler -> runner -> token deltas.
+
+It is assembled from parts: a runner (the real model, or the simulator's cost-model
+runner) and a clock are injected; the MemPool (KV bookkeeping), the KV cache manager,
+the scheduling policy and the eviction policy are built from the configuration. It
+knows nothing about sockets; ``worker.py`` drives it, and ``build_engine`` assembles
+the real one from a model folder."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+from memserve.config import EngineConfig
+from memserve.costmodel.store import load_cost_model
+from memserve.ipc.messages import AddRequest, RequestOutput
+from memserve.kvcache.address import Tier
+from memserve.kvcache.events import KVEvent
+from memserve.kvcache.eviction import SchedulerAware, make_eviction_policy
+from memserve.kvcache.mempool import MemPool
+from memserve.kvcache.prefetch import LookAhead
+from memserve.kvcache.retention import Retention
+from memserve.workers.engine.kv_manager import KVCacheManager
+from memserve.workers.engine.parallel_sampling import name_first_choice
+from memserve.workers.engine.policies import make_schedule_policy
+from memserve.workers.engine.runner import Runner
+from memserve.workers.engine.scheduler import Scheduler, SchedulerConfig
+from memserve.workers.engine.sequence import Sequence
+from memserve.workers.engine.step_plan import StepPlan, StepResult
+from memserve.workers.engine.truncated_prefix import reuse_truncated
+
+log = logging.getLogger("memserve.worker")
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig, runner: Runner, eos_token_ids: set[int], instance_id: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg
+        self.runner = runner
+        self.clock = clock
+        self.eos_token_ids = eos_token_ids
+        model_len = runner.max_position_embeddings
+        pool_len = runner.num_blocks * cfg.block_size
+        wanted = min(cfg.max_model_len or model_len, model_len)
+        self.max_model_len = min(wanted, pool_len)
+        if pool_len < wanted:
+            log.warning("the KV pool holds %d tokens: serving a context of %d tokens, not %d", pool_len, pool_len,
+                        wanted)
+        tiers = {Tier.DEVICE: runner.num_blocks}
+        if cfg.num_host_blocks:
+            tiers[Tier.HOST] = cfg.num_host_blocks
+        # The real runner brings a disk tier (``--disk-cache-dir``) and a background saver;
+        # without them (simulator, scripted runners) saves are synchronous and exact.
+        # (The simulator's runner keeps a disk tier of bookkeeping only: ``num_disk_blocks``.)
+        disk = getattr(runner.mover, "disk", None)
+        disk_blocks = disk.num_blocks if disk is not None else getattr(runner, "num_disk_blocks", 0)
+        if disk_blocks:
+            tiers[Tier.DISK] = disk_blocks
+        eviction = make_eviction_policy(cfg.eviction_policy)
+        self.mempool = MemPool(instance_id, tiers, cfg.block_size, enable_caching=cfg.enable_prefix_caching,
+                               mover=runner.mover, clock=clock, eviction=eviction,
+                               saver=getattr(runner, "saver", None), disk=disk, save_watermark=cfg.save_watermark,
+                               step_blocks=-(-cfg.max_num_batched_tokens // cfg.block_size))
+        # Scheduler-aware eviction ranks by the waiting queue, which also drives prefetching.
+        self.lookahead = LookAhead(self.mempool, eviction) if isinstance(eviction, SchedulerAware) else None
+        self.retention = Retention(self.mempool, cfg.cache_ttl_s, clock) if cfg.cache_ttl_s else None
+        self.policy_cost = load_cost_model(cfg.cost_model) if cfg.cost_model else None
+        self.scheduler = self.make_scheduler(self.mempool, cfg.enable_prefix_caching)
+        self.num_steps = 0
+        self._arrivals = 0  # requests added: part of the waiting queue's version (look-ahead window)
+
+    def make_scheduler(self, mempool: MemPool, enable_prefix_caching: bool,
+                       max_num_batched_tokens: int | None = None) -> Scheduler:
+        """A scheduler over ``mempool`` with this engine's limits (warm-up makes its own)."""
+        cfg = self.cfg
+        limits = SchedulerConfig(cfg.max_num_seqs, max_num_batched_tokens or cfg.max_num_batched_tokens,
+                                 self.max_model_len, cfg.long_prefill_token_threshold, cfg.hold_shared_prefills)
+        return Scheduler(KVCacheManager(mempool, enable_prefix_caching, self.retention),
+                         make_schedule_policy(cfg.schedule_policy, cfg.schedule_policy_options, self.policy_cost),
+                         limits, self.eos_token_ids, self.clock)
+
+    def add_request(self, req: AddRequest, arrival_time: float | None = None) -> RequestOutput | None:
+        """Queue a request; ``arrival_time`` on this engine's clock (default: now)."""
+        seq = Sequence(req.request_id, list(req.prompt_token_ids), req.params,
+                       self.clock() if arrival_time is None else arrival_time, req.session_id,
+                       priority=req.priority, slo_ttft_ms=req.slo_ttft_ms, slo_tbt_ms=req.slo_tbt_ms,
+                       predicted_output_tokens=req.predicted_output_tokens,
+                       output_token_ids=list(req.output_token_ids))
+        name_first_choice(seq)
+        if req.params.dropped_token_ids:
+            reuse_truncated(self.mempool, seq.prompt_token_ids, req.params.dropped_at, req.params.dropped_token_ids,
+                            self.runner.shift_blocks)
+        self._arrivals += 1
+        return self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return None
+        return RequestOutput(seq.choice_of or request_id, [], True, "abort", seq.num_prompt_tokens,
+                             seq.num_cached_tokens, index=seq.choice_index)
+
+    @property
+    def has_work(self) -> bool:
+        """Requests to step, or saves in flight to commit (their blocks free up then)."""
+        return self.scheduler.has_work or self.mempool.saver.pending() > 0
+
+    def step(self) -> list[RequestOutput]:
+        self.mempool.poll_saves()  # finished saves free their source blocks for this step
+        lost = self._poll_loads()
+        plan = self.scheduler.schedule()
+        if not (plan.chunks or plan.loads or plan.finished_ids or plan.preempted_ids):
+            self._tier_upkeep()
+            return lost
+        failed: list[RequestOutput] = []
+        try:
+            result = self.runner.execute(plan)
+        except Exception:
+            log.exception("engine step of %d requests failed; running them one by one", len(plan.chunks))
+            plan, result, failed = self._isolate_failures(plan)
+        if plan.chunks:
+            self.num_steps += 1
+        lost += self._poll_loads()  # loads this step streamed under its prefills are in: commit them first
+        outputs = self.scheduler.update(plan, result) + failed + lost
+        self._tier_upkeep()
+        return outputs
+
+    def _poll_loads(self) -> list[RequestOutput]:
+        """Commit the runner's finished loads; fail the requests whose load failed (only
+        them: their blocks are freed); let those whose load may stream under their
+        prefill (layer-wise preloading) run. Returns the failed requests' outputs."""
+        loaded = self.runner.finished_loads()
+        if loaded:
+            self.scheduler.finish_loads(loaded)
+        lost: list[RequestOutput] = []
+        for rid, error in self.runner.failed_loads().items():
+            if self.scheduler.kv.fail_load(rid):
+                out = self.abort(rid)
+                out.finish_reason, out.error = "error", f"loading its cached KV failed: {error!r}"  # type: ignore[union-attr]
+                lost.append(out)  # type: ignore[arg-type]
+        self.scheduler.stream_loads(self.runner.streamable_loads())
+        return lost
+
+    def _tier_upkeep(self) -> None:
+        """Between steps: drop expired conversations, move the look-ahead window (ranks
+        for eviction, prefetches from disk), then demote ahead of need. All off this
+        thread: nothing here waits for a copy."""
+        self.sweep_expired()
+        if self.lookahead is not None:
+            policy = self.scheduler.policy
+            head = policy.peek()
+            version = (self._arrivals, len(policy), head.request_id if head is not None else None)
+            self.lookahead.update(self.scheduler.kv.queued_prefixes(policy), version)
+        self.mempool.kick_saves()
+
+    def sweep_expired(self) -> int:
+        """Drop the cached conversations past their TTL (``--cache-ttl``) when a sweep is
+        due; the worker also calls it while idle. Returns how many blocks went."""
+        return self.retention.sweep() if self.retention is not None else 0
+
+    def _isolate_failures(self, plan: StepPlan) -> tuple[StepPlan, StepResult, list[RequestOutput]]:
+        """Re-run a failed step one request at a time, so that one request's bad input
+        fails only that request. The KV a failed run wrote is overwritten by the rerun
+        (same tokens, same slots); no scheduler state has moved yet."""
+        kept = StepPlan(preempted_ids=plan.preempted_ids)
+        result = StepResult()
+        failed: list[RequestOutput] = []
+        for chunk in plan.chunks:
+            try:
+                result.merge(self.runner.execute(plan.only(chunk)))
+                kept.chunks.append(chunk)
+            except Exception as exc:
+                log.error("request %s fails the engine step on its own: %r", chunk.request_id, exc)
+                failure = self.abort(chunk.request_id)
+                failure.finish_reason, failure.error = "error", f"the engine step failed on this request: {exc!r}"
+                failed.append(failure)
+        return kept, result, failed
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        return self.mempool.drain_events()
+
+    def close(self) -> None:
+        """Let the saves in flight finish (a block file is whole or absent), then stop."""
+        self.mempool.close()
+
+    def stats(self) -> dict:
+        return {**self.scheduler.stats(), "mempool": self.mempool.stats(), "num_steps": self.num_steps}

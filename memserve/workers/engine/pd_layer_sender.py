@@ -1,0 +1,65 @@
+"""By-layer KV transfer (MemServe §4.3): the prefill step of a request bound for a decode
+instance sends each layer's KV as soon as the layer is computed, so the transfer
+overlaps the layers still to compute instead of starting once the step is over.
+
+``HandoffSender`` arms a request with its open ``LayerStream`` (the decode instance was
+named before the prefill, so the receiver allocates meanwhile). The runner asks
+``hooks_for(plan)`` for each step's layer hooks; in the step that completes an armed
+request's prompt (its chunk samples the first token), ``after_layer(i)`` copies layer i
+of the blocks the receiver lacks and hands the copy to the endpoint's sender thread,
+which sends it while layer i+1 computes. A copy, not a view of the pool: the blocks may
+be freed and reused before the send ends, and the copy of one layer is small next to
+computing it; reading layer i while layer i+1 writes would be safe (disjoint memory),
+freeing the blocks under a send would not.
+
+Only that final step sends, the earlier chunks of a chunked prompt included (their KV is
+complete by then): one message per layer whatever the chunking, each block written once
+per layer at the receiver. Sending each chunk's layers during its own step would overlap
+more of a long prompt's transfer, for a message per layer per step."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from memserve.ipc.kv_transfer import LayerStream
+from memserve.workers.engine.step_plan import StepPlan
+
+if TYPE_CHECKING:
+    from memserve.workers.kv_pools import KVPools
+
+
+class _StepSends:
+    """The layer hooks of one step: send each layer of every stream's blocks."""
+
+    def __init__(self, pools: KVPools, sends: list[tuple[LayerStream, list[int]]]) -> None:
+        self.pools = pools
+        self.sends = sends
+
+    def before_layer(self, layer: int) -> None:
+        pass
+
+    def after_layer(self, layer: int) -> None:
+        for stream, blocks in self.sends:
+            stream.send(layer, self.pools.read_layer(blocks, layer))
+
+
+class LayerSender:
+    def __init__(self, pools: KVPools) -> None:
+        self.pools = pools
+        self._armed: dict[str, tuple[LayerStream, int]] = {}  # request -> (stream, first block to send)
+
+    def arm(self, request_id: str, stream: LayerStream, first_block: int) -> None:
+        self._armed[request_id] = (stream, first_block)
+
+    def disarm(self, request_id: str) -> None:
+        self._armed.pop(request_id, None)
+
+    def hooks_for(self, plan: StepPlan) -> _StepSends | None:
+        """Hooks for the armed requests whose prompt this step completes (each is sent
+        once: a step re-run after a failure does not send again)."""
+        sends = []
+        for chunk in plan.chunks:
+            if chunk.sample and chunk.request_id in self._armed:
+                stream, first_block = self._armed.pop(chunk.request_id)
+                sends.append((stream, chunk.block_ids[first_block : first_block + stream.num_blocks]))
+        return _StepSends(self.pools, sends) if sends else None
