@@ -27,9 +27,9 @@ import io
 import json
 from pathlib import Path
 
-from memserve.workload.metrics import tbt_attainment_ceiling
 from memserve.cli import main as memserve
 from memserve.costmodel.store import load_cost_model
+from memserve.workload.metrics import tbt_attainment_ceiling
 
 SLO_SCALE = (0.5, 2.5)  # CacheOpt §5: each request's SLOs are the base times a scale uniform in this range
 ABLATIONS = ("CKA", "RSA", "PA", "GR", "PP", "PSS")

@@ -32,8 +32,8 @@ from memserve.ipc.messages import AddRequest, SamplingParams
 from memserve.kvcache.address import Tier, addr_block, addr_tier
 from memserve.model_files.gguf_convert import ensure_model_dir
 from memserve.workers.engine.engine import Engine
-from memserve.workers.real_engine import build_engine
 from memserve.workers.layer_preload import AUTO
+from memserve.workers.real_engine import build_engine
 
 
 def ttft(engine: Engine, rid: str, prompt: list[int]) -> float:

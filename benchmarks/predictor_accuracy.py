@@ -33,8 +33,6 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from memserve.workload.dataset import default_sharegpt_path
-from memserve.text.tokenizer import Tokenizer
 from memserve.model_files.gguf_convert import ensure_model_dir
 from memserve.predictor.dataset import (
     DEFAULT_TABLE,
@@ -47,6 +45,8 @@ from memserve.predictor.features import FeatureExtractor, FeatureSet
 from memserve.predictor.length_model import LEARNERS, LengthModel, bucket_of
 from memserve.predictor.padding import PaddingConfig, hoeffding_padding
 from memserve.predictor.predictor import Predictor, PredictorConfig
+from memserve.text.tokenizer import Tokenizer
+from memserve.workload.dataset import default_sharegpt_path
 
 FEATURE_SETS = (FeatureSet(False, 0), FeatureSet(True, 0), FeatureSet(False, 512), FeatureSet(True, 512))
 

@@ -21,8 +21,8 @@ import torch
 
 from memserve.gateway.structured_output import json_schema_grammar
 from memserve.ipc.messages import SamplingParams
+from memserve.model_files.generation import eos_token_ids
 from memserve.model_files.gguf_convert import ensure_model_dir
-from memserve.workers.engine.engine import eos_token_ids
 from memserve.workers.model.grammar import GrammarMatchers
 from memserve.workers.model.logprobs import log_softmax_rows, sampled_logprobs
 from memserve.workers.model.penalties import TokenHistory

@@ -31,7 +31,7 @@ def measure(running: int, steps: int, repeats: int) -> dict:
     from memserve.ipc.messages import SamplingParams
     from memserve.kvcache.address import Tier
     from memserve.kvcache.mempool import MemPool
-    from memserve.workers import scheduler as sched_mod
+    from memserve.workers.engine import scheduler as sched_mod
     from memserve.workers.engine.sequence import Sequence
 
     num_blocks = running * (600 + steps) // 16

@@ -18,8 +18,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from memserve.model_files.gguf_convert import ensure_model_dir
 from serve_process import serving
+
+from memserve.model_files.gguf_convert import ensure_model_dir
 
 WORKLOADS = {
     "sharegpt": ["--workload", "sharegpt", "--num-sessions", "16", "--max-turns", "4", "--rate", "0.5"],

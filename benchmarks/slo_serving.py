@@ -40,10 +40,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from serve_process import serving
+
 from memserve.workload.metrics import compute_metrics
 from memserve.workload.records import RequestRecord
 from memserve.workload.replay import ReplayOptions
-from serve_process import serving
 
 
 @contextmanager

@@ -153,9 +153,9 @@ def real_configs(args) -> list[tuple[str, dict]]:
 
 def run_real(args) -> list[Outcome]:
     from memserve.config import EngineConfig
-    from memserve.text.tokenizer import Tokenizer
     from memserve.kvcache.disk_store import HEADER_NBYTES
     from memserve.model_files.gguf_convert import ensure_model_dir
+    from memserve.text.tokenizer import Tokenizer
     from memserve.workers.real_engine import build_engine
 
     model_dir = ensure_model_dir(None)

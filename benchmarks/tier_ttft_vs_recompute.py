@@ -25,14 +25,14 @@ import sys
 import tempfile
 import time
 
-from memserve.workload.dataset import default_sharegpt_path
 from memserve.config import EngineConfig
-from memserve.text.tokenizer import Tokenizer
 from memserve.ipc.messages import AddRequest, SamplingParams
 from memserve.kvcache.disk_store import HEADER_NBYTES
 from memserve.model_files.gguf_convert import ensure_model_dir
+from memserve.text.tokenizer import Tokenizer
 from memserve.workers.engine.engine import Engine
 from memserve.workers.real_engine import build_engine
+from memserve.workload.dataset import default_sharegpt_path
 
 BLOCK_NBYTES = 2 * 30 * 16 * 3 * 64 * 4  # SmolLM2-135M in float32: 30 layers, 3 KV heads of 64, 16 tokens
 

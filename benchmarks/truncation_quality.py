@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from memserve.text.tokenizer import Tokenizer
 from memserve.model_files.gguf_convert import ensure_model_dir
+from memserve.text.tokenizer import Tokenizer
 from memserve.workers.model.attention import AttentionMetadata, allocate_kv_cache
 from memserve.workers.model.kv_shift import shift_blocks
 from memserve.workers.model.llama import LlamaForCausalLM

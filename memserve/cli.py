@@ -12,8 +12,8 @@ from memserve.config import EngineConfig, ServeConfig
 from memserve.gateway.routing.admission import MODES as ADMISSION_MODES
 from memserve.gateway.routing.pd_topology import PD_MODES, parse_instances
 from memserve.gateway.routing.router import ROUTING_POLICIES
-from memserve.text.truncation import DEFAULT_TRUNCATION, TRUNCATION_MODES
 from memserve.kvcache.eviction import EVICTION_POLICIES
+from memserve.text.truncation import DEFAULT_TRUNCATION, TRUNCATION_MODES
 from memserve.workers.engine.policies import SCHEDULE_POLICIES, make_schedule_policy
 
 
@@ -280,7 +280,9 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_profile(args: argparse.Namespace) -> int:
-    from memserve.workers.profiler import main as profile  # imports torch: only for this command
+    from memserve.workers.profiler import (
+        main as profile,  # imports torch: only for this command
+    )
 
     return profile(args)
 

@@ -14,9 +14,9 @@ from memserve.config import EngineConfig
 from memserve.gateway.cluster import Cluster, plan_workers
 from memserve.gateway.engine_client import ZmqEngineClient
 from memserve.gateway.routing.pd_topology import apply_pd_mode
-from memserve.text.tokenizer import Tokenizer
 from memserve.ipc.channel import GatewayChannel
 from memserve.model_files.gguf_convert import ensure_model_dir
+from memserve.text.tokenizer import Tokenizer
 
 BLOCK = 16
 SHAREGPT = Path(__file__).resolve().parents[2] / "shared" / "data" / "sharegpt-sample.jsonl"

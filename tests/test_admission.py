@@ -9,6 +9,15 @@ import asyncio
 
 import pytest
 
+from memserve.costmodel.model import (
+    AttentionCost,
+    BandwidthCost,
+    CostKey,
+    CostModel,
+    DecodeCost,
+    OperatorCost,
+)
+from memserve.gateway.engine_protocol import RequestRejected
 from memserve.gateway.routing.admission import (
     DEADLINE,
     INFEASIBLE,
@@ -21,15 +30,6 @@ from memserve.gateway.routing.admission import (
     judge,
     predict,
 )
-from memserve.costmodel.model import (
-    AttentionCost,
-    BandwidthCost,
-    CostKey,
-    CostModel,
-    DecodeCost,
-    OperatorCost,
-)
-from memserve.gateway.engine_protocol import RequestRejected
 from memserve.gateway.routing.router import Router, RouteRequest, WorkerView
 from memserve.kvcache.mirror import PromptTreeMirror
 

@@ -14,15 +14,15 @@ import openai
 import orjson
 import pytest
 import torch
-
 from conftest import ServerHandle
+from test_openai_schema import COMPLETION_CHUNK, assert_valid, request, sse_chunks
+from test_serving_e2e import hf  # noqa: F401  (the transformers reference fixture)
+
 from memserve.config import EngineConfig
 from memserve.ipc.messages import AddRequest, SamplingParams
 from memserve.model_files.gguf_convert import ensure_model_dir
 from memserve.workers.engine.engine import Engine
 from memserve.workers.real_engine import build_engine
-from test_openai_schema import COMPLETION_CHUNK, assert_valid, request, sse_chunks
-from test_serving_e2e import hf  # noqa: F401  (the transformers reference fixture)
 
 ATOL = 1e-4
 CHUNK = 24  # tokens per step of the chunked-prefill engine

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import openai
 import pytest
-from jsonschema import Draft202012Validator
-
 from conftest import ServerHandle
-from memserve.text.tokenizer import Tokenizer
+from jsonschema import Draft202012Validator
 from test_gateway_api import FakeEngine, async_test, post, serve
 from test_openai_schema import assert_valid, chunk_schema, generate, sse_chunks
+
+from memserve.text.tokenizer import Tokenizer
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather of a city",

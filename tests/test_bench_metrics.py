@@ -7,7 +7,13 @@ import asyncio
 
 import pytest
 
-from memserve.bench.client import OpenAIClient, RequestSpec, SSEDecoder, error_message, normalize_base_url
+from memserve.bench.client import (
+    OpenAIClient,
+    RequestSpec,
+    SSEDecoder,
+    error_message,
+    normalize_base_url,
+)
 from memserve.workload.metrics import (
     by_turn,
     cached_token_ratio,

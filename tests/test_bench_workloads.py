@@ -10,12 +10,23 @@ import statistics
 import pytest
 
 from memserve.bench.client import RequestSpec
-from memserve.workload.dataset import DEFAULT_SHAREGPT, TextCorpus, default_sharegpt_path, load_conversations
-from memserve.workload.records import RequestRecord
 from memserve.bench.runner import Replayer
+from memserve.workload.dataset import (
+    DEFAULT_SHAREGPT,
+    TextCorpus,
+    default_sharegpt_path,
+    load_conversations,
+)
+from memserve.workload.records import RequestRecord
 from memserve.workload.replay import ReplayOptions, arrival_offsets
 from memserve.workload.tokens import HeuristicTokenCounter, TokenizerTokenCounter
-from memserve.workload.workloads import LengthDist, Session, Turn, WorkloadSpec, build_workload
+from memserve.workload.workloads import (
+    LengthDist,
+    Session,
+    Turn,
+    WorkloadSpec,
+    build_workload,
+)
 
 COUNTER = HeuristicTokenCounter()
 

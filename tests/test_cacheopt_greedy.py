@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from memserve.config import EngineConfig
-from memserve.text.tokenizer import Tokenizer
 from memserve.ipc.messages import AddRequest, SamplingParams
 from memserve.model_files.gguf_convert import ensure_model_dir
+from memserve.text.tokenizer import Tokenizer
 from memserve.workers.engine.engine import Engine
 from memserve.workers.real_engine import build_engine
 

@@ -29,8 +29,8 @@ from memserve.costmodel.model import (
     OperatorCost,
 )
 from memserve.ipc.messages import AddRequest, SamplingParams
-from memserve.workers.engine.policies.cacheopt.policy import CacheOpt
 from memserve.workers.engine.engine import Engine
+from memserve.workers.engine.policies.cacheopt.policy import CacheOpt
 
 
 def make(num_blocks: int = 64, budget: int = 32, max_num_seqs: int = 8, options: str = "", num_host_blocks: int = 0,

@@ -13,8 +13,15 @@ from memserve.costmodel.model import (
     OperatorCost,
 )
 from memserve.ipc.messages import SamplingParams
-from memserve.workers.engine.policies.cacheopt.preempt import pick_victim, victim_order_key
-from memserve.workers.engine.policies.cacheopt.sweetspot import recompute_s, swap_s, sweet_spot
+from memserve.workers.engine.policies.cacheopt.preempt import (
+    pick_victim,
+    victim_order_key,
+)
+from memserve.workers.engine.policies.cacheopt.sweetspot import (
+    recompute_s,
+    swap_s,
+    sweet_spot,
+)
 from memserve.workers.engine.sequence import Sequence
 
 

@@ -10,13 +10,13 @@ import random
 import time
 
 import pytest
-
 from conftest import SHARED_DATA
+
 from memserve.config import EngineConfig
-from memserve.text.tokenizer import Tokenizer
 from memserve.ipc.messages import AddRequest, SamplingParams, decode, encode
 from memserve.kvcache.events import REMOVED, KVEvents
 from memserve.kvcache.mirror import PromptTreeMirror
+from memserve.text.tokenizer import Tokenizer
 from memserve.workers.engine.engine import Engine
 from memserve.workers.real_engine import build_engine
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 import random
 
 import pytest
-from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from test_chat_template import smollm2_tokenizer_folder
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
 
 from memserve.text.detokenizer import IncrementalDetokenizer
 from memserve.text.tokenizer import Tokenizer
-from test_chat_template import smollm2_tokenizer_folder
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ warm-up leaves no trace, and the served context never exceeds what the KV pool h
 
 from __future__ import annotations
 
-
 from memserve.config import EngineConfig
 from memserve.ipc.messages import AddRequest, SamplingParams
 from memserve.workers.engine.engine import Engine

@@ -23,8 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from memserve.gateway.app import create_app
 from memserve.gateway.engine_protocol import EngineUnavailable, RequestRejected
-from memserve.text.tokenizer import Tokenizer
 from memserve.ipc.messages import RequestOutput, SamplingParams
+from memserve.text.tokenizer import Tokenizer
 
 MODEL = "smollm2-test"
 REPLY = "Hello! 😀 你好. The end is near."

@@ -27,16 +27,16 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp import web
-
 from hostile_requests import RAW_HTTP_CASES, raw_http
+from test_gateway_api import MESSAGES, MODEL, FakeEngine, async_test, post, serve
+
 from memserve.gateway.app import create_app
 from memserve.gateway.connection import GatewayRunner
 from memserve.gateway.errors import APIError
 from memserve.gateway.prompt_encoder import INLINE_MAX_CHARS, PromptEncoder
 from memserve.gateway.protocol import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
-from memserve.text.tokenizer import Tokenizer
 from memserve.gateway.tool_calls import template_inputs
-from test_gateway_api import MESSAGES, MODEL, FakeEngine, async_test, post, serve
+from memserve.text.tokenizer import Tokenizer
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 

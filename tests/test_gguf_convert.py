@@ -15,7 +15,12 @@ import numpy as np
 import pytest
 
 from memserve.model_files.default_model import default_gguf_path
-from memserve.model_files.gguf_convert import WEIGHTS_FILE, ensure_model_dir, hf_tensor_name, unpermute_rotary_rows
+from memserve.model_files.gguf_convert import (
+    WEIGHTS_FILE,
+    ensure_model_dir,
+    hf_tensor_name,
+    unpermute_rotary_rows,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 _CONVERT_WITHOUT_TORCH = """

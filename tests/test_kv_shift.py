@@ -19,20 +19,26 @@ import pytest
 import torch
 
 from memserve.config import EngineConfig
-from memserve.text.tokenizer import Tokenizer
 from memserve.ipc.messages import AddRequest, SamplingParams
 from memserve.kvcache.address import Tier
 from memserve.kvcache.mempool import MemPool
+from memserve.text.tokenizer import Tokenizer
 from memserve.workers.engine.engine import Engine
-from memserve.workers.real_engine import build_engine
+from memserve.workers.engine.truncated_prefix import reuse_truncated
 from memserve.workers.model.attention import allocate_kv_cache, layer_kv
 from memserve.workers.model.kv_shift import shift_blocks
 from memserve.workers.model.loader import load_model
 from memserve.workers.model.rope import RotaryEmbedding, apply_rotary
-from memserve.workers.engine.truncated_prefix import reuse_truncated
+from memserve.workers.real_engine import build_engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from truncation_quality import PagedSequence, Sample, continuation_logprobs, load_samples, new_pool
+from truncation_quality import (
+    PagedSequence,
+    Sample,
+    continuation_logprobs,
+    load_samples,
+    new_pool,
+)
 
 BS = 16
 ROPE = {"rope_type": "default", "rope_theta": 10000.0}

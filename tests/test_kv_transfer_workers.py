@@ -14,10 +14,10 @@ import time
 from memserve.config import EngineConfig
 from memserve.gateway.cluster import Cluster, plan_workers
 from memserve.gateway.engine_client import ZmqEngineClient
-from memserve.text.tokenizer import Tokenizer
 from memserve.ipc.channel import GatewayChannel
 from memserve.ipc.messages import ExpectTransfer, SamplingParams, TransferPrefix
 from memserve.model_files.gguf_convert import ensure_model_dir
+from memserve.text.tokenizer import Tokenizer
 
 BLOCK = 16
 

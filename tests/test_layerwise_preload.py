@@ -13,13 +13,13 @@ import pytest
 from test_context_caching import conversations, replay, run
 
 from memserve.config import EngineConfig
-from memserve.text.tokenizer import Tokenizer
 from memserve.ipc.messages import AddRequest, SamplingParams
 from memserve.kvcache.address import Tier, addr_tier
+from memserve.text.tokenizer import Tokenizer
 from memserve.workers.engine.engine import Engine
-from memserve.workers.real_engine import build_engine
-from memserve.workers.layer_preload import LayerwisePreloader, LoadFailed, buffer_layers
 from memserve.workers.engine.step_plan import KVLoad, ScheduledChunk, StepPlan
+from memserve.workers.layer_preload import LayerwisePreloader, LoadFailed, buffer_layers
+from memserve.workers.real_engine import build_engine
 
 LAYERS = 8
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from memserve.workers.model.attention import AttentionMetadata, allocate_kv_cache
 from memserve.model_files.default_model import default_gguf_path
+from memserve.workers.model.attention import AttentionMetadata, allocate_kv_cache
 from memserve.workers.model.llama import LlamaForCausalLM
 from memserve.workers.model.loader import load_model
 from memserve.workers.model.model_config import ModelConfig

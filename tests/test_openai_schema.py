@@ -16,14 +16,14 @@ from typing import Any
 
 import orjson
 import pytest
-from jsonschema import Draft202012Validator
-
 from conftest import REPO, ServerHandle
+from jsonschema import Draft202012Validator
+from test_chat_template import _folder_without_template
+from test_gateway_api import MESSAGES, FakeEngine, async_test, post, serve
+
 from memserve.gateway.engine_protocol import EngineUnavailable, RequestRejected
 from memserve.gateway.responses import ChatFormat, CompletionFormat, Usage
 from memserve.text.tokenizer import Tokenizer
-from test_chat_template import _folder_without_template
-from test_gateway_api import MESSAGES, FakeEngine, async_test, post, serve
 
 SCHEMAS_PATH = REPO.parent / "shared" / "specs" / "openai-schemas.json"
 

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 from memserve.gateway.engine_client import ZmqEngineClient
-from memserve.text.tokenizer import Tokenizer
 from memserve.ipc.messages import AddRequest, RequestOutput, SamplingParams
 from memserve.predictor.arrival_rate import ArrivalRate
 from memserve.predictor.dataset import DEFAULT_TABLE, load_table, tokenizer_fingerprint
@@ -37,6 +36,7 @@ from memserve.predictor.prompt_view import (
     PromptView,
     PromptViewer,
 )
+from memserve.text.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 

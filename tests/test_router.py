@@ -19,6 +19,7 @@ from memserve.costmodel.model import (
     OperatorCost,
 )
 from memserve.gateway.engine_protocol import EngineUnavailable
+from memserve.gateway.routing.policies import exec_s
 from memserve.gateway.routing.queued_work import QueuedWork
 from memserve.gateway.routing.route_types import (
     Balance,
@@ -28,7 +29,6 @@ from memserve.gateway.routing.route_types import (
 )
 from memserve.gateway.routing.router import LeastLoad, Router, RouteRequest, WorkerView
 from memserve.gateway.routing_metrics import RouterStatsCollector
-from memserve.gateway.routing.policies import exec_s
 from memserve.kvcache.events import STORED, KVEvent
 from memserve.kvcache.hashing import block_hashes
 from memserve.kvcache.mirror import PromptTreeMirror

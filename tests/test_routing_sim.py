@@ -13,7 +13,6 @@ import argparse
 from conftest import SHARED_DATA
 
 from memserve.bench.cli import build_sessions, replay_options
-from memserve.workload.metrics import compute_metrics
 from memserve.config import EngineConfig
 from memserve.costmodel.store import load_cost_model
 from memserve.gateway.routing.route_types import PULL, RouteDecision
@@ -21,6 +20,7 @@ from memserve.gateway.routing.router import Router
 from memserve.sim.cli import add_parser
 from memserve.sim.simulator import Simulation
 from memserve.sim.tokens import SyntheticTokenizer
+from memserve.workload.metrics import compute_metrics
 
 # 24 sessions at 16 starts/s: loaded enough that the cost router pulls, spread enough that
 # most copies arrive after the first one's document is cached (a copy arriving while it is

@@ -3,7 +3,11 @@ times as distinct sessions with identical turns, in a seeded, shuffled order."""
 
 from __future__ import annotations
 
-from memserve.workload.dataset import TextCorpus, default_sharegpt_path, load_conversations
+from memserve.workload.dataset import (
+    TextCorpus,
+    default_sharegpt_path,
+    load_conversations,
+)
 from memserve.workload.tokens import HeuristicTokenCounter
 from memserve.workload.workloads import Session, WorkloadSpec, build_workload
 

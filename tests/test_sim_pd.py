@@ -9,8 +9,6 @@ import json
 
 import pytest
 
-from memserve.workload.replay import ReplayOptions
-from memserve.workload.workloads import Session, Turn
 from memserve.cli import main as memserve
 from memserve.config import EngineConfig
 from memserve.costmodel.store import load_cost_model
@@ -18,6 +16,8 @@ from memserve.gateway.routing.pd_topology import PD_MODES
 from memserve.gateway.routing.router import Router
 from memserve.sim.simulator import Simulation
 from memserve.sim.tokens import SyntheticTokenizer
+from memserve.workload.replay import ReplayOptions
+from memserve.workload.workloads import Session, Turn
 
 BLOCK_SIZE = 16
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "wizards",

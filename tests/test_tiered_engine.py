@@ -18,10 +18,10 @@ import pytest
 from test_context_caching import replay
 
 from memserve.config import EngineConfig
-from memserve.text.tokenizer import Tokenizer
 from memserve.kvcache.address import Tier
 from memserve.kvcache.events import REMOVED, STORED
 from memserve.model_files.gguf_convert import ensure_model_dir
+from memserve.text.tokenizer import Tokenizer
 from memserve.workers.engine.engine import Engine
 from memserve.workers.real_engine import build_engine
 

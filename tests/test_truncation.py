@@ -16,6 +16,7 @@ from test_gateway_api import async_test
 
 from memserve.config import EngineConfig
 from memserve.gateway.app import create_app
+from memserve.ipc.messages import AddRequest, RequestOutput, SamplingParams
 from memserve.text.tokenizer import Tokenizer
 from memserve.text.truncation import (
     CannotTruncate,
@@ -26,7 +27,6 @@ from memserve.text.truncation import (
     tail_messages,
     truncate,
 )
-from memserve.ipc.messages import AddRequest, RequestOutput, SamplingParams
 from memserve.workers.engine.engine import Engine
 from memserve.workers.real_engine import build_engine
 

@@ -19,7 +19,13 @@ import sys
 import time
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 from memserve.bench.client import (
     DIALECTS,
@@ -29,8 +35,6 @@ from memserve.bench.client import (
     OpenAIClient,
     RequestSpec,
 )
-from memserve.workload.records import RequestRecord
-from memserve.workload.report import RunPoint, compare_table, load_points, print_run
 from memserve.bench.runner import Replayer
 from memserve.workload.options import (
     add_load_arguments,
@@ -45,7 +49,9 @@ from memserve.workload.options import (
     run_config,
     write_outputs,
 )
+from memserve.workload.records import RequestRecord
 from memserve.workload.replay import ReplayResult
+from memserve.workload.report import RunPoint, compare_table, load_points, print_run
 from memserve.workload.workloads import (
     Session,
     WorkloadSpec,

@@ -26,7 +26,12 @@ from dataclasses import dataclass, field
 
 from memserve.bench.client import OpenAIClient, RequestSpec
 from memserve.workload.records import RequestRecord
-from memserve.workload.replay import LOAD_STATUSES, ReplayOptions, ReplayResult, arrival_offsets
+from memserve.workload.replay import (
+    LOAD_STATUSES,
+    ReplayOptions,
+    ReplayResult,
+    arrival_offsets,
+)
 from memserve.workload.workloads import Session, Turn
 
 

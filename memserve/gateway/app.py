@@ -33,11 +33,15 @@ from typing import AsyncIterator, Awaitable, Callable
 import orjson
 from aiohttp import web
 
-from memserve.text.detokenizer import IncrementalDetokenizer
-from memserve.gateway.engine_protocol import EngineClient, EngineUnavailable, RequestRejected
+from memserve.gateway.engine_protocol import (
+    EngineClient,
+    EngineUnavailable,
+    RequestRejected,
+)
 from memserve.gateway.errors import APIError, bad_request
 from memserve.gateway.logprobs import LoggedToken, TokenLog, TokenStrings
-from memserve.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, GatewayMetrics
+from memserve.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from memserve.gateway.metrics import GatewayMetrics
 from memserve.gateway.parallel_choices import choice_engines
 from memserve.gateway.prompt_encoder import DEFAULT_PROCESSES, PromptEncoder
 from memserve.gateway.protocol import (
@@ -49,10 +53,20 @@ from memserve.gateway.protocol import (
     resolve_max_tokens,
     resolve_slo,
 )
-from memserve.gateway.responses import CompletionFormat, LogprobsRenderer, ResponseFormat, Usage
-from memserve.gateway.tokenize_api import parse_detokenize_request, parse_tokenize_request
-from memserve.text.tokenizer import ChatTemplateError, Tokenizer
+from memserve.gateway.responses import (
+    CompletionFormat,
+    LogprobsRenderer,
+    ResponseFormat,
+    Usage,
+)
+from memserve.gateway.tokenize_api import (
+    parse_detokenize_request,
+    parse_tokenize_request,
+)
 from memserve.gateway.tool_calls import chat_format, template_inputs
+from memserve.ipc.messages import RequestOutput
+from memserve.text.detokenizer import IncrementalDetokenizer
+from memserve.text.tokenizer import ChatTemplateError, Tokenizer
 from memserve.text.truncation import (
     DEFAULT_TRUNCATION,
     CannotTruncate,
@@ -64,7 +78,6 @@ from memserve.text.truncation import (
     tail_messages,
     truncate,
 )
-from memserve.ipc.messages import RequestOutput
 
 log = logging.getLogger("memserve.gateway")
 

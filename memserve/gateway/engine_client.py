@@ -12,12 +12,18 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING, AsyncIterator
 
-from memserve.gateway.routing.admission import OFF, Admission, predict
 from memserve.gateway.cluster import Cluster, WorkerHandle
 from memserve.gateway.pd_flow import HANDOFF_TIMEOUT_S, PDFlow
 from memserve.gateway.request_stream import RETRY, RequestStream
+from memserve.gateway.routing.admission import OFF, Admission, predict
 from memserve.gateway.routing.pd_topology import is_disaggregated
-from memserve.gateway.routing.router import LeastLoad, RouteDecision, RouteRequest, Router, WorkerView
+from memserve.gateway.routing.router import (
+    LeastLoad,
+    RouteDecision,
+    Router,
+    RouteRequest,
+    WorkerView,
+)
 from memserve.ipc.channel import GatewayChannel
 from memserve.ipc.messages import (
     AbortRequest,

@@ -14,8 +14,8 @@ starts in the choice's text); an echoed prompt's first token has null logprobs."
 
 from __future__ import annotations
 
-from memserve.text.tokenizer import Tokenizer
 from memserve.ipc.messages import TokenLogprobs
+from memserve.text.tokenizer import Tokenizer
 
 VERY_UNLIKELY = -9999.0
 

@@ -15,17 +15,17 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from memserve.config import ServeConfig, served_model_name
-from memserve.gateway.routing.admission import OFF, Admission
 from memserve.gateway.app import create_app
 from memserve.gateway.cluster import Cluster, plan_workers
 from memserve.gateway.connection import GatewayRunner
 from memserve.gateway.engine_client import ZmqEngineClient
-from memserve.gateway.routing.pd_topology import apply_pd_mode
 from memserve.gateway.router_setup import build_router
-from memserve.text.tokenizer import Tokenizer
+from memserve.gateway.routing.admission import OFF, Admission
+from memserve.gateway.routing.pd_topology import apply_pd_mode
 from memserve.ipc.channel import GatewayChannel
 from memserve.ipc.curve import ENV_VAR, CurveKeys
 from memserve.model_files.gguf_convert import ensure_model_dir
+from memserve.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from memserve.predictor.predictor import Predictor

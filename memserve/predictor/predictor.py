@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 
-from memserve.text.tokenizer import Tokenizer
 from memserve.predictor.arrival_rate import ArrivalRate
 from memserve.predictor.dataset import (
     DEFAULT_TABLE,
@@ -31,6 +30,7 @@ from memserve.predictor.length_model import LengthModel
 from memserve.predictor.online import OnlineLearner
 from memserve.predictor.padding import PaddingConfig, padded_length, rate_confidence
 from memserve.predictor.prompt_view import PromptViewer
+from memserve.text.tokenizer import Tokenizer
 
 log = logging.getLogger("memserve.gateway")
 

@@ -12,6 +12,17 @@ import time
 
 from rich.console import Console
 
+from memserve.config import EngineConfig
+from memserve.costmodel.store import load_cost_model
+from memserve.gateway.routing.admission import DEFAULT_MAX_HELD, Admission
+from memserve.gateway.routing.admission import MODES as ADMISSION_MODES
+from memserve.gateway.routing.pd_topology import PD_MODES, parse_instances
+from memserve.gateway.routing.router import ROUTING_POLICIES, Balance, Router
+from memserve.kvcache.eviction import EVICTION_POLICIES
+from memserve.sim.predictor import PADDINGS, NoisyOracle
+from memserve.sim.simulator import Simulation
+from memserve.sim.tokens import HFTokenizer, SyntheticTokenizer
+from memserve.workers.engine.policies import SCHEDULE_POLICIES
 from memserve.workload.options import (
     add_load_arguments,
     add_output_arguments,
@@ -23,18 +34,8 @@ from memserve.workload.options import (
     run_config,
     write_outputs,
 )
-from memserve.workload.report import RunPoint, print_run
 from memserve.workload.replay import ReplayResult
-from memserve.config import EngineConfig
-from memserve.gateway.routing.admission import DEFAULT_MAX_HELD, MODES as ADMISSION_MODES, Admission
-from memserve.costmodel.store import load_cost_model
-from memserve.gateway.routing.pd_topology import PD_MODES, parse_instances
-from memserve.gateway.routing.router import ROUTING_POLICIES, Balance, Router
-from memserve.kvcache.eviction import EVICTION_POLICIES
-from memserve.sim.predictor import PADDINGS, NoisyOracle
-from memserve.sim.simulator import Simulation
-from memserve.sim.tokens import HFTokenizer, SyntheticTokenizer
-from memserve.workers.engine.policies import SCHEDULE_POLICIES
+from memserve.workload.report import RunPoint, print_run
 
 EXIT_OK, EXIT_USAGE = 0, 2
 

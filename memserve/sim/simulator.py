@@ -30,12 +30,9 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from memserve.workload.records import RequestRecord
-from memserve.workload.replay import ReplayOptions, arrival_offsets
-from memserve.workload.workloads import Session
 from memserve.config import EngineConfig
-from memserve.gateway.routing.admission import OFF, Admission, Verdict, predict
 from memserve.costmodel.model import CostModel
+from memserve.gateway.routing.admission import OFF, Admission, Verdict, predict
 from memserve.gateway.routing.pd_topology import is_disaggregated, role_caches
 from memserve.gateway.routing.router import Router, RouteRequest, WorkerView
 from memserve.ipc.messages import AddRequest, RequestOutput, SamplingParams
@@ -46,6 +43,9 @@ from memserve.sim.pd_flow import SimPDFlow
 from memserve.sim.runner import SimulatedRunner
 from memserve.sim.tokens import TextTokenizer, chat_tokens
 from memserve.workers.engine.engine import Engine
+from memserve.workload.records import RequestRecord
+from memserve.workload.replay import ReplayOptions, arrival_offsets
+from memserve.workload.workloads import Session
 
 # A step that computed nothing while work remains (only loads in flight) polls again after this.
 IDLE_POLL_S = 1e-3

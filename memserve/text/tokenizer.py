@@ -20,7 +20,8 @@ import jinja2.meta
 import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer as HFTokenizer, decoders
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders
 
 # The named special tokens HF passes to every chat template (its SPECIAL_TOKENS_ATTRIBUTES).
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")

@@ -26,6 +26,7 @@ from memserve.kvcache.mover import BlockMover
 from memserve.kvcache.saver import InlineSaver, Saver, ThreadSaver
 from memserve.kvcache.tiered_mover import TieredMover
 from memserve.model_files.generation import eos_token_ids
+from memserve.workers.engine.step_plan import KVLoad, StepPlan, StepResult
 from memserve.workers.kv_disk import open_disk_store
 from memserve.workers.kv_pools import KVPools
 from memserve.workers.layer_preload import LayerwisePreloader
@@ -36,10 +37,13 @@ from memserve.workers.model.grammar import GrammarMatchers
 from memserve.workers.model.kv_shift import shift_blocks
 from memserve.workers.model.layer_hooks import NO_HOOKS, ChainedHooks, LayerHooks
 from memserve.workers.model.loader import load_model
-from memserve.workers.model.logprobs import PromptLogprobs, log_softmax_rows, sampled_logprobs
+from memserve.workers.model.logprobs import (
+    PromptLogprobs,
+    log_softmax_rows,
+    sampled_logprobs,
+)
 from memserve.workers.model.penalties import TokenHistories
 from memserve.workers.model.sampler import Sampler
-from memserve.workers.engine.step_plan import KVLoad, StepPlan, StepResult
 
 
 class ModelRunner:

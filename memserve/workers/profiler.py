@@ -35,10 +35,6 @@ from typing import Any, Callable
 import torch
 
 from memserve.config import EngineConfig, ServeConfig, served_model_name
-from memserve.costmodel.model import CostKey, CostModel, slug
-from memserve.costmodel.store import default_path
-from memserve.ipc.messages import AddRequest, RequestOutput, SamplingParams
-from memserve.kvcache.address import Tier
 from memserve.costmodel.fit import (
     OVERHEAD,
     BandwidthSample,
@@ -48,12 +44,16 @@ from memserve.costmodel.fit import (
     Samples,
     fit_cost_model,
 )
-from memserve.workers.engine.engine import Engine
-from memserve.workers.real_engine import build_engine
-from memserve.workers.kv_pools import KVPools
+from memserve.costmodel.model import CostKey, CostModel, slug
+from memserve.costmodel.store import default_path
+from memserve.ipc.messages import AddRequest, RequestOutput, SamplingParams
+from memserve.kvcache.address import Tier
 from memserve.model_files.gguf_convert import ensure_model_dir
+from memserve.workers.engine.engine import Engine
+from memserve.workers.kv_pools import KVPools
 from memserve.workers.model_runner import ModelRunner
 from memserve.workers.op_timer import OperatorTimer, llama_operator_classes
+from memserve.workers.real_engine import build_engine
 from memserve.workers.transfer_probe import TransferProbe
 
 Batch = tuple[tuple[int, float], ...]  # one step's prompts as (tokens x, cached ratio y)
@@ -348,7 +348,13 @@ def num_runs(grid: Grid, repeats: int) -> int:
 def main(args: argparse.Namespace) -> int:
     """The ``memserve profile`` command: progress bar, JSON, error table."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
     from rich.table import Table
 
     grid = QUICK if args.quick else FULL

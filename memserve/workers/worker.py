@@ -26,6 +26,7 @@ from concurrent.futures import Future
 
 from memserve.config import WorkerConfig
 from memserve.ipc.channel import WorkerChannel
+from memserve.ipc.kv_transfer import KVTransferEndpoint
 from memserve.ipc.messages import (
     AbortRequest,
     AddRequest,
@@ -43,13 +44,14 @@ from memserve.ipc.messages import (
 )
 from memserve.kvcache.events import KVEvents
 from memserve.kvcache.mempool import KVFlags
-from memserve.ipc.kv_transfer import KVTransferEndpoint
+from memserve.model_files.generation import eos_token_ids
+from memserve.model_files.gguf_convert import ensure_model_dir
+from memserve.workers.cpu_threads import bound_cpus, pin_compute_threads
+from memserve.workers.engine.engine import Engine
 from memserve.workers.engine.pd_receiver import KVReceiver
 from memserve.workers.engine.pd_sender import HandoffSender
-from memserve.workers.cpu_threads import bound_cpus, pin_compute_threads
 from memserve.workers.heartbeat import HeartbeatThread
 from memserve.workers.step_serving import ServeBetweenLayers
-from memserve.model_files.gguf_convert import ensure_model_dir
 from memserve.workers.warmup import warm_up
 
 log = logging.getLogger("memserve.worker")
@@ -88,8 +90,9 @@ class Worker:
     def prepare(self) -> None:
         """The heavy part of starting, which needs no identity: the model, its KV pool and
         the warm-up (on a throwaway engine). A spare worker does it ahead of time."""
-        from memserve.workers.engine.engine import Engine, eos_token_ids  # heavy: torch and the model
-        from memserve.workers.model_runner import ModelRunner
+        from memserve.workers.model_runner import (
+            ModelRunner,  # heavy: torch and the model
+        )
 
         model_dir = ensure_model_dir(self.cfg.engine.model)
         self.runner = ModelRunner(self.cfg.engine, model_dir)
@@ -103,8 +106,6 @@ class Worker:
 
     def start(self) -> None:
         """Become instance ``self.id`` on the prepared model and report ready."""
-        from memserve.workers.engine.engine import Engine
-
         self.engine = e = Engine(self.cfg.engine, self.runner, self.eos_token_ids, self.id)
         # On one machine, the KV socket is a file in the gateway's private (0700) runtime
         # directory: no other user can reach it, and it listens on no port.

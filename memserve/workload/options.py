@@ -12,7 +12,11 @@ from pathlib import Path
 
 from rich.console import Console
 
-from memserve.workload.dataset import TextCorpus, default_sharegpt_path, load_conversations
+from memserve.workload.dataset import (
+    TextCorpus,
+    default_sharegpt_path,
+    load_conversations,
+)
 from memserve.workload.metrics import compute_metrics
 from memserve.workload.replay import ReplayOptions, ReplayResult
 from memserve.workload.report import RunPoint, write_json

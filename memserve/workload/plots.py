@@ -12,8 +12,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from memserve.workload.metrics import jct_ms, tbt_gaps_ms, ttft_ms  # noqa: E402
 from memserve.workload.records import RequestRecord  # noqa: E402

@@ -37,9 +37,9 @@ from dataclasses import dataclass
 
 from memserve.costmodel.model import CostModel
 from memserve.gateway.engine_protocol import RequestRejected
+from memserve.gateway.routing.policies import exec_s
 from memserve.gateway.routing.queued_work import QueuedWork
 from memserve.gateway.routing.route_types import Candidate, RouteRequest
-from memserve.gateway.routing.policies import exec_s
 
 OFF, REJECT, QUEUE = "off", "reject", "queue"
 MODES = (OFF, REJECT, QUEUE)

@@ -7,7 +7,13 @@ from collections.abc import Sequence
 
 from memserve.gateway.engine_protocol import EngineUnavailable
 from memserve.gateway.routing.policies import PromptTree
-from memserve.gateway.routing.route_types import Balance, Candidate, RouteRequest, RoutingContext, WorkerView
+from memserve.gateway.routing.route_types import (
+    Balance,
+    Candidate,
+    RouteRequest,
+    RoutingContext,
+    WorkerView,
+)
 from memserve.kvcache.hashing import block_hashes
 
 # The decode choice's load-imbalance guard: a decode instance with more than 2 requests in

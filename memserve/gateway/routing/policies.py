@@ -20,7 +20,10 @@ import math
 from collections import OrderedDict
 
 from memserve.costmodel.model import CostModel
-from memserve.gateway.routing.queued_work import expected_output_tokens, prefill_chunks_s
+from memserve.gateway.routing.queued_work import (
+    expected_output_tokens,
+    prefill_chunks_s,
+)
 from memserve.gateway.routing.route_types import (
     CACHE_HIT,
     FALLBACK,

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from memserve.costmodel.model import CostModel
 from memserve.gateway.engine_protocol import EngineUnavailable
 from memserve.gateway.routing.pending_prefixes import PendingPrefixes
+from memserve.gateway.routing.policies import ROUTING_POLICIES, LeastLoad, exec_s
 from memserve.gateway.routing.queued_work import QueuedWork
 from memserve.gateway.routing.route_types import (
     PULL,
@@ -37,7 +38,6 @@ from memserve.gateway.routing.route_types import (
     WorkerView,
 )
 from memserve.gateway.routing.ttft_errors import TTFTErrors
-from memserve.gateway.routing.policies import ROUTING_POLICIES, LeastLoad, exec_s
 from memserve.kvcache.hashing import block_hashes
 from memserve.kvcache.mirror import PromptTreeMirror
 from memserve.registry import make

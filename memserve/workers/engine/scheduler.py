@@ -37,7 +37,12 @@ from memserve.workers.engine.kv_manager import KVCacheManager
 from memserve.workers.engine.parallel_sampling import fork_choices
 from memserve.workers.engine.policies import PreemptKind, SchedulePolicy
 from memserve.workers.engine.sequence import Sequence, SequenceStatus
-from memserve.workers.engine.step_plan import NewRequestData, ScheduledChunk, StepPlan, StepResult
+from memserve.workers.engine.step_plan import (
+    NewRequestData,
+    ScheduledChunk,
+    StepPlan,
+    StepResult,
+)
 
 
 @dataclass

@@ -154,8 +154,10 @@ def _fcfs(options: str, cost: CostModel | None) -> SchedulePolicy:
 
 
 def _cacheopt(options: str, cost: CostModel | None) -> SchedulePolicy:
-    from memserve.workers.engine.policies.cacheopt.policy import CacheOpt  # here: it imports this module
     from memserve.workers.engine.policies.cacheopt.options import CacheOptOptions
+    from memserve.workers.engine.policies.cacheopt.policy import (
+        CacheOpt,  # here: it imports this module
+    )
 
     return CacheOpt(CacheOptOptions.parse(options), cost)
 

@@ -42,6 +42,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from memserve.costmodel.model import CostModel
+from memserve.workers.engine.kv_manager import KVCacheManager
+from memserve.workers.engine.policies import KVGate, PreemptKind
 from memserve.workers.engine.policies.cacheopt.alloc import (
     Host,
     amortise,
@@ -58,8 +60,6 @@ from memserve.workers.engine.policies.cacheopt.preempt import (
     remaining_tokens,
 )
 from memserve.workers.engine.policies.cacheopt.sweetspot import sweet_spot
-from memserve.workers.engine.kv_manager import KVCacheManager
-from memserve.workers.engine.policies import KVGate, PreemptKind
 from memserve.workers.engine.sequence import Sequence
 
 SWEET_SPOT_SEARCH_TOKENS = 1 << 17
