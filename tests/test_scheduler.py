@@ -29,6 +29,10 @@ class ScriptedRunner:
         self.num_blocks = num_blocks
         self.vocab_size = VOCAB
         self.max_position_embeddings = 4096
+        self.num_layers = 1
+        self.saver = None  # saves synchronous and exact
+        self.disk = None
+        self.num_disk_blocks = 0
         tiers = {Tier.DEVICE: num_blocks, **({Tier.HOST: num_host_blocks} if num_host_blocks else {})}
         self.mover = NumpyBlockMover(tiers)
         self.plans: list[StepPlan] = []

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from memserve.costmodel.model import CostModel
 from memserve.kvcache.address import Tier
+from memserve.workers.engine.layer_hooks import LayerHooks
 from memserve.workers.engine.step_plan import KVLoad, StepPlan, StepResult
 
 SIM_VOCAB = 1 << 20  # synthetic token ids live below this
@@ -54,6 +55,9 @@ class SimulatedRunner:
         self.cost = cost
         self.num_blocks = num_blocks
         self.num_disk_blocks = num_disk_blocks
+        self.saver = None  # saves are bookkeeping here: synchronous and exact
+        self.disk = None
+        self.num_layers = 1  # a step is timed whole, not layer by layer
         self.block_size = block_size
         self.vocab_size = SIM_VOCAB
         self.max_position_embeddings = max_model_len
@@ -98,3 +102,9 @@ class SimulatedRunner:
     def shift_blocks(self, src_blocks: list[int], dst_blocks: list[int], delta_positions: int) -> None:
         """Nothing to move: the simulator keeps no KV, only the index the shift fills."""
 
+
+    def add_step_hooks(self, make: Callable[[StepPlan], LayerHooks | None]) -> None:
+        raise NotImplementedError("the simulator times a step whole: it has no per-layer hooks (by-layer transfers)")
+
+    def read_layer(self, blocks: list[int], layer: int) -> memoryview:
+        raise NotImplementedError("the simulator keeps no KV to read: by-layer transfers are not simulated")

@@ -23,7 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 TRUNCATION_MODES = ("kv-shift", "recompute", "error")
-DEFAULT_TRUNCATION = "kv-shift"  # its perplexity matches recompute's (docs/benchmarks.md, "Truncation")
+# Its perplexity matches recompute's (docs/benchmarks.md, "KV-shift truncation quality").
+DEFAULT_TRUNCATION = "kv-shift"
 # A request without max_tokens keeps this share of the window for its answer once it
 # had to be truncated (without truncation it gets the rest of the window, as before).
 ANSWER_SHARE = 0.25

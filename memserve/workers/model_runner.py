@@ -23,6 +23,7 @@ from memserve.config import EngineConfig
 from memserve.ipc.messages import SamplingParams
 from memserve.kvcache.address import Tier
 from memserve.kvcache.mover import BlockMover
+from memserve.kvcache.disk_store import DiskStore
 from memserve.kvcache.saver import InlineSaver, Saver, ThreadSaver
 from memserve.kvcache.tiered_mover import TieredMover
 from memserve.model_files.generation import eos_token_ids
@@ -35,7 +36,7 @@ from memserve.workers.model.attention import CPU_ATTENTIONS, AttentionMetadata
 from memserve.workers.model.dtype import resolve_dtype
 from memserve.workers.model.grammar import GrammarMatchers
 from memserve.workers.model.kv_shift import shift_blocks
-from memserve.workers.model.layer_hooks import NO_HOOKS, ChainedHooks, LayerHooks
+from memserve.workers.engine.layer_hooks import NO_HOOKS, ChainedHooks, LayerHooks
 from memserve.workers.model.loader import load_model
 from memserve.workers.model.logprobs import (
     PromptLogprobs,
@@ -62,10 +63,14 @@ class ModelRunner:
         self.cpu_attention = cfg.cpu_attention
         if self.device.type == "cpu" and self.cpu_attention == "kernel":
             cpu_kernels.available()  # built (once per machine) or loaded now, not in the first step
+        self.num_layers = self.model_config.num_layers
         self.pools = KVPools.create(self.model_config, cfg, self.dtype, self.device)
         self.mover: BlockMover = self.pools
+        self.disk: DiskStore | None = None
+        self.num_disk_blocks = 0  # the disk tier, when there is one, is ``disk``'s
         if cfg.disk_cache_dir:
-            self.mover = TieredMover(self.pools, open_disk_store(cfg, model_dir, self.dtype, self.pools.block_nbytes))
+            self.disk = open_disk_store(cfg, model_dir, self.dtype, self.pools.block_nbytes)
+            self.mover = TieredMover(self.pools, self.disk)
         # Saves down the tiers run on their own thread, like loads, unless asked inline. On
         # CUDA, a saver whose thread copies on a stream of its own plugs in here.
         self.saver: Saver = ThreadSaver(self.mover) if cfg.async_save else InlineSaver(self.mover)
@@ -79,7 +84,7 @@ class ModelRunner:
         eos = eos_token_ids(model_dir)
         self._histories = TokenHistories(eos)
         self._grammars = GrammarMatchers(model_dir, self.vocab_size, eos)
-        disk = getattr(self.mover, "disk", None)
+        disk = self.disk
         self.preloader = LayerwisePreloader(
             self.model_config.num_layers,
             lambda tier, src, dst, layer: self.pools.copy_layer(tier, src, Tier.DEVICE, dst, layer),
@@ -198,6 +203,10 @@ class ModelRunner:
         return self.preloader.streamable()
 
     # ------------------------------------------------------------ kv-shift
+    def read_layer(self, blocks: list[int], layer: int) -> memoryview:
+        """Layer ``layer`` of device blocks ``blocks``, copied out for a by-layer send."""
+        return self.pools.read_layer(blocks, layer)
+
     def shift_blocks(self, src_blocks: list[int], dst_blocks: list[int], delta_positions: int) -> None:
         """Copy device blocks with their keys moved by ``delta_positions`` (model/kv_shift.py)."""
         shift_blocks(self.pools.device, self.layout, self.model.rotary, src_blocks, dst_blocks, delta_positions)

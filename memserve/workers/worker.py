@@ -112,7 +112,7 @@ class Worker:
         bind = f"ipc://{self.cfg.runtime_dir}/kv-{self.id}" if self.cfg.runtime_dir \
             else f"tcp://{self.cfg.internal_host}:*"
         self.endpoint = KVTransferEndpoint(e.mempool, bind)
-        e.runner.add_step_hooks(ServeBetweenLayers(self.endpoint.serve).for_step)
+        e.kv_connector.add_step_hooks(ServeBetweenLayers(self.endpoint.serve).for_step)
         self.sender, self.receiver = HandoffSender(e, self.endpoint), KVReceiver(e, self.endpoint)
         self.channel.watch(self.endpoint.socket)
         self.channel.send(WorkerReady(self.id, self.cfg.role, e.runner.num_blocks, self.cfg.engine.block_size,
@@ -204,10 +204,11 @@ class Worker:
     def _push_prefix(self, msg: TransferPrefix) -> None:
         """Start sending the cached prefix of ``msg.token_ids`` to another instance, which
         indexes it as its own historical KV; the engine keeps stepping while it goes."""
-        addrs = self.engine.mempool.match(msg.token_ids, take_ref=True)
+        kv = self.engine.kv_connector
+        addrs = kv.hold_prefix(msg.token_ids)
         skip = min(msg.first_block, len(addrs))  # the receiver holds these already
         if skip:
-            self.engine.mempool.free_mem(addrs[:skip])
+            kv.free(addrs[:skip])
             addrs = addrs[skip:]
         if not addrs:
             self.channel.send(TransferDone(msg.transfer_id, 0))
@@ -228,7 +229,7 @@ class Worker:
             if not sent.done():
                 pending.append((msg, addrs, sent))
                 continue
-            self.engine.mempool.free_mem(addrs)
+            self.engine.kv_connector.free(addrs)
             error = sent.exception()
             if error is not None:
                 log.warning("worker %d: prefix transfer to %d failed: %s", self.id, msg.dst_instance, error)

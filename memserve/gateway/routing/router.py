@@ -2,7 +2,7 @@
 (only healthy colocated or prefill workers; degraded ones only when no worker is
 healthy; none at all is ``EngineUnavailable``), scores the live workers for the request (the longest cached
 prefix in each mirrored radix tree, i.e. the global prompt tree, and the queued work
-priced by the cost model) and asks an injected ``RoutingPolicy`` (``routing_policies``)
+priced by the cost model) and asks an injected ``RoutingPolicy`` (``policies.py``)
 to choose. It keeps the ledger of the requests it routed, counts its decisions and
 measures the cost model's TTFT predictions against the real first tokens. A prompt it
 routed counts as cached on its instance until that instance's KV events show it

@@ -21,13 +21,14 @@ from memserve.kvcache.eviction import SchedulerAware, make_eviction_policy
 from memserve.kvcache.mempool import MemPool
 from memserve.kvcache.prefetch import LookAhead
 from memserve.kvcache.retention import Retention
+from memserve.workers.engine.kv_connector import KVConnector
 from memserve.workers.engine.kv_manager import KVCacheManager
 from memserve.workers.engine.parallel_sampling import name_first_choice
 from memserve.workers.engine.policies import make_schedule_policy
 from memserve.workers.engine.runner import Runner
 from memserve.workers.engine.scheduler import Scheduler, SchedulerConfig
 from memserve.workers.engine.sequence import Sequence
-from memserve.workers.engine.step_plan import StepPlan, StepResult
+from memserve.workers.engine.step_plan import BlockCopy, StepPlan, StepResult
 from memserve.workers.engine.truncated_prefix import reuse_truncated
 
 log = logging.getLogger("memserve.worker")
@@ -53,20 +54,21 @@ class Engine:
         # The real runner brings a disk tier (``--disk-cache-dir``) and a background saver;
         # without them (simulator, scripted runners) saves are synchronous and exact.
         # (The simulator's runner keeps a disk tier of bookkeeping only: ``num_disk_blocks``.)
-        disk = getattr(runner.mover, "disk", None)
-        disk_blocks = disk.num_blocks if disk is not None else getattr(runner, "num_disk_blocks", 0)
+        disk = runner.disk
+        disk_blocks = disk.num_blocks if disk is not None else runner.num_disk_blocks
         if disk_blocks:
             tiers[Tier.DISK] = disk_blocks
         eviction = make_eviction_policy(cfg.eviction_policy)
         self.mempool = MemPool(instance_id, tiers, cfg.block_size, enable_caching=cfg.enable_prefix_caching,
                                mover=runner.mover, clock=clock, eviction=eviction,
-                               saver=getattr(runner, "saver", None), disk=disk, save_watermark=cfg.save_watermark,
+                               saver=runner.saver, disk=disk, save_watermark=cfg.save_watermark,
                                step_blocks=-(-cfg.max_num_batched_tokens // cfg.block_size))
         # Scheduler-aware eviction ranks by the waiting queue, which also drives prefetching.
         self.lookahead = LookAhead(self.mempool, eviction) if isinstance(eviction, SchedulerAware) else None
         self.retention = Retention(self.mempool, cfg.cache_ttl_s, clock) if cfg.cache_ttl_s else None
         self.policy_cost = load_cost_model(cfg.cost_model) if cfg.cost_model else None
         self.scheduler = self.make_scheduler(self.mempool, cfg.enable_prefix_caching)
+        self.kv_connector = self.scheduler.kv.connector  # what PD senders, receivers and pushes use
         self.num_steps = 0
         self._arrivals = 0  # requests added: part of the waiting queue's version (look-ahead window)
 
@@ -76,7 +78,8 @@ class Engine:
         cfg = self.cfg
         limits = SchedulerConfig(cfg.max_num_seqs, max_num_batched_tokens or cfg.max_num_batched_tokens,
                                  self.max_model_len, cfg.long_prefill_token_threshold, cfg.hold_shared_prefills)
-        return Scheduler(KVCacheManager(mempool, enable_prefix_caching, self.retention),
+        return Scheduler(KVCacheManager(mempool, KVConnector(mempool, self.runner), enable_prefix_caching,
+                                        self.retention),
                          make_schedule_policy(cfg.schedule_policy, cfg.schedule_policy_options, self.policy_cost),
                          limits, self.eos_token_ids, self.clock)
 
@@ -110,6 +113,7 @@ class Engine:
         self.mempool.poll_saves()  # finished saves free their source blocks for this step
         lost = self._poll_loads()
         plan = self.scheduler.schedule()
+        self._run_copies(plan.copies)
         if not (plan.chunks or plan.loads or plan.finished_ids or plan.preempted_ids):
             self._tier_upkeep()
             return lost
@@ -123,8 +127,17 @@ class Engine:
             self.num_steps += 1
         lost += self._poll_loads()  # loads this step streamed under its prefills are in: commit them first
         outputs = self.scheduler.update(plan, result) + failed + lost
+        self._run_copies(self.scheduler.take_copies())
         self._tier_upkeep()
         return outputs
+
+    def _run_copies(self, copies: list[BlockCopy]) -> None:
+        """Run the copies the scheduler queued, before any of their blocks is written
+        again (the step computes after them), then drop what they held."""
+        for c in copies:
+            self.runner.mover.copy_blocks(c.src_tier, c.src_blocks, c.dst_tier, c.dst_blocks)
+            if c.hold:
+                self.mempool.free_mem(c.hold)
 
     def _poll_loads(self) -> list[RequestOutput]:
         """Commit the runner's finished loads; fail the requests whose load failed (only

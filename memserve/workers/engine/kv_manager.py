@@ -12,6 +12,10 @@ Invariants:
   preloading the request may run before that (its forward pass waits per layer); its
   blocks are indexed only after ``finish_load``.
 - Full blocks are offered to the index once each, as soon as they are computed.
+- No copy runs here: a swap-out's copy to the host tier and a fork's copy-on-write are
+  queued (``take_copies``) for the engine to run before the blocks are next written.
+- KV that crosses instances (adopted from a prefill instance, kept for a handoff) is the
+  ``KVConnector``'s (``kv_connector.py``); this manager asks it at admission and release.
 """
 
 from __future__ import annotations
@@ -23,20 +27,12 @@ from typing import TYPE_CHECKING
 from memserve.kvcache.address import Tier, addr_block, addr_tier
 from memserve.kvcache.mempool import KVFlags, MemPool
 from memserve.kvcache.retention import Retention
+from memserve.workers.engine.kv_connector import ComputedPrefix, KVConnector
 from memserve.workers.engine.sequence import Sequence
-from memserve.workers.engine.step_plan import KVLoad
+from memserve.workers.engine.step_plan import BlockCopy, KVLoad
 
 if TYPE_CHECKING:
     from memserve.workers.engine.policies import KVGate
-
-
-@dataclass
-class ComputedPrefix:
-    """A request's cached prefix, held: device blocks first, then slower-tier ones."""
-
-    device: list[int] = field(default_factory=list)
-    slow: list[int] = field(default_factory=list)
-    num_tokens: int | None = None  # tokens the blocks hold, when the last one is partly filled
 
 
 @dataclass(slots=True)
@@ -50,24 +46,21 @@ class _RequestBlocks:
 
 
 class KVCacheManager:
-    def __init__(self, mempool: MemPool, enable_caching: bool, retention: Retention | None = None) -> None:
+    def __init__(self, mempool: MemPool, connector: KVConnector, enable_caching: bool,
+                 retention: Retention | None = None) -> None:
         self.mempool = mempool
+        self.connector = connector
         self.retention = retention
         self.block_size = mempool.block_size
         self.enable_caching = enable_caching
         self._blocks: dict[str, _RequestBlocks] = {}
         self._pending_loads: list[KVLoad] = []  # not yet handed to the runner
+        self._pending_copies: list[BlockCopy] = []  # not yet run by the engine
         # Blocks of requests that left while the runner was copying into them: freed
         # when the copy is done, never earlier (the blocks could be reused mid-copy).
         self._abandoned: dict[str, _RequestBlocks] = {}
         self.num_loaded_blocks = 0  # cached blocks brought back from slower tiers
         self.gate: KVGate | None = None  # the schedule policy's say over growth (policies.KVGate)
-        # Disaggregated prefill/decode (workers/pd_*.py): KV another instance computed for a
-        # request, taken over at its admission; and requests whose blocks are kept for a
-        # handoff when they leave, instead of being freed.
-        self._adopted: dict[str, ComputedPrefix] = {}
-        self._retain: set[str] = set()
-        self.retained: dict[str, list[int]] = {}
 
     # ----------------------------------------------------------------- prefix
     def get_computed_blocks(self, seq: Sequence) -> ComputedPrefix:
@@ -75,7 +68,7 @@ class KVCacheManager:
         At least one token is always left to compute: its logits give the next token.
         A request that wants prompt logprobs computes its whole prompt (as vLLM does):
         they need the logits at every prompt position."""
-        adopted = self._adopted.pop(seq.request_id, None)
+        adopted = self.connector.take_adopted(seq.request_id)
         if adopted is not None:
             return adopted
         hashes = self.prefix_names(seq)
@@ -90,7 +83,8 @@ class KVCacheManager:
         """The block names a waiting request's admission looks up in the cache: its full
         blocks but the last token's; none when it will not look (caching off, prompt
         logprobs wanted, or KV adopted from a prefill instance)."""
-        if not self.enable_caching or seq.params.prompt_logprobs is not None or seq.request_id in self._adopted:
+        if (not self.enable_caching or seq.params.prompt_logprobs is not None
+                or self.connector.has_adopted(seq.request_id)):
             return []
         return seq.full_block_hashes(self.block_size, (seq.num_tokens - 1) // self.block_size)
 
@@ -134,36 +128,16 @@ class KVCacheManager:
             self._pending_loads.append(KVLoad(seq.request_id, copies, seq.num_tokens - seq.num_computed_tokens))
         return loading
 
-    def adopt(self, request_id: str, addrs: list[int], num_tokens: int) -> None:
-        """Held device blocks holding the first ``num_tokens`` tokens of a request not yet
-        admitted (KV sent by a prefill instance): its admission takes them over as its
-        computed prefix; the request owns their references from now on."""
-        self._adopted[request_id] = ComputedPrefix(list(addrs), num_tokens=num_tokens)
-
-    def release_adopted(self, keep: str) -> bool:
-        """Free the adopted KV of the most recently resumed waiting request other than
-        ``keep`` (that request will recompute, from cache where the blocks stay indexed);
-        False when there is none. For a queue whose head cannot get blocks while requests
-        behind it hold theirs and nothing runs: without it, nothing would ever move."""
-        victim = next((rid for rid in reversed(self._adopted) if rid != keep), None)
-        if victim is None:
-            return False
-        self.mempool.free_mem(self._adopted.pop(victim).device)
-        return True
-
-    def retain(self, request_id: str) -> None:
-        """When the request leaves, keep its blocks (in ``retained``) for a handoff."""
-        self._retain.add(request_id)
-
-    def take_retained(self, request_id: str) -> list[int]:
-        """The blocks kept for the request (its references pass to the caller)."""
-        self._retain.discard(request_id)
-        return self.retained.pop(request_id, [])
-
     def take_loads(self) -> list[KVLoad]:
         """Loads queued since the last call, for the next step plan."""
         loads, self._pending_loads = self._pending_loads, []
         return loads
+
+    def take_copies(self) -> list[BlockCopy]:
+        """Copies queued since the last call (swap-outs, forks), for the engine to run
+        before any of their blocks is written again."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
 
     def finish_load(self, request_id: str) -> bool:
         """The runner copied the request's slow-tier prefix: index the device copies and
@@ -244,7 +218,7 @@ class KVCacheManager:
         own = self._blocks[child.request_id].ids
         src = self._blocks[parent.request_id].ids[shared:len(own)]
         if src:
-            self.mempool.mover.copy_blocks(Tier.DEVICE, src, Tier.DEVICE, own[shared:])  # type: ignore[union-attr]
+            self._pending_copies.append(BlockCopy(Tier.DEVICE, src, Tier.DEVICE, own[shared:]))
         return True
 
     def block_ids(self, request_id: str) -> list[int]:
@@ -292,9 +266,11 @@ class KVCacheManager:
         free all its blocks, and index the host copies in place of its own device ones
         (a prefix it shares with other cached prompts keeps its device copy). Its
         readmission then finds them as a host-tier prefix and loads them back
-        (``WAITING_FOR_KV``); the partly filled last block is recomputed. The copy out
-        is synchronous, inside ``schedule()`` (as vLLM's swap-out): the device blocks are
-        reused at once. Returns the blocks swapped (0: no room, freed as for a recompute)."""
+        (``WAITING_FOR_KV``); the partly filled last block is recomputed. The copy out is
+        queued (``take_copies``) and runs before the step that may reuse the device blocks
+        writes them (as vLLM's swap-out); the host copies stay held, so never evicted or
+        saved further down, until it has run. Returns the blocks swapped (0: no room, freed
+        as for a recompute)."""
         if not self.can_swap_out(seq):
             self.free(seq)
             return 0
@@ -302,29 +278,25 @@ class KVCacheManager:
         full = min(seq.num_computed_tokens // self.block_size, len(blocks.addrs))
         tokens = seq.token_slice(0, full * self.block_size)
         host = self.mempool.alloc_mem(full, Tier.HOST)
-        self.mempool.mover.copy_blocks(Tier.DEVICE, blocks.ids[:full], Tier.HOST,  # type: ignore[union-attr]
-                                       [addr_block(a) for a in host])
+        self._pending_copies.append(BlockCopy(Tier.DEVICE, blocks.ids[:full], Tier.HOST,
+                                              [addr_block(a) for a in host], hold=host))
         self.free(seq)
         self.mempool.delete(tokens)
-        self.mempool.insert(tokens, host, KVFlags.RELEASE, hashes=seq.full_block_hashes(self.block_size, full))
+        self.mempool.insert(tokens, host, KVFlags.NONE, hashes=seq.full_block_hashes(self.block_size, full))
         return full
 
     def free(self, seq: Sequence) -> None:
         """Release every block the request holds (indexed ones stay cached)."""
         if self.gate is not None:
             self.gate.release(seq)
-        adopted = self._adopted.pop(seq.request_id, None)
-        if adopted is not None:
-            self.mempool.free_mem(adopted.device)
         blocks = self._blocks.pop(seq.request_id, None)
         if blocks is None:
+            self.connector.request_finished(seq.request_id, False, [])
             return
         if self.retention is not None and seq.params.cache_ttl_s:
             self.retention.extend(seq.block_hashes[: blocks.num_indexed], seq.params.cache_ttl_s)
-        if seq.request_id in self._retain and seq.is_finished and not blocks.loading:
-            self._retain.discard(seq.request_id)
-            self.retained[seq.request_id] = blocks.addrs
-            return
+        if self.connector.request_finished(seq.request_id, seq.is_finished and not blocks.loading, blocks.addrs):
+            return  # kept for a handoff
         if blocks.loading:
             queued = len(self._pending_loads)
             self._pending_loads = [ld for ld in self._pending_loads if ld.request_id != seq.request_id]

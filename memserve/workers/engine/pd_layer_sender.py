@@ -19,20 +19,20 @@ more of a long prompt's transfer, for a message per layer per step."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from memserve.ipc.kv_transfer import LayerStream
 from memserve.workers.engine.step_plan import StepPlan
 
-if TYPE_CHECKING:
-    from memserve.workers.kv_pools import KVPools
+# Copies layer i of some device blocks out of the pool: the KV connector's worker side.
+ReadLayer = Callable[[list[int], int], memoryview]
 
 
 class _StepSends:
     """The layer hooks of one step: send each layer of every stream's blocks."""
 
-    def __init__(self, pools: KVPools, sends: list[tuple[LayerStream, list[int]]]) -> None:
-        self.pools = pools
+    def __init__(self, read_layer: ReadLayer, sends: list[tuple[LayerStream, list[int]]]) -> None:
+        self.read_layer = read_layer
         self.sends = sends
 
     def before_layer(self, layer: int) -> None:
@@ -40,12 +40,12 @@ class _StepSends:
 
     def after_layer(self, layer: int) -> None:
         for stream, blocks in self.sends:
-            stream.send(layer, self.pools.read_layer(blocks, layer))
+            stream.send(layer, self.read_layer(blocks, layer))
 
 
 class LayerSender:
-    def __init__(self, pools: KVPools) -> None:
-        self.pools = pools
+    def __init__(self, read_layer: ReadLayer) -> None:
+        self.read_layer = read_layer
         self._armed: dict[str, tuple[LayerStream, int]] = {}  # request -> (stream, first block to send)
 
     def arm(self, request_id: str, stream: LayerStream, first_block: int) -> None:
@@ -62,4 +62,4 @@ class LayerSender:
             if chunk.sample and chunk.request_id in self._armed:
                 stream, first_block = self._armed.pop(chunk.request_id)
                 sends.append((stream, chunk.block_ids[first_block : first_block + stream.num_blocks]))
-        return _StepSends(self.pools, sends) if sends else None
+        return _StepSends(self.read_layer, sends) if sends else None

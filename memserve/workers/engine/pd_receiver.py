@@ -6,7 +6,7 @@ prefix (prefix pulls, pd-caching-3's decode-phase KV going back to the prefill s
 instance's cached prefix of them for the ticket, so the sender moves only the blocks
 missing here (pd-caching-2's incremental transfer). KV that arrives for a request waits
 here, held, until the gateway's resume request (an ``AddRequest`` carrying the first
-token and ``kv_ticket``) hands it to the KV manager as that request's computed prefix.
+token and ``kv_ticket``) hands it to the KV connector as that request's computed prefix.
 Aborts cancel the ticket; KV nobody resumes within ``hold_s`` is freed. A by-layer
 transfer (``--transfer-mode by-layer``) is expected before the sender's prefill runs; its
 layers are written into the ticket's blocks as they arrive (``ipc/kv_transfer.py``) and
@@ -26,7 +26,6 @@ from memserve.ipc.messages import (
     RequestOutput,
     TransferExpected,
 )
-from memserve.kvcache.address import Tier, addr_tier
 
 if TYPE_CHECKING:
     from memserve.workers.engine.engine import Engine
@@ -45,6 +44,7 @@ class KVReceiver:
     def __init__(self, engine: Engine, endpoint: KVTransferEndpoint, hold_s: float = HOLD_S,
                  clock=time.monotonic) -> None:
         self.engine = engine
+        self.kv = engine.kv_connector
         self.endpoint = endpoint
         self.hold_s = hold_s
         self.clock = clock
@@ -55,13 +55,7 @@ class KVReceiver:
 
     def expect(self, msg: ExpectTransfer) -> TransferExpected:
         """Accept the transfer; pin the device-resident cached prefix of ``token_ids``."""
-        pinned: list[int] = []
-        if msg.token_ids:
-            hit = self.engine.mempool.match(msg.token_ids, take_ref=True)
-            device = next((i for i, a in enumerate(hit) if addr_tier(a) != Tier.DEVICE), len(hit))
-            pinned, slow = hit[:device], hit[device:]
-            if slow:
-                self.engine.mempool.free_mem(slow)
+        pinned = self.kv.hold_device_prefix(msg.token_ids) if msg.token_ids else []
         self.endpoint.expect(msg.ticket, msg.src_instance, msg.max_blocks, msg.ttl_s, pinned=pinned)
         if msg.request_id:
             self._tickets[msg.request_id] = msg.ticket
@@ -80,7 +74,7 @@ class KVReceiver:
                 self.counts["blocks_received"] += len(kv.addrs)
                 arrived.append(HandoffDone(waiting[kv.ticket], kv.ticket, len(kv.addrs)))
             else:
-                self.engine.mempool.free_mem(kv.addrs)
+                self.kv.free(kv.addrs)
         return arrived
 
     def resume(self, msg: AddRequest) -> RequestOutput | None:
@@ -93,9 +87,9 @@ class KVReceiver:
             self.endpoint.cancel(msg.kv_ticket)  # a transfer that never arrived: its blocks go now
         out = self.engine.add_request(msg)
         if arrived is not None and out is None:  # queued: its admission takes the KV over
-            self.engine.scheduler.kv.adopt(msg.request_id, arrived.addrs, len(msg.prompt_token_ids))
+            self.kv.adopt(msg.request_id, arrived.addrs, len(msg.prompt_token_ids))
         elif arrived is not None:  # rejected at once
-            self.engine.mempool.free_mem(arrived.addrs)
+            self.kv.free(arrived.addrs)
         self.counts["resumed" if arrived is not None else "resumed_without_kv"] += 1
         return out
 
@@ -107,13 +101,13 @@ class KVReceiver:
         self.endpoint.cancel(ticket)
         arrived = self._arrived.pop(ticket, None)
         if arrived is not None:
-            self.engine.mempool.free_mem(arrived.addrs)
+            self.kv.free(arrived.addrs)
 
     def reclaim(self) -> None:
         """Free KV whose request never resumed (its gateway gave up on it)."""
         now = self.clock()
         for ticket in [t for t, a in self._arrived.items() if a.deadline <= now]:
-            self.engine.mempool.free_mem(self._arrived.pop(ticket).addrs)
+            self.kv.free(self._arrived.pop(ticket).addrs)
             self.counts["reclaimed"] += 1
         live = set(self._arrived) | set(self.endpoint.expected())
         self._tickets = {r: t for r, t in self._tickets.items() if t in live}

@@ -2,7 +2,7 @@
 
 A request the gateway marks ``handoff`` runs here with ``max_tokens=1``: the prefill and
 the first token, which goes to the client at once. Its KV blocks are not freed when it
-leaves the scheduler but parked (``KVCacheManager.retain``) until the gateway names the
+leaves the scheduler but parked (``KVConnector.retain``) until the gateway names the
 decode instance in a ``HandoffStart``; they are then sent on the transfer endpoint's
 sender thread, so the engine keeps stepping, and freed once the decode instance has them
 (blocks indexed here stay cached: pd-caching-1 and up). An abort, a failed send or a
@@ -79,9 +79,10 @@ class HandoffSender:
         # by-layer: destinations named before the prefill, and the transfers of the
         # requests still prefilling (request -> (HandoffStart, stream)).
         self.layers: LayerSender | None = None
+        self.kv = engine.kv_connector
         if engine.cfg.transfer_mode == "by-layer":
-            self.layers = LayerSender(engine.runner.pools)  # type: ignore[attr-defined]
-            engine.runner.add_step_hooks(self.layers.hooks_for)  # type: ignore[attr-defined]
+            self.layers = LayerSender(self.kv.read_layer)
+            self.kv.add_step_hooks(self.layers.hooks_for)
         self._early: dict[str, HandoffStart] = {}
         self._streams: dict[str, tuple[HandoffStart, LayerStream]] = {}
         # Other modes: destinations named while the request prefills, sent when it parks.
@@ -98,7 +99,7 @@ class HandoffSender:
     def add(self, msg: AddRequest) -> RequestOutput | None:
         """Queue a handoff request: the prefill and the first token only, KV kept."""
         self._prompts[msg.request_id] = list(msg.prompt_token_ids)
-        self.engine.scheduler.kv.retain(msg.request_id)
+        self.kv.retain(msg.request_id)
         out = self.engine.add_request(dataclasses.replace(msg, params=dataclasses.replace(msg.params, max_tokens=1)))
         if out is not None:  # rejected at once
             self._drop(msg.request_id)
@@ -111,13 +112,12 @@ class HandoffSender:
         allocates the blocks it lacks meanwhile) and arm its prefill step."""
         start = self._early.pop(request_id)
         prompt = self._prompts[request_id]
-        block_size = self.engine.cfg.block_size
+        block_size = self.kv.block_size
         num_blocks = math.ceil(len(prompt) / block_size)
         skip = min(start.first_block, num_blocks - 1)  # at least the prompt's tail block goes
         tokens = prompt[: len(prompt) // block_size * block_size] if start.insert else None
-        layers = self.engine.runner.model_config.num_layers  # type: ignore[attr-defined]
-        stream = self.endpoint.open_layers(start.dst_instance, num_blocks - skip, layers, start.ticket, tokens, skip,
-                                           self.clock)
+        stream = self.endpoint.open_layers(start.dst_instance, num_blocks - skip, self.kv.num_layers, start.ticket,
+                                           tokens, skip, self.clock)
         self._streams[request_id] = (dataclasses.replace(start, first_block=skip), stream)
         self.layers.arm(request_id, stream, skip)  # type: ignore[union-attr]
 
@@ -131,7 +131,7 @@ class HandoffSender:
                 continue
             if out.finish_reason == "length" and out.new_token_ids:
                 del self._prompts[out.request_id]
-                addrs = self.engine.scheduler.kv.take_retained(out.request_id)
+                addrs = self.kv.take_retained(out.request_id)
                 if out.request_id in self._streams:
                     self._sent_by_layer(out.request_id, addrs)
                 else:
@@ -148,11 +148,11 @@ class HandoffSender:
     def _sent_by_layer(self, request_id: str, addrs: list[int]) -> None:
         """The prefill step handed every layer to the sender thread (copies): free the
         blocks now and watch the transfer like any send."""
-        self.engine.mempool.free_mem(addrs)
+        self.kv.free(addrs)
         start, stream = self._streams.pop(request_id)
         if stream.handed < stream.num_layers:  # the step failed and ran again: the layers went only in part
             stream.cancel("the prefill step did not send every layer")
-        nbytes = stream.num_blocks * self.engine.mempool.mover.block_nbytes  # type: ignore[union-attr]
+        nbytes = stream.num_blocks * self.kv.block_nbytes
         self.counts["blocks_skipped"] += start.first_block
         self._watch(_Sending(start, [], stream.future, stream.first_layer_at or self.clock(), nbytes,
                              stream.num_layers, stream.num_blocks, self.clock(), stream))
@@ -174,16 +174,16 @@ class HandoffSender:
         prompt, addrs = (parked.prompt, parked.addrs) if parked else ([], [])
         if msg.dst_instance < 0 or not addrs:
             if addrs:
-                self.engine.mempool.free_mem(addrs)
+                self.kv.free(addrs)
             return None if msg.dst_instance < 0 else HandoffDone(msg.request_id, msg.ticket, 0,
                                                                   error="no KV kept for this request")
         skip = min(msg.first_block, len(addrs) - 1)
         if skip:
-            self.engine.mempool.free_mem(addrs[:skip])  # the receiver holds these already
+            self.kv.free(addrs[:skip])  # the receiver holds these already
         send = addrs[skip:]
-        block_size = self.engine.cfg.block_size
+        block_size = self.kv.block_size
         tokens = prompt[: len(prompt) // block_size * block_size] if msg.insert else None
-        nbytes = len(send) * self.engine.mempool.mover.block_nbytes  # type: ignore[union-attr]
+        nbytes = len(send) * self.kv.block_nbytes
         frame_nbytes = self._frame_nbytes()
         frames = nbytes // frame_nbytes if frame_nbytes else len(contiguous_runs([addr_block(a) for a in send]))
         cancelled = threading.Event()
@@ -209,8 +209,7 @@ class HandoffSender:
         K or V of one block per frame."""
         if self.engine.cfg.transfer_mode == "by-request-agg":
             return None
-        layers = self.engine.runner.model_config.num_layers  # type: ignore[attr-defined]
-        return self.engine.mempool.mover.block_nbytes // (2 * layers)  # type: ignore[union-attr]
+        return self.kv.block_nbytes // (2 * self.kv.num_layers)
 
     def poll(self) -> list[HandoffDone]:
         """Sends that ended: free their blocks, report them."""
@@ -221,7 +220,7 @@ class HandoffSender:
                 pending.append(s)
                 continue
             if s.addrs:
-                self.engine.mempool.free_mem(s.addrs)
+                self.kv.free(s.addrs)
             # by-layer: often done before the step that sent it ended, before ``_watch``
             finished = s.stream.done_at if s.stream is not None else s.finished
             finished = finished if finished is not None else self.clock()
@@ -250,7 +249,7 @@ class HandoffSender:
         self._drop(request_id)
         parked = self._parked.pop(request_id, None)
         if parked is not None and parked.addrs:
-            self.engine.mempool.free_mem(parked.addrs)
+            self.kv.free(parked.addrs)
         for s in self._sending:
             if s.start.request_id != request_id:
                 continue
@@ -268,9 +267,9 @@ class HandoffSender:
         _, stream = self._streams.pop(request_id, (None, None))
         if stream is not None:
             stream.cancel("the request ended on the prefill instance")
-        addrs = self.engine.scheduler.kv.take_retained(request_id)
+        addrs = self.kv.take_retained(request_id)
         if addrs:
-            self.engine.mempool.free_mem(addrs)
+            self.kv.free(addrs)
 
     def stats(self) -> dict:
         return {**self.counts, "parked": len(self._parked), "sending": len(self._sending)}

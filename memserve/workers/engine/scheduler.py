@@ -38,6 +38,7 @@ from memserve.workers.engine.parallel_sampling import fork_choices
 from memserve.workers.engine.policies import PreemptKind, SchedulePolicy
 from memserve.workers.engine.sequence import Sequence, SequenceStatus
 from memserve.workers.engine.step_plan import (
+    BlockCopy,
     NewRequestData,
     ScheduledChunk,
     StepPlan,
@@ -167,7 +168,7 @@ class Scheduler:
                 i += 1
         if len(plan.preempted_ids) == made_room:  # no running request went short
             self._admit(plan, budget)
-        plan.loads = self.kv.take_loads()
+        plan.loads, plan.copies = self.kv.take_loads(), self.kv.take_copies()
         if self._unseen:
             plan.new_requests = [NewRequestData(c.request_id, self._requests[c.request_id].params,
                                                 self._requests[c.request_id].prompt_token_ids,
@@ -198,7 +199,7 @@ class Scheduler:
             if not self.kv.allocate_slots(seq, num_new):
                 self.kv.free(seq)
                 seq.num_computed_tokens = 0
-                if not self.running and not self.loading and self.kv.release_adopted(keep=seq.request_id):
+                if not self.running and not self.loading and self.kv.connector.release_adopted(keep=seq.request_id):
                     continue  # nothing else would free blocks: KV held by requests behind it goes
                 break
             self.policy.pop()
@@ -266,6 +267,10 @@ class Scheduler:
         self.policy.push_preempted(seq)
 
     # ----------------------------------------------------------------- update
+    def take_copies(self) -> list[BlockCopy]:
+        """Copies ``update`` queued (forks' copy-on-write), for the engine to run now."""
+        return self.kv.take_copies()
+
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         """Advance requests by what the step computed; return this step's token deltas."""
         outputs = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memserve.ipc.messages import SamplingParams, TokenLogprobs
+from memserve.kvcache.address import Tier
 
 
 @dataclass(slots=True)
@@ -39,8 +40,7 @@ class ScheduledChunk:
 @dataclass
 class KVLoad:
     """A copy of KV blocks into device blocks that a request waits for (a slower tier's
-    cached prefix today; another instance's KV later). The sources are held by the
-    request until the load is done."""
+    cached prefix). The sources are held by the request until the load is done."""
 
     request_id: str
     copies: list[tuple[int, list[int], list[int]]]  # (source tier, source block ids, device block ids)
@@ -48,10 +48,25 @@ class KVLoad:
 
 
 @dataclass
+class BlockCopy:
+    """A copy of blocks the scheduler decided (a swap-out to the host tier, a fork's
+    copy-on-write), run by the engine before the blocks are written again. ``hold``:
+    MemPool addresses referenced until the copy has run (a swap-out's host copies, so
+    they are neither evicted nor saved further down before they hold the data)."""
+
+    src_tier: Tier
+    src_blocks: list[int]
+    dst_tier: Tier
+    dst_blocks: list[int]
+    hold: list[int] = field(default_factory=list)
+
+
+@dataclass
 class StepPlan:
     new_requests: list[NewRequestData] = field(default_factory=list)
     chunks: list[ScheduledChunk] = field(default_factory=list)
     loads: list[KVLoad] = field(default_factory=list)  # to start this step
+    copies: list[BlockCopy] = field(default_factory=list)  # to run before this step computes
     finished_ids: list[str] = field(default_factory=list)  # left since the last plan: forget them
     preempted_ids: list[str] = field(default_factory=list)
 

@@ -1,6 +1,6 @@
 """Reusing a truncated conversation's cached KV at its new positions (AttentionStore §3.4).
 
-When the gateway drops whole blocks of a conversation's oldest turns (``gateway/
+When the gateway drops whole blocks of a conversation's oldest turns (``text/
 truncation.py``), the turns it kept sit that many positions earlier: their blocks get new
 chained names, so an ordinary lookup misses them, and their cached keys carry the old
 positions. Before the request is queued, ``reuse_truncated`` finds the untruncated

@@ -3,7 +3,7 @@ request is preempted when KV blocks run out and how (swap or recompute), and opt
 how many KV blocks each request may hold (a ``KVGate``). The scheduler keeps the
 mechanics (budgets, blocks, chunking) and calls these hooks, so policies can be swapped
 by a flag (``--schedule-policy``, ``--schedule-policy-options``) and compared in the
-simulator on the same engine. ``cacheopt`` (CacheOpt §3.3-3.5) lives in ``cacheopt*.py``."""
+simulator on the same engine. ``cacheopt`` (CacheOpt §3.3-3.5) is the ``cacheopt`` subpackage."""
 
 from __future__ import annotations
 
