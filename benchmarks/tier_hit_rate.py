@@ -82,10 +82,10 @@ def _first_turn_ttft(o: Outcome) -> float:
 def conversations(tokenizer, n: int, turns: int, max_tokens: int, max_len: int) -> list[list[dict]]:
     """The first ``n`` ShareGPT conversations with ``turns`` user turns whose last turn
     (with short answers) fits ``max_len`` tokens."""
-    from memserve.workload.dataset import default_sharegpt_path
+    from memserve.workload.dataset import default_sharegpt_path, open_text
 
     out = []
-    for line in default_sharegpt_path().read_text().splitlines():
+    for line in open_text(default_sharegpt_path()).read().splitlines():
         conv = json.loads(line)["messages"]
         users = [m["content"] for m in conv if m["role"] == "user"][:turns]
         if len(users) < turns or any(len(u) > 1500 for u in users):

@@ -32,7 +32,7 @@ from memserve.model_files.gguf_convert import ensure_model_dir
 from memserve.text.tokenizer import Tokenizer
 from memserve.workers.engine.engine import Engine
 from memserve.workers.real_engine import build_engine
-from memserve.workload.dataset import default_sharegpt_path
+from memserve.workload.dataset import default_sharegpt_path, open_text
 
 BLOCK_NBYTES = 2 * 30 * 16 * 3 * 64 * 4  # SmolLM2-135M in float32: 30 layers, 3 KV heads of 64, 16 tokens
 
@@ -42,7 +42,7 @@ def conversations(tokenizer: Tokenizer, n: int, turns: int, first_len: tuple[int
     """User messages of ShareGPT conversations that open with ``first_len`` tokens and
     go on with ``turns - 1`` questions of at most ``max_question`` tokens."""
     out = []
-    for line in default_sharegpt_path().read_text().splitlines():
+    for line in open_text(default_sharegpt_path()).read().splitlines():
         users = [m["content"] for m in json.loads(line)["messages"] if m["role"] == "user"][:turns]
         if len(users) < turns or not first_len[0] <= len(tokenizer.encode(users[0])) <= first_len[1]:
             continue

@@ -1,7 +1,7 @@
 """The ShareGPT conversation file and the text corpus derived from it.
 
-The project's reference workload is ``shared/data/sharegpt-sample.jsonl`` next to the
-repository (one ``{"id", "messages": [{"role", "content"}]}`` per line). The synthetic
+The reference workload ships inside the package, ``data/sharegpt-sample.jsonl.xz`` (one
+``{"id", "messages": [{"role", "content"}]}`` per line, xz-compressed). The synthetic
 workloads also draw their text from it, so every workload is real English/code text
 rather than random tokens, and is reproducible from a seed without extra files.
 """
@@ -9,22 +9,23 @@ rather than random tokens, and is reproducible from a seed without extra files.
 from __future__ import annotations
 
 import json
+import lzma
 import os
 import random
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import TextIO
 
 from memserve.workload.tokens import TokenCounter
 
 DATA_ENV = "MEMSERVE_DATA"
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_SHAREGPT = REPO_ROOT.parent / "shared" / "data" / "sharegpt-sample.jsonl"
+DEFAULT_SHAREGPT = Path(__file__).resolve().parent / "data" / "sharegpt-sample.jsonl.xz"
 
 
 def default_sharegpt_path() -> Path:
-    """``$MEMSERVE_DATA`` (a file, or a folder holding ``sharegpt-sample.jsonl``), else
-    ``../shared/data/sharegpt-sample.jsonl`` from the repository root."""
+    """``$MEMSERVE_DATA`` (a file, or a folder holding ``sharegpt-sample.jsonl``), else the
+    sample inside the package."""
     env = os.environ.get(DATA_ENV)
     if not env:
         return DEFAULT_SHAREGPT
@@ -47,6 +48,13 @@ class Conversation:
         return out
 
 
+def open_text(path: Path) -> TextIO:
+    """A JSONL file for reading, plain or xz-compressed (by its ``.xz`` suffix)."""
+    if path.suffix == ".xz":
+        return lzma.open(path, "rt", encoding="utf-8")
+    return path.open(encoding="utf-8")
+
+
 def load_conversations(path: str | Path) -> list[Conversation]:
     """Read the JSONL file; each conversation is cut before its first empty or
     out-of-order message, and dropped if nothing usable is left."""
@@ -54,7 +62,7 @@ def load_conversations(path: str | Path) -> list[Conversation]:
     if not path.is_file():
         raise FileNotFoundError(f"ShareGPT file not found: {path} (set --dataset or ${DATA_ENV})")
     conversations = []
-    with path.open(encoding="utf-8") as f:
+    with open_text(path) as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -84,7 +84,7 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     """The workload flags, shared with ``memserve simulate`` (same names, same meaning)."""
     wl = p.add_argument_group("workload")
     wl.add_argument("--workload", choices=WORKLOADS, default="sharegpt")
-    wl.add_argument("--dataset", help="ShareGPT JSONL (default ../shared/data/sharegpt-sample.jsonl or $MEMSERVE_DATA)")
+    wl.add_argument("--dataset", help="ShareGPT JSONL, plain or .xz (default: $MEMSERVE_DATA, else the sample in the package)")
     wl.add_argument("--tokenizer", help="tokenizer.json or model folder for token lengths (default ~4 chars/token)")
     wl.add_argument("--num-sessions", type=_positive_int, help="sessions (multi-turn workloads; default 50, long-doc-qa 20)")
     wl.add_argument("--num-requests", type=_positive_int, help="requests (single-turn workloads; default 200)")
