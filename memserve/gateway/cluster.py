@@ -123,8 +123,10 @@ class Cluster:
     def spare_states(self) -> list[dict]:
         """Each spare's pid and state: ``ready`` (prepared, waiting on its stdin) or ``starting``."""
         for spare in self.spares:
-            if (spare not in self._ready_spares and select.select([spare.stdout], [], [], 0)[0]
-                    and spare.stdout.readline().strip() == b"ready"):  # type: ignore[union-attr]
+            out = spare.stdout
+            assert out is not None  # spares start with stdin and stdout piped
+            if (spare not in self._ready_spares and select.select([out], [], [], 0)[0]
+                    and out.readline().strip() == b"ready"):
                 self._ready_spares.add(spare)
         return [{"pid": spare.pid, "state": "ready" if spare in self._ready_spares else "starting"}
                 for spare in self.spares]
@@ -135,9 +137,11 @@ class Cluster:
         while self.spares:
             spare = self.spares.pop(0)
             self._ready_spares.discard(spare)
+            stdin = spare.stdin
+            assert stdin is not None  # spares start with stdin and stdout piped
             try:
-                spare.stdin.write(f"{instance_id}\n".encode())  # type: ignore[union-attr]
-                spare.stdin.close()  # type: ignore[union-attr]
+                stdin.write(f"{instance_id}\n".encode())
+                stdin.close()
                 return spare
             except OSError:  # it died meanwhile
                 spare.wait()
@@ -213,8 +217,10 @@ class Cluster:
     def stop_all(self, grace_s: float = 5.0) -> None:
         """SIGTERM every worker, wait up to ``grace_s``, then SIGKILL what is left."""
         for spare in self.spares:  # end of file on stdin: not needed
+            stdin = spare.stdin
+            assert stdin is not None  # spares start with stdin and stdout piped
             try:
-                spare.stdin.close()  # type: ignore[union-attr]
+                stdin.close()
             except OSError:
                 pass
         procs = [h.process for h in self.workers.values() if h.process and h.process.poll() is None]

@@ -100,7 +100,9 @@ class _GatewayServer(web.Server):
         self._max_connections = max_connections
         self._overloaded = _overloaded_response(max_connections)
 
-    def __call__(self) -> asyncio.Protocol:  # type: ignore[override]
+    # aiohttp types this factory as returning its RequestHandler; the event loop needs only a
+    # protocol, and a refused connection gets a bare one (_Overloaded).
+    def __call__(self) -> asyncio.Protocol:  # type: ignore[override]  # narrower in aiohttp, see above
         if len(self.connections) >= self._max_connections:
             return _Overloaded(self._overloaded)
         return _GatewayRequestHandler(self, loop=self._loop, **self._kwargs)

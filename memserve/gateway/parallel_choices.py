@@ -79,7 +79,7 @@ class _SharedRequest:
         """Stop one choice in the worker (the others go on)."""
         if index not in self._finished and self._pump is not None and not self._pump.done():
             self._finished.add(index)
-            await self._engine.abort_choice(self._request_id, index)  # type: ignore[attr-defined]
+            await self._engine.abort_choice(self._request_id, index)
 
     def leave(self) -> None:
         """A choice stopped reading; the last one closes the engine request."""

@@ -195,8 +195,8 @@ class PDFlow:
                     task.cancel()
             if not finished or ((early or naming is not None) and phase == "prefill"):
                 # (D holds what it pinned, or P sent, for a request that ended on P)
-                for instance in {prefill, stream.worker, stream.peer} - {None}:
-                    await c.send_abort(instance, request_id)  # type: ignore[arg-type]
+                for instance in {i for i in (prefill, stream.worker, stream.peer) if i is not None}:
+                    await c.send_abort(instance, request_id)
 
     def _healthy(self, *instances: int | None) -> bool:
         """Alive and heartbeating (a long step alone does not count: the handoff is served

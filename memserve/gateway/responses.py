@@ -7,7 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from memserve.gateway.logprobs import CompletionLogprobs, LoggedToken, TokenStrings, chat_logprobs
+from memserve.gateway.logprobs import (
+    CompletionLogprobs,
+    LoggedToken,
+    TokenStrings,
+    chat_logprobs,
+)
 
 # Renders one choice's logged tokens as its ``logprobs`` object (stateful per choice).
 LogprobsRenderer = Callable[[list[LoggedToken]], dict]

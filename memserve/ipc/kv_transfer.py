@@ -45,7 +45,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -57,6 +57,7 @@ from memserve.ipc.messages import decode, encode, register
 from memserve.kvcache.address import Tier, addr_block, addr_tier
 from memserve.kvcache.blocks import MemPoolError
 from memserve.kvcache.mempool import KVFlags, MemPool
+from memserve.kvcache.mover import Buffer
 
 
 class TransferError(MemPoolError):
@@ -133,7 +134,7 @@ for _cls in (KVAllocRequest, KVAllocReply, KVData, KVLayer, KVDone):
     register(_cls)
 
 
-def split_frames(buffers: list, frame_nbytes: int) -> list[memoryview]:
+def split_frames(buffers: Sequence[Buffer], frame_nbytes: int) -> list[memoryview]:
     """Zero-copy pieces of ``frame_nbytes`` of each buffer, in order."""
     views = [memoryview(b).cast("B") for b in buffers]
     return [v[i : i + frame_nbytes] for v in views for i in range(0, len(v), frame_nbytes)]
@@ -301,13 +302,13 @@ class KVTransferEndpoint:
         handed to its engine once data is transferred into them."""
         return self._await(self._sender.submit(self._allocate, instance, size, tier, ticket))
 
-    def send(self, instance: int, src: list[int], dst: list[int] | None, flags: int, private: Any, ticket: str,
+    def send(self, instance: int, src: list[int], dst: Sequence[int] | None, flags: int, private: Any, ticket: str,
              tokens: list[int] | None = None, first_block: int = 0) -> list[int]:
         """Copy held blocks ``src`` to ``instance`` under ``ticket``; returns their
         addresses there."""
         return self._await(self.send_async(instance, src, dst, flags, private, ticket, tokens, first_block))
 
-    def send_async(self, instance: int, src: list[int], dst: list[int] | None, flags: int, private: Any,
+    def send_async(self, instance: int, src: list[int], dst: Sequence[int] | None, flags: int, private: Any,
                    ticket: str, tokens: list[int] | None = None, first_block: int = 0,
                    frame_nbytes: int | None = None,
                    cancelled: threading.Event | None = None) -> Future[list[int]]:
@@ -321,7 +322,7 @@ class KVTransferEndpoint:
         self.pool.check_held(src, "transfer")
         if dst is not None and len(dst) != len(src):
             raise MemPoolError(f"transfer: {len(src)} source blocks but {len(dst)} destinations")
-        buffers = self.pool.read_blocks(src)
+        buffers: Sequence[Buffer] = self.pool.read_blocks(src)
         if frame_nbytes:
             buffers = split_frames(buffers, frame_nbytes)
         return self._sender.submit(self._send, instance, len(src), dst, flags, private, ticket, tokens, first_block,
@@ -355,8 +356,8 @@ class KVTransferEndpoint:
             raise TransferError(f"instance {instance} could not allocate {size} blocks: {reply.error}")
         return list(reply.addrs)
 
-    def _send(self, instance: int, num_blocks: int, dst: list[int] | None, flags: int, private: Any, ticket: str,
-              tokens: list[int] | None, first_block: int, buffers: list,
+    def _send(self, instance: int, num_blocks: int, dst: Sequence[int] | None, flags: int, private: Any, ticket: str,
+              tokens: list[int] | None, first_block: int, buffers: Sequence[Buffer],
               cancelled: threading.Event | None = None) -> list[int]:
         if cancelled is not None and cancelled.is_set():
             raise TransferError(f"the transfer to instance {instance} was cancelled")
@@ -365,7 +366,9 @@ class KVTransferEndpoint:
             dst = self._allocate(instance, num_blocks, Tier.HOST if flags & KVFlags.HOST else Tier.DEVICE, ticket,
                                  cancelled)
         tid = next(self._ids)
-        header = KVData(tid, self.pool.instance_id, list(dst), int(flags), self.pool.mover.block_nbytes,  # type: ignore[union-attr]
+        mover = self.pool.mover
+        assert mover is not None  # send_async read the blocks through it
+        header = KVData(tid, self.pool.instance_id, list(dst), int(flags), mover.block_nbytes,
                         private, tokens, first_block, ticket)
         # copy=False: the frames point into the mover's memory. They are safe to reuse
         # once the receiver answers, which means it has received every frame.
@@ -407,7 +410,8 @@ class KVTransferEndpoint:
             return
         stream.done_at = stream.clock()
         if error is None:
-            stream.future.set_result(result)  # type: ignore[arg-type]
+            assert result is not None  # a transfer that went through has its blocks
+            stream.future.set_result(result)
         else:
             stream.future.set_exception(error)
 
@@ -429,7 +433,7 @@ class KVTransferEndpoint:
                 if cancelled.is_set():
                     raise TransferError(f"transfer request {tid} was cancelled")
                 remaining = min(remaining, CANCEL_POLL_S)
-            if peer.poll(remaining * 1000, zmq.POLLIN):
+            if peer.poll(int(remaining * 1000), zmq.POLLIN):  # whole ms, as pyzmq would round
                 reply = decode(peer.recv())
                 if reply.transfer_id == tid:
                     return reply
@@ -511,10 +515,10 @@ class KVTransferEndpoint:
         if grant.error is None:
             try:
                 tiers = {addr_tier(a) for a in msg.dst}
-                if len(frames) != 1 or len(tiers) != 1 or not hasattr(self.pool.mover, "write_layer"):
+                mover = self.pool.mover
+                if len(frames) != 1 or len(tiers) != 1 or mover is None or not hasattr(mover, "write_layer"):
                     raise MemPoolError("a by-layer message holds one frame for blocks of one tier of a runner's pool")
-                self.pool.mover.write_layer(Tier(tiers.pop()), [addr_block(a) for a in msg.dst], msg.layer,  # type: ignore[union-attr]
-                                            frames[0].buffer)
+                mover.write_layer(Tier(tiers.pop()), [addr_block(a) for a in msg.dst], msg.layer, frames[0].buffer)
                 grant.layers.add(msg.layer)
             except Exception as e:  # noqa: BLE001 - answered with the last layer
                 grant.error = f"{type(e).__name__}: {e}"
@@ -533,7 +537,8 @@ class KVTransferEndpoint:
         handed to the engine or, with ``KVFlags.RELEASE``, left to the index."""
         pool = self.pool
         try:
-            inserted = self._insert(msg) if msg.tokens is not None else 0
+            tokens = msg.tokens
+            inserted = insert_received(pool, tokens, msg.first_block, msg.dst) if tokens is not None else 0
         except Exception as e:  # noqa: BLE001 - as in _on_data
             pool.free_mem(pinned + msg.dst)
             return KVDone(msg.transfer_id, error=f"{type(e).__name__}: {e}")
@@ -543,9 +548,6 @@ class KVTransferEndpoint:
             self._received.append(ReceivedKV(msg.src_instance, pinned + msg.dst, msg.tokens, msg.private, inserted,
                                              msg.ticket))
         return KVDone(msg.transfer_id, inserted)
-
-    def _insert(self, msg: KVData | KVLayer) -> int:
-        return insert_received(self.pool, msg.tokens, msg.first_block, msg.dst)  # type: ignore[arg-type]
 
 
 def insert_received(pool: MemPool, tokens: list[int], first_block: int, addrs: list[int]) -> int:

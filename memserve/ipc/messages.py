@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import msgpack
 
@@ -269,7 +269,14 @@ _NESTED_LISTS: dict[tuple[str, str], type] = {
 }
 
 
-def register(cls: type, nested: dict[str, type] | None = None, nested_lists: dict[str, type] | None = None) -> type:
+class Message(Protocol):
+    """A message type: a dataclass with a class-level ``kind`` tag."""
+
+    kind: ClassVar[str]
+
+
+def register(cls: type[Message], nested: dict[str, type] | None = None,
+             nested_lists: dict[str, type] | None = None) -> type[Message]:
     """Add a message type defined elsewhere (KV events, transfers) to the codec."""
     MESSAGE_TYPES[cls.kind] = cls
     for name, sub in (nested or {}).items():

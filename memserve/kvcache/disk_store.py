@@ -88,10 +88,10 @@ class DiskStore:
         for path in self.dir.iterdir() if self.dir.is_dir() else ():
             block_hash = _hash_of(path.name)
             loaded = self._load(path, block_hash) if block_hash is not None else None
-            if loaded is None:
+            if block_hash is None or loaded is None:
                 _unlink(path)
             else:
-                found[block_hash] = loaded[0]  # type: ignore[index]
+                found[block_hash] = loaded[0]
         children: dict[int | None, list[int]] = {}
         for h, parent in found.items():
             children.setdefault(parent, []).append(h)
@@ -127,7 +127,9 @@ class DiskStore:
     # ------------------------------------------------------------- data side
     def write(self, slot: int, data: Buffer) -> None:
         """Store ``data`` as the block named for ``slot``: temp file, then rename."""
-        block_hash, parent = self._names[slot]  # type: ignore[misc]
+        named = self._names[slot]
+        assert named is not None  # the MemPool names a slot before it saves to it
+        block_hash, parent = named
         view = memoryview(data).cast("B")
         if len(view) != self.block_nbytes:
             raise ValueError(f"disk block: {len(view)} bytes, expected {self.block_nbytes}")

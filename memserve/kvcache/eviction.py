@@ -71,7 +71,7 @@ class SchedulerAware:
         self._next_use: dict[int, int] = {}  # block name -> queue position of its next use
 
     def priority(self, node: RadixNode) -> tuple[float, float]:
-        rank = self._next_use.get(node.hash)  # type: ignore[arg-type]
+        rank = self._next_use.get(node.hash)
         return (0, node.last_access) if rank is None else (1, -rank)
 
     def next_use(self, block_hash: int) -> int | None:

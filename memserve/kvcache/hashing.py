@@ -49,7 +49,7 @@ def block_hashes(tokens: Sequence[int], block_size: int, parent: int | None = No
     data = pack_tokens(tokens if len(tokens) == num_full * block_size else tokens[: num_full * block_size])
     step = block_size * 4
     h = ROOT_SEED if parent is None else parent
-    out = []
+    out: list[int] = []
     append = out.append
     for start in range(0, len(data), step):
         h = _hash(data[start : start + step], h)

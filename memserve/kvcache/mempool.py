@@ -41,7 +41,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from enum import IntFlag
-from typing import Any, NamedTuple
+from typing import Any
 
 from memserve.kvcache.address import (
     BLOCK_MASK,
@@ -58,7 +58,8 @@ from memserve.kvcache.disk_store import DiskStore
 from memserve.kvcache.events import REMOVED, STORED, KVEvent
 from memserve.kvcache.eviction import EvictionPolicy
 from memserve.kvcache.hashing import block_hashes
-from memserve.kvcache.mover import BlockMover, TransferEndpoint
+from memserve.kvcache.mover import BlockMover
+from memserve.kvcache.pool_state import Held
 from memserve.kvcache.radix import RadixIndex, RadixNode
 from memserve.kvcache.saver import InlineSaver, Saver
 from memserve.kvcache.tiering import TierMoves
@@ -75,13 +76,6 @@ class KVFlags(IntFlag):
     RELEASE = 1
     #: transfer: the receiver allocates in its host tier instead of its device tier.
     HOST = 2
-
-
-class _Held(NamedTuple):
-    addr: int
-    tier: int
-    block: int
-    node: RadixNode | None  # None: a private block
 
 
 class MemPool(TierMoves, TransferAPI):
@@ -118,8 +112,8 @@ class MemPool(TierMoves, TransferAPI):
         self._events: list[KVEvent] = []
         self._hit_tokens = 0
         self._query_tokens = 0
-        self._transfer: TransferEndpoint | None = None
-        self.saver: Saver = saver if saver is not None else InlineSaver(mover)  # type: ignore[arg-type]
+        self._transfer = None
+        self.saver: Saver = saver if saver is not None else InlineSaver(mover)
         self.disk = disk
         # Per tier: blocks ``kick_saves`` keeps free or being saved down: a fraction of the
         # tier, and at least what one engine step allocates (``step_blocks``), so that a
@@ -135,7 +129,8 @@ class MemPool(TierMoves, TransferAPI):
         self._prefetch_blocks = 0  # blocks prefetched disk -> host
         self._prefetch_hits = 0  # prefetched blocks a request then matched on the host
         if disk is not None:
-            if self._pools[Tier.DISK] is None or self._pools[Tier.DISK].num_blocks != disk.num_blocks:
+            disk_pool = self._pools[Tier.DISK]
+            if disk_pool is None or disk_pool.num_blocks != disk.num_blocks:
                 raise ValueError("a disk store needs a DISK tier of as many blocks")
             self._adopt_disk(disk.scan(instance_id))
 
@@ -179,9 +174,10 @@ class MemPool(TierMoves, TransferAPI):
 
     def _release(self, tier: int, blocks: list[int]) -> None:
         pool = self._pools[tier]
+        assert pool is not None  # a tier of _split's
         if not self.index.cached_count(tier):
             try:
-                pool.free(blocks)  # type: ignore[union-attr]
+                pool.free(blocks)
             except MemPoolError:
                 self._check_release(tier, blocks)  # raises, naming the address
                 raise
@@ -201,7 +197,7 @@ class MemPool(TierMoves, TransferAPI):
             self._check_release(tier, blocks)  # raises, naming the address
             raise
         try:
-            pool.free(private)  # type: ignore[union-attr]
+            pool.free(private)
         except MemPoolError:
             self.index.lock(nodes)
             self._check_release(tier, blocks)
@@ -209,10 +205,10 @@ class MemPool(TierMoves, TransferAPI):
 
     def _check_release(self, tier: int, blocks: list[int]) -> None:
         owners = self._node_of[tier]
-        pool = self._pools[tier]
+        pool = self._pool(tier, "free_mem")
         for b, n in Counter(blocks).items():
             node = owners[b]
-            held = node.lock if node is not None else pool.refcount(b)  # type: ignore[union-attr]
+            held = node.lock if node is not None else pool.refcount(b)
             if held < n:
                 where = addr_str(self._addr(tier, b))
                 if held < 1:
@@ -243,10 +239,13 @@ class MemPool(TierMoves, TransferAPI):
         if len(groups) != 1:
             raise MemPoolError("insert: the new blocks of one call must be in one tier")
         tier, blocks = groups[0]
-        if parent_hash is not None and self.index.get(parent_hash).tier > tier:  # type: ignore[union-attr]
-            return 0  # never below a slower parent: eviction could not go deepest-first
+        if parent_hash is not None:
+            parent = self.index.get(parent_hash)
+            assert parent is not None  # insert found it indexed (known_prefix)
+            if parent.tier > tier:
+                return 0  # never below a slower parent: eviction could not go deepest-first
         try:
-            locks = self._pools[tier].park(blocks)  # type: ignore[union-attr]
+            locks = self._pool(tier, "insert").park(blocks)
         except MemPoolError as e:
             raise MemPoolError(f"insert: every new block must be held by the caller ({e})") from e
         created = self.index.add_chain(parent_hash, hashes, addrs, locks)
@@ -281,7 +280,7 @@ class MemPool(TierMoves, TransferAPI):
     def _count_prefetch_hits(self, nodes: list[RadixNode]) -> None:
         for n in nodes:
             if n.hash in self._prefetched and n.tier != Tier.DISK:
-                self._prefetched.discard(n.hash)  # type: ignore[arg-type]
+                self._prefetched.discard(n.hash)
                 self._prefetch_hits += 1
 
     def drop(self, node: RadixNode) -> int:
@@ -291,7 +290,7 @@ class MemPool(TierMoves, TransferAPI):
         removed = self.index.remove_subtree(node)
         if self.disk is not None:
             for n in removed:
-                self.disk.forget(n.hash)  # type: ignore[arg-type]
+                self.disk.forget(n.hash)
         self._forget(removed)
         return len(removed)
 
@@ -323,13 +322,13 @@ class MemPool(TierMoves, TransferAPI):
         io: dict[str, dict[str, int]] = {}
         nbytes = self.mover.block_nbytes if self.mover is not None else 0
         for tier in self.tiers:
-            pool = self._pools[tier]
+            pool = self._pool(tier, "stats")
             evictable = self.index.idle_count(tier)
-            allocated = pool.num_blocks - pool.num_free  # type: ignore[union-attr]
+            allocated = pool.num_blocks - pool.num_free
             name = tier.name.lower()
             out[name] = {
-                "total": pool.num_blocks,  # type: ignore[union-attr]
-                "free": pool.num_free,  # type: ignore[union-attr]
+                "total": pool.num_blocks,
+                "free": pool.num_free,
                 "cached": self.index.cached_count(tier),
                 "evictable": evictable,
                 "used": allocated - evictable - self._saving[tier] - self._incoming[tier],
@@ -368,10 +367,10 @@ class MemPool(TierMoves, TransferAPI):
             owners = self._node_of[tier]
             for b in blocks:
                 owners[b] = None
-            self._pools[tier].release(blocks)  # type: ignore[union-attr]
+            self._pool(tier, "forget").release(blocks)
         if self._prefetched:
             self._prefetched.difference_update(n.hash for n in removed)
-        self._events.append(KVEvent(REMOVED, [n.hash for n in removed]))  # type: ignore[misc]
+        self._events.append(KVEvent(REMOVED, [n.hash for n in removed]))
 
     def _addr(self, tier: int, block: int) -> int:
         return (self.instance_id << INSTANCE_SHIFT) | (tier << TIER_SHIFT) | block
@@ -382,9 +381,10 @@ class MemPool(TierMoves, TransferAPI):
             return []
         base = addrs[0] & ~BLOCK_MASK
         tier = (base >> TIER_SHIFT) & TIER_MASK
-        if base >> INSTANCE_SHIFT == self.instance_id and tier < len(self._pools) and self._pools[tier] is not None:
+        pool = self._pools[tier] if tier < len(self._pools) else None
+        if base >> INSTANCE_SHIFT == self.instance_id and pool is not None:
             blocks = [a - base for a in addrs]
-            if min(blocks) >= 0 and max(blocks) < self._pools[tier].num_blocks:  # type: ignore[union-attr]
+            if min(blocks) >= 0 and max(blocks) < pool.num_blocks:
                 return [(tier, blocks)]
         groups: dict[int, list[int]] = {}
         for a in addrs:
@@ -404,7 +404,7 @@ class MemPool(TierMoves, TransferAPI):
             for tier, group in itertools.groupby(self._held(addrs, op), key=lambda e: e.tier)
         ]
 
-    def _held(self, addrs: Sequence[int], op: str) -> list[_Held]:
+    def _held(self, addrs: Sequence[int], op: str) -> list[Held]:
         """Each address decoded; raises unless it is a local block someone holds."""
         self._split(addrs, op)
         if len(set(addrs)) != len(addrs):
@@ -413,10 +413,10 @@ class MemPool(TierMoves, TransferAPI):
         for a in addrs:
             tier, block = (a >> TIER_SHIFT) & TIER_MASK, a & BLOCK_MASK
             node = self._node_of[tier][block]
-            held = node.lock if node is not None else self._pools[tier].refcount(block)  # type: ignore[union-attr]
+            held = node.lock if node is not None else self._pool(tier, op).refcount(block)
             if held < 1:
                 raise MemPoolError(f"{op}: {addr_str(a)} is not held by anyone")
-            out.append(_Held(a, tier, block, node))
+            out.append(Held(a, tier, block, node))
         return out
 
     def _pool(self, tier: int, op: str) -> BlockPool:

@@ -70,7 +70,7 @@ class TransferEndpoint(Protocol):
         """``alloc_mem`` on another instance, for the transfer it expects under ``ticket``."""
         ...
 
-    def send(self, instance: int, src: list[int], dst: list[int] | None, flags: int, private: Any, ticket: str,
+    def send(self, instance: int, src: list[int], dst: Sequence[int] | None, flags: int, private: Any, ticket: str,
              tokens: list[int] | None = None, first_block: int = 0) -> list[int]:
         """Copy held blocks ``src`` to ``instance``; returns their addresses there."""
         ...

@@ -32,28 +32,43 @@ import itertools
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from types import MappingProxyType
+from typing import cast
 
-from memserve.kvcache.address import TIER_MASK, TIER_SHIFT, Tier, addr_block, addr_instance, addr_str, addr_tier
+from memserve.kvcache.address import (
+    TIER_MASK,
+    TIER_SHIFT,
+    Tier,
+    addr_block,
+    addr_instance,
+    addr_str,
+    addr_tier,
+)
 from memserve.kvcache.blocks import MemPoolError
-from memserve.kvcache.eviction import LRU, EvictionPolicy
+from memserve.kvcache.eviction import LRU, EvictionPolicy, Priority
 from memserve.kvcache.hashing import block_hashes
 
-_NO_CHILDREN = MappingProxyType({})  # shared by every leaf until it gets a child
+# Shared by every leaf until it gets a child (then a dict of its own replaces it): typed as
+# the dict it stands in for, read-only so that a write to it raises.
+_NO_CHILDREN = cast("dict[int, RadixNode]", MappingProxyType({}))
 _FIRST_CHUNK_BLOCKS = 16  # match hashes 16 blocks, then 32, 64, ... until the first miss
 _NUM_TIERS = len(Tier)
 
 
-class RadixNode:
-    """One cached full block."""
+class TreeNode:
+    """A place in the prefix tree: the index's root, or a cached block (``RadixNode``)."""
 
     __slots__ = ("hash", "parent", "children", "addr", "lock", "busy_children", "last_access", "born")
 
+    hash: int | None  # the block's name; None for the root, which names no block
+    parent: TreeNode | None  # None for the root and for a node taken out of the tree
+    children: dict[int, RadixNode]
+
     def __init__(
-        self, block_hash: int | None, parent: RadixNode | None, addr: int, lock: int, busy_children: int, now: float
+        self, block_hash: int | None, parent: TreeNode | None, addr: int, lock: int, busy_children: int, now: float
     ) -> None:
         self.hash = block_hash
         self.parent = parent
-        self.children: dict[int, RadixNode] = _NO_CHILDREN  # type: ignore[assignment]
+        self.children = _NO_CHILDREN
         self.addr = addr
         self.lock = lock
         self.busy_children = busy_children
@@ -80,7 +95,15 @@ class RadixNode:
         return f"RadixNode({self.hash:#x} @ {addr_str(self.addr)}, lock={self.lock})"
 
 
-def _tier(node: RadixNode) -> int:
+class RadixNode(TreeNode):
+    """One cached full block."""
+
+    __slots__ = ()
+
+    hash: int
+
+
+def _tier(node: TreeNode) -> int:
     return (node.addr >> TIER_SHIFT) & TIER_MASK
 
 
@@ -93,11 +116,11 @@ class RadixIndex:
         self._clock = clock if clock is not None else itertools.count().__next__
         self._eviction = eviction if eviction is not None else LRU()
         # The root is locked for good, so busy/idle propagation stops below it.
-        self.root = RadixNode(None, None, -1, 1, 0, 0)
+        self.root = TreeNode(None, None, -1, 1, 0, 0)
         self._nodes: dict[int, RadixNode] = {}
         self._count = [0] * _NUM_TIERS
         self._idle = [0] * _NUM_TIERS
-        self._heaps: list[list[tuple[float, int, RadixNode]]] = [[] for _ in range(_NUM_TIERS)]
+        self._heaps: list[list[tuple[Priority, int, RadixNode]]] = [[] for _ in range(_NUM_TIERS)]
         self._seq = itertools.count()
 
     # ----------------------------------------------------------------- lookup
@@ -167,7 +190,12 @@ class RadixIndex:
 
     def entries(self) -> set[tuple[int, int | None, int]]:
         """``(name, parent name, tier)`` of every node: what a mirror must agree on."""
-        return {(n.hash, n.parent.hash, _tier(n)) for n in self._nodes.values()}  # type: ignore[union-attr]
+        out: set[tuple[int, int | None, int]] = set()
+        for n in self._nodes.values():
+            parent = n.parent
+            assert parent is not None  # an indexed node hangs below the root or another node
+            out.add((n.hash, parent.hash, _tier(n)))
+        return out
 
     # ------------------------------------------------------------- structure
 
@@ -202,9 +230,9 @@ class RadixIndex:
         while last_busy >= 0 and not locks[last_busy]:
             last_busy -= 1
         now = self._clock()
-        created = []
+        created: list[RadixNode] = []
         append = created.append
-        node = parent
+        node: TreeNode = parent
         for h, a, lock in zip(hashes, addrs, locks):
             child = RadixNode(h, node, a, lock, 1, now)
             if node is not parent:
@@ -237,7 +265,9 @@ class RadixIndex:
     def remove(self, node: RadixNode) -> None:
         """Unindex an idle leaf."""
         parent = node.parent
-        self._left_tier(parent, self._unlink(node))  # type: ignore[arg-type]
+        tier = self._unlink(node)
+        assert parent is not None  # _unlink raises for a node out of the tree
+        self._left_tier(parent, tier)
 
     def remove_subtree(self, node: RadixNode) -> list[RadixNode]:
         """Unindex an idle node and everything below it; returns them deepest first."""
@@ -258,11 +288,12 @@ class RadixIndex:
     def _unlink(self, node: RadixNode) -> int:
         """Take an idle leaf out of the tree and the counts; returns its tier. Its parent
         may become a frontier node: the caller decides whether to list it (``_left_tier``)."""
-        if node.children or not node.idle or node.parent is None:
+        parent = node.parent
+        if node.children or not node.idle or parent is None:
             raise MemPoolError(f"cannot remove {node!r}: only idle leaves can be removed")
         tier = _tier(node)
-        del self._nodes[node.hash]  # type: ignore[arg-type]
-        del node.parent.children[node.hash]  # type: ignore[arg-type]
+        del self._nodes[node.hash]
+        del parent.children[node.hash]
         node.parent = None
         self._count[tier] -= 1
         self._idle[tier] -= 1
@@ -286,7 +317,9 @@ class RadixIndex:
             self._idle[new_tier] += 1
             if self._frontier(node, new_tier):
                 self._push(new_tier, node)
-        self._left_tier(node.parent, old_tier)  # type: ignore[arg-type]
+        parent = node.parent
+        assert parent is not None  # an indexed node: the root and removed nodes do not move
+        self._left_tier(parent, old_tier)
 
     def delete(self, tokens: Sequence[int]) -> list[RadixNode]:
         """Unindex the blocks only this prompt needs: walk its cached path bottom-up and
@@ -301,7 +334,8 @@ class RadixIndex:
             tier = self._unlink(node)
             removed.append(node)
         if removed:
-            self._left_tier(parent, tier)  # type: ignore[arg-type]
+            assert parent is not None  # _unlink took the last removed node out of it
+            self._left_tier(parent, tier)
         return removed
 
     def requeue(self, nodes: Iterable[RadixNode]) -> None:
@@ -324,9 +358,10 @@ class RadixIndex:
             if not node.lock and not node.busy_children:  # idle -> busy
                 idle[(node.addr >> shift) & mask] -= 1
                 parent = node.parent
-                parent.busy_children += 1  # type: ignore[union-attr]
-                if parent.busy_children == 1 and not parent.lock:  # type: ignore[union-attr]
-                    self._became_busy(parent)  # type: ignore[arg-type]
+                assert parent is not None  # an idle node is in the tree, below the root
+                parent.busy_children += 1
+                if parent.busy_children == 1 and not parent.lock:
+                    self._became_busy(parent)
             node.lock += 1
 
     def unlock(self, nodes: Sequence[RadixNode], touch: bool = True) -> None:
@@ -350,13 +385,15 @@ class RadixIndex:
         bad = next(n for n, c in drops.items() if n.lock < c)
         raise MemPoolError(f"{addr_str(bad.addr)} is not held (lock {bad.lock}, released {drops[bad]} times)")
 
-    def _became_busy(self, node: RadixNode) -> None:
+    def _became_busy(self, node: TreeNode) -> None:
         """``node`` was idle and now has a busy child: so do its idle ancestors."""
         idle = self._idle
         shift, mask = TIER_SHIFT, TIER_MASK
         while True:
             idle[(node.addr >> shift) & mask] -= 1
-            node = node.parent  # type: ignore[assignment]
+            parent = node.parent
+            assert parent is not None  # the walk ends at the root at the latest (locked for good)
+            node = parent
             node.busy_children += 1
             if node.busy_children > 1 or node.lock:
                 return
@@ -376,10 +413,13 @@ class RadixIndex:
             if tier != child_tier and self._frontier(node, tier):
                 self._push(tier, node)
             child_tier = tier
-            node = node.parent  # type: ignore[assignment]
-            node.busy_children -= 1
-            if node.busy_children or node.lock:
+            parent = node.parent
+            assert parent is not None  # the walk ends at the root at the latest (locked for good)
+            parent.busy_children -= 1
+            if parent.busy_children or parent.lock:
                 return
+            assert isinstance(parent, RadixNode)  # not the root: it is locked
+            node = parent
 
     # --------------------------------------------------------------- eviction
 
@@ -408,7 +448,7 @@ class RadixIndex:
             selected.add(node)
             out.append(node)
             parent = node.parent
-            if parent is not self.root and _tier(parent) == tier and parent.idle and self._frontier(parent, tier, selected):
+            if isinstance(parent, RadixNode) and _tier(parent) == tier and parent.idle and self._frontier(parent, tier, selected):
                 # No compaction here: it would not know about ``selected``.
                 heapq.heappush(heap, (self._eviction.priority(parent), next(self._seq), parent))
         return out
@@ -420,9 +460,9 @@ class RadixIndex:
                 return False
         return True
 
-    def _left_tier(self, parent: RadixNode, tier: int) -> None:
+    def _left_tier(self, parent: TreeNode, tier: int) -> None:
         """A child of ``parent`` left ``tier``: the parent may now be on that tier's frontier."""
-        if parent is not self.root and parent.idle and _tier(parent) == tier and self._frontier(parent, tier):
+        if isinstance(parent, RadixNode) and parent.idle and _tier(parent) == tier and self._frontier(parent, tier):
             self._push(tier, parent)
 
     def _push(self, tier: int, node: RadixNode) -> None:

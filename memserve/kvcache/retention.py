@@ -41,7 +41,7 @@ class Retention:
                 ext[h] = ttl_s
 
     def ttl_of(self, node: RadixNode) -> float:
-        return self._extended.get(node.hash, self.ttl_s)  # type: ignore[arg-type]
+        return self._extended.get(node.hash, self.ttl_s)
 
     def sweep(self, force: bool = False) -> int:
         """Drop the expired idle blocks when a sweep is due; returns how many went."""

@@ -14,22 +14,27 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from memserve.kvcache.address import Tier
+from memserve.kvcache.blocks import MemPoolError
 from memserve.kvcache.mover import BlockMover
+
+if TYPE_CHECKING:
+    from memserve.kvcache.radix import RadixNode
 
 
 @dataclass(eq=False)
 class SaveJob:
     """Copy ``src_blocks`` of ``src_tier`` to ``dst_blocks`` of ``dst_tier``. ``owner`` is
-    the MemPool's record of the save; ``error`` is set when the copy failed."""
+    the MemPool's record of the save (per block: its node, the address it was saved from
+    and its last access then); ``error`` is set when the copy failed."""
 
     src_tier: Tier
     src_blocks: list[int]
     dst_tier: Tier
     dst_blocks: list[int]
-    owner: Any = None
+    owner: list[tuple[RadixNode, int, float]] = field(default_factory=list)
     error: BaseException | None = field(default=None, repr=False)
 
 
@@ -53,19 +58,22 @@ class Saver(Protocol):
         """Finish the queued jobs and stop."""
 
 
-def _run(mover: BlockMover, job: SaveJob) -> None:
+def _run(mover: BlockMover | None, job: SaveJob) -> None:
     try:
+        if mover is None:
+            raise MemPoolError("a save needs a BlockMover")
         mover.copy_blocks(job.src_tier, job.src_blocks, job.dst_tier, job.dst_blocks)
     except Exception as exc:  # noqa: BLE001 - reported to the MemPool, which abandons the save
         job.error = exc
 
 
 class InlineSaver:
-    """Copies in ``submit``: synchronous saving, and deterministic for the simulator."""
+    """Copies in ``submit``: synchronous saving, and deterministic for the simulator.
+    Without a mover (a MemPool that has none never saves) every job fails."""
 
     inline = True
 
-    def __init__(self, mover: BlockMover) -> None:
+    def __init__(self, mover: BlockMover | None) -> None:
         self.mover = mover
         self._done: list[SaveJob] = []
 

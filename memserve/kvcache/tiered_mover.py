@@ -42,9 +42,10 @@ class TieredMover:
         out: list[Buffer] = []
         for start, n in contiguous_runs(blocks):
             parts = [self.disk.read(slot) for slot in range(start, start + n)]
-            if any(p is None for p in parts):
+            present = [p for p in parts if p is not None]
+            if len(present) < n:
                 raise MemPoolError(f"disk blocks {start}..{start + n - 1}: a file is missing or corrupt")
-            out.append(b"".join(parts))  # type: ignore[arg-type]
+            out.append(b"".join(present))
         return out
 
     def write_blocks(self, tier: Tier, blocks: list[int], buffers: Sequence[Buffer]) -> None:
@@ -55,7 +56,9 @@ class TieredMover:
 
     def write_layer(self, tier: Tier, blocks: list[int], layer: int, buf: Buffer) -> None:
         """By-layer transfers land in memory tiers only: the runner's mover stores them."""
-        self.base.write_layer(tier, blocks, layer, buf)  # type: ignore[attr-defined]
+        base = self.base
+        assert hasattr(base, "write_layer")  # the runner's mover (KVPools): BlockMover has no layers
+        base.write_layer(tier, blocks, layer, buf)
 
     def _write_disk(self, slots: list[int], buffers: Sequence[Buffer]) -> None:
         for slot, piece in zip(slots, recut(buffers, [self.block_nbytes] * len(slots)), strict=True):

@@ -32,13 +32,14 @@ from memserve.kvcache.address import (
 )
 from memserve.kvcache.blocks import MemPoolError
 from memserve.kvcache.events import MOVED, STORED, KVEvent
+from memserve.kvcache.pool_state import Held, PoolState
 from memserve.kvcache.radix import RadixNode
 from memserve.kvcache.saver import SaveJob
 
 log = logging.getLogger("memserve.kvcache")
 
 
-class TierMoves:
+class TierMoves(PoolState):
     # ------------------------------------------------------------- saving down
 
     def kick_saves(self) -> None:
@@ -49,7 +50,7 @@ class TierMoves:
         if self.saver.inline:
             return  # a synchronous saver demotes on demand, in alloc_mem
         for tier in reversed(self.tiers):
-            self.demote(tier, self._watermark[tier] - self._pools[tier].num_free - self._saving[tier])  # type: ignore[union-attr]
+            self.demote(tier, self._watermark[tier] - self._pool(tier, "kick_saves").num_free - self._saving[tier])
 
     def demote(self, tier: Tier, n: int) -> int:
         """Start saving up to ``n`` of ``tier``'s least valuable idle blocks to the next
@@ -114,20 +115,21 @@ class TierMoves:
         nxt = self._next_tier(tier)
         keep = 0
         if nxt is not None and self.saver.inline:
-            keep = min(len(victims), self._pools[nxt].num_free + self.index.idle_count(nxt))  # type: ignore[union-attr]
+            keep = min(len(victims), self._pool(nxt, "evict").num_free + self.index.idle_count(nxt))
         # Drop the oldest: victims come deepest first, so none of them is an ancestor of a
         # demoted one. A dropped block's slower descendants go with it.
         dropped = victims[: len(victims) - keep]
         if dropped:
             self._forget([gone for v in dropped for gone in self.index.remove_subtree(v)])
         if keep:
-            self._save(victims[len(victims) - keep :], nxt)  # type: ignore[arg-type]
+            assert nxt is not None  # only a slower tier keeps any
+            self._save(victims[len(victims) - keep :], nxt)
             self._finish_saves()
 
     def _room(self, tier: Tier) -> int:
         """Blocks a save into ``tier`` can get without waiting: free ones, plus idle ones
         when ``tier`` is the last (they are dropped; a middle tier saves its own down)."""
-        room = self._pools[tier].num_free  # type: ignore[union-attr]
+        room = self._pool(tier, "save").num_free
         if self._next_tier(tier) is None:
             room += self.index.idle_count(tier)
         return room
@@ -136,16 +138,18 @@ class TierMoves:
         """Start copying idle indexed blocks of one tier to new blocks of ``dst``: the
         copies are parked, the sources pinned until ``_finish_saves``."""
         src = nodes[0].tier
-        dst_pool = self._pools[dst]
-        short = len(nodes) - dst_pool.num_free  # type: ignore[union-attr]
+        dst_pool = self._pool(dst, "save")
+        short = len(nodes) - dst_pool.num_free
         if short > 0:
             self._evict(dst, short)
-        dst_blocks = dst_pool.alloc(len(nodes))  # type: ignore[union-attr]
-        dst_pool.park(dst_blocks)  # type: ignore[union-attr]
+        dst_blocks = dst_pool.alloc(len(nodes))
+        dst_pool.park(dst_blocks)
         self.index.lock(nodes)
         if dst == Tier.DISK and self.disk is not None:
             for node, slot in zip(nodes, dst_blocks):
-                self.disk.name(slot, node.hash, node.parent.hash)  # type: ignore[union-attr,arg-type]
+                parent = node.parent
+                assert parent is not None  # an indexed node
+                self.disk.name(slot, node.hash, parent.hash)
         self._saving[src] += len(nodes)
         self._incoming[dst] += len(nodes)
         job = SaveJob(src, [n.addr & BLOCK_MASK for n in nodes], dst, dst_blocks,
@@ -165,7 +169,7 @@ class TierMoves:
         n = len(job.src_blocks)
         self._saving[src] -= n
         self._incoming[dst] -= n
-        src_pool, dst_pool = self._pools[src], self._pools[dst]
+        src_pool, dst_pool = self._pool(src, "save"), self._pool(dst, "save")
         moved: list[tuple[RadixNode, int, int]] = []
         unpin: list[RadixNode] = []
         unused: list[int] = []
@@ -173,15 +177,14 @@ class TierMoves:
         unread = self.disk.failed(job.src_blocks) if src == Tier.DISK and self.disk is not None else set()
         for (node, addr, stamp), sb, db in zip(job.owner, job.src_blocks, job.dst_blocks):
             if node.addr != addr:  # swapped in meantime: the pin went with the old block, now private
-                src_pool.free([sb])  # type: ignore[union-attr]
+                src_pool.free([sb])
                 unused.append(db)
             elif sb in unread:  # a prefetch found the file missing or corrupt: forgotten once idle
                 self._corrupt.append(node)
                 unpin.append(node)
                 unused.append(db)
             elif (job.error is None and node.lock == 1 and node.last_access == stamp
-                  and (node.parent is self.index.root or node.parent.tier <= dst or node.parent in landing)):  # type: ignore[union-attr]
-                # (a prefetch moves a block up only with or after its parent: never a child above it)
+                  and self._may_land(node, dst, landing)):
                 landing.add(node)
                 moved.append((node, sb, db))
             else:  # used while saving (or the copy failed): it stays where it is
@@ -190,9 +193,10 @@ class TierMoves:
         if job.error is not None:
             log.warning("saving %d blocks %s -> %s failed: %r", n, Tier(src).name, Tier(dst).name, job.error)
         else:
-            self._io_bytes[src][0] += n * self.mover.block_nbytes  # type: ignore[union-attr]
-            self._io_bytes[dst][1] += n * self.mover.block_nbytes  # type: ignore[union-attr]
-        dst_pool.release(unused)  # type: ignore[union-attr]
+            nbytes = self._need_mover("save").block_nbytes
+            self._io_bytes[src][0] += n * nbytes
+            self._io_bytes[dst][1] += n * nbytes
+        dst_pool.release(unused)
         if unpin:
             self.index.unlock(unpin, touch=False)
         if not moved:
@@ -205,11 +209,19 @@ class TierMoves:
             self.index.move(node, new)
             src_owner[sb] = None
             dst_owner[db] = node
-        src_pool.release([sb for _, sb, _ in moved])  # type: ignore[union-attr]
+        src_pool.release([sb for _, sb, _ in moved])
         nodes = [node for node, _, _ in moved]
         self.index.unlock(nodes, touch=False)
-        self._events.append(KVEvent(MOVED, [node.hash for node in nodes], None, [new for _, new in pairs]))  # type: ignore[misc]
+        self._events.append(KVEvent(MOVED, [node.hash for node in nodes], None, [new for _, new in pairs]))
         return pairs
+
+    def _may_land(self, node: RadixNode, dst: Tier, landing: set[RadixNode]) -> bool:
+        """Whether a saved block's parent allows it in ``dst``: the parent is the root, in
+        ``dst`` or a faster tier, or moving to ``dst`` with it (a prefetch moves a block up
+        only with or after its parent: never a child above it)."""
+        parent = node.parent
+        assert parent is not None  # a block being saved is pinned: in the tree
+        return parent is self.index.root or parent.tier <= dst or parent in landing
 
     # -------------------------------------------------------------- prefetching
 
@@ -227,10 +239,10 @@ class TierMoves:
         (negative when the host must first save that many down)."""
         if not self.prefetch_window():
             return 0
-        return self._pools[Tier.HOST].num_free - self._prefetch_reserve()  # type: ignore[union-attr]
+        return self._pool(Tier.HOST, "prefetch").num_free - self._prefetch_reserve()
 
     def _prefetch_reserve(self) -> int:
-        return min(self._watermark[Tier.HOST], self._pools[Tier.HOST].num_blocks // 2)  # type: ignore[union-attr]
+        return min(self._watermark[Tier.HOST], self._pool(Tier.HOST, "prefetch").num_blocks // 2)
 
     def prefetch(self, nodes: list[RadixNode]) -> int:
         """Start copying idle disk blocks up to the host tier through the saver
@@ -241,7 +253,7 @@ class TierMoves:
         if not nodes:
             return 0
         self._save(nodes, Tier.HOST)
-        self._prefetched.update(n.hash for n in nodes)  # type: ignore[misc]
+        self._prefetched.update(n.hash for n in nodes)
         self._prefetch_blocks += len(nodes)
         return len(nodes)
 
@@ -277,7 +289,8 @@ class TierMoves:
                 raise MemPoolError(f"swap_in: {addr_str(e.addr)} is already on the device")
             if e.node is not None:
                 parent = e.node.parent
-                if parent is not self.index.root and parent.tier != Tier.DEVICE and parent not in promoted:  # type: ignore[union-attr]
+                assert parent is not None  # a held indexed node is in the tree
+                if parent is not self.index.root and parent.tier != Tier.DEVICE and parent not in promoted:
                     raise MemPoolError(f"swap_in: {addr_str(e.addr)}'s parent block is not on the device; pass it first")
                 promoted.add(e.node)
         return self.alloc_mem(len(entries), Tier.DEVICE)
@@ -298,28 +311,29 @@ class TierMoves:
         caller, to recompute) and the bad blocks are forgotten once nobody holds them."""
         entries = self._held(addrs, "swap_in")
         intact = self._intact_prefix(entries)
+        nbytes = self._need_mover("swap_in").block_nbytes
         for e in entries[:intact]:
-            self._io_bytes[e.tier][0] += self.mover.block_nbytes  # type: ignore[union-attr]
-        self._io_bytes[Tier.DEVICE][1] += intact * self.mover.block_nbytes  # type: ignore[union-attr]
-        moved = []
+            self._io_bytes[e.tier][0] += nbytes
+        self._io_bytes[Tier.DEVICE][1] += intact * nbytes
+        moved: list[tuple[RadixNode, Held, int]] = []
         for e, d in zip(entries[:intact], device_addrs):
             if e.node is not None and e.node.addr == e.addr:
-                moved.append((e, d & BLOCK_MASK))
+                moved.append((e.node, e, d & BLOCK_MASK))
         if not moved:
             return intact
-        self._pools[Tier.DEVICE].park([b for _, b in moved])  # type: ignore[union-attr]
+        self._pool(Tier.DEVICE, "swap_in").park([b for _, _, b in moved])
         device_owner = self._node_of[Tier.DEVICE]
-        for e, b in moved:
-            holders = e.node.lock  # type: ignore[union-attr]
-            self.index.move(e.node, self._addr(Tier.DEVICE, b), lock=1)  # type: ignore[arg-type]
+        for node, e, b in moved:
+            holders = node.lock
+            self.index.move(node, self._addr(Tier.DEVICE, b), lock=1)
             self._node_of[e.tier][e.block] = None
-            device_owner[b] = e.node
-            self._pools[e.tier].unpark([e.block], [holders])  # type: ignore[union-attr]
-        nodes = [e.node for e, _ in moved]
-        self._events.append(KVEvent(MOVED, [n.hash for n in nodes], None, [n.addr for n in nodes]))  # type: ignore[misc,union-attr]
+            device_owner[b] = node
+            self._pool(e.tier, "swap_in").unpark([e.block], [holders])
+        nodes = [node for node, _, _ in moved]
+        self._events.append(KVEvent(MOVED, [n.hash for n in nodes], None, [n.addr for n in nodes]))
         return intact
 
-    def _intact_prefix(self, entries: list) -> int:
+    def _intact_prefix(self, entries: list[Held]) -> int:
         """How many leading entries' bytes a load delivered (all but disk misses)."""
         if self.disk is None:
             return len(entries)
@@ -356,11 +370,11 @@ class TierMoves:
         first, entry i in slot i) as cached disk blocks, one STORED event per chain run."""
         if not entries:
             return
-        pool = self._pools[Tier.DISK]
-        slots = pool.alloc(len(entries))  # type: ignore[union-attr]
+        pool = self._pool(Tier.DISK, "adopt")
+        slots = pool.alloc(len(entries))
         if slots != list(range(len(entries))):
             raise MemPoolError("the disk tier must be adopted before any allocation")
-        pool.park(slots)  # type: ignore[union-attr]
+        pool.park(slots)
         owners = self._node_of[Tier.DISK]
         i = 0
         while i < len(entries):

@@ -9,9 +9,10 @@ from typing import Any
 
 from memserve.kvcache.blocks import MemPoolError, contiguous_runs
 from memserve.kvcache.mover import Buffer, TransferEndpoint, recut
+from memserve.kvcache.pool_state import PoolState
 
 
-class TransferAPI:
+class TransferAPI(PoolState):
     def attach_transfer(self, endpoint: TransferEndpoint) -> None:
         """Called by the endpoint that carries this instance's transfers."""
         if self._transfer is not None and self._transfer is not endpoint:

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from gguf import GGUFReader
@@ -158,7 +159,8 @@ def read_gguf_weights(gguf_path: Path) -> dict[str, np.ndarray]:
     return weights
 
 
-def _field(reader: GGUFReader, key: str, default: object = None) -> object:
+def _field(reader: GGUFReader, key: str, default: object = None) -> Any:
+    """A metadata value (as GGUF typed it: str, int, float, list, ...)."""
     field = reader.fields.get(key)
     if field is None:
         if default is None:

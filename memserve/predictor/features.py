@@ -52,13 +52,15 @@ class FeatureExtractor:
             raise ValueError("the feature set needs the model's token embeddings")
         self.feature_set = feature_set
         self.embeddings = embeddings
-        self.dim = SHAPE_DIM + (embeddings.dim if feature_set.embedding else 0) + feature_set.ngram_buckets
+        self.dim = SHAPE_DIM + (embeddings.dim if embeddings is not None and feature_set.embedding else 0) + \
+            feature_set.ngram_buckets
 
     def vector(self, view: PromptView) -> np.ndarray:
         parts = [np.array([math.log1p(view.prompt_tokens), math.log1p(view.last_turn_tokens),
                            math.log1p(view.turn_markers), view.last_turn_tokens / max(1, view.prompt_tokens)], dtype=np.float32)]
         ids = np.asarray(view.excerpt, dtype=np.int64)
         if self.feature_set.embedding:
+            assert self.embeddings is not None  # __init__ checked
             parts.append(self.embeddings.mean(ids))
         if self.feature_set.ngram_buckets:
             parts.append(self._ngrams(ids))

@@ -115,6 +115,7 @@ class LengthModel:
 
     def predict(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(predicted lengths in [1, max_length], predicted under-prediction flags)."""
+        assert self._regressor is not None, "predict before fit"
         z = self._regressor.predict(X)
         if self._direction is None:
             under = np.full(len(z), self._always_under)
@@ -125,6 +126,7 @@ class LengthModel:
     def predict_one(self, x: np.ndarray) -> tuple[float, bool]:
         """``predict`` for one feature vector, with dot products where the models are linear."""
         if self._fast_regressor is None:
+            assert self._regressor is not None, "predict before fit"
             z = float(self._regressor.predict(x[None, :])[0])
         else:
             w, b = self._fast_regressor

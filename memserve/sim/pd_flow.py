@@ -66,8 +66,8 @@ class SimPDFlow:
         self.receivers: list[KVReceiver] = []
         for inst in sim.instances:
             endpoint = self.network.endpoint(inst.engine.mempool)
-            self.senders.append(HandoffSender(inst.engine, endpoint, sim.clock))  # type: ignore[arg-type]
-            self.receivers.append(KVReceiver(inst.engine, endpoint, clock=sim.clock))  # type: ignore[arg-type]
+            self.senders.append(HandoffSender(inst.engine, endpoint, sim.clock))
+            self.receivers.append(KVReceiver(inst.engine, endpoint, clock=sim.clock))
         self._handoffs: dict[str, _Handoff] = {}
         self._ids = itertools.count()
         self.counts: Counter[str] = Counter()
@@ -191,7 +191,9 @@ class SimPDFlow:
         sent = Counter()
         for s in self.senders:
             sent.update({k: v for k, v in s.counts.items() if k != "transfer_s"})
-        block_nbytes = self.sim.instances[0].engine.mempool.mover.block_nbytes  # type: ignore[union-attr]
+        mover = self.sim.instances[0].engine.mempool.mover
+        assert mover is not None  # a simulated pool has a NullMover
+        block_nbytes = mover.block_nbytes
         link = self.network.stats
         return {"mode": self.pd_mode, **sent, **self.counts,
                 "returned_bytes": self.counts["returned_blocks"] * block_nbytes,

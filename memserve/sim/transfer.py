@@ -14,13 +14,18 @@ transfers through one instance queue behind each other. No bytes move."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from memserve.costmodel.model import CostModel
-from memserve.ipc.kv_transfer import ReceivedKV, TransferError, insert_received
+from memserve.ipc.kv_transfer import (
+    LayerStream,
+    ReceivedKV,
+    TransferError,
+    insert_received,
+)
 from memserve.kvcache.blocks import MemPoolError
 from memserve.kvcache.mempool import KVFlags, MemPool
 
@@ -129,7 +134,12 @@ class SimEndpoint:
             self._received.append(ReceivedKV(src_instance, blocks, tokens, private, inserted, ticket))
 
     # ------------------------------------------------------------ sender side
-    def send_async(self, instance: int, src: list[int], dst: list[int] | None, flags: int, private: Any,
+    def open_layers(self, instance: int, num_blocks: int, num_layers: int, ticket: str,
+                    tokens: list[int] | None = None, first_block: int = 0,
+                    clock: Callable[[], float] | None = None) -> LayerStream:
+        raise NotImplementedError("by-layer transfers are not simulated: a simulated step is timed whole")
+
+    def send_async(self, instance: int, src: list[int], dst: Sequence[int] | None, flags: int, private: Any,
                    ticket: str, tokens: list[int] | None = None, first_block: int = 0,
                    frame_nbytes: int | None = None, cancelled: threading.Event | None = None) -> Future[list[int]]:
         """Copy held blocks ``src`` to ``instance``: the receiver allocates now, indexes
@@ -156,5 +166,7 @@ class SimEndpoint:
                 future.set_exception(e)
             self.network.on_arrival(me, instance)
 
-        self.network.carry(me, instance, len(src), len(src) * self.pool.mover.block_nbytes, arrive)  # type: ignore[union-attr]
+        mover = self.pool.mover
+        assert mover is not None  # a simulated pool has a NullMover
+        self.network.carry(me, instance, len(src), len(src) * mover.block_nbytes, arrive)
         return future

@@ -203,7 +203,7 @@ class Tokenizer:
     @cached_property
     def supports_tools(self) -> bool:
         """Whether the chat template reads ``tools`` (describes them to the model)."""
-        if self.chat_template is None:
+        if self.chat_template is None or self._compiled_template is None:
             return False
         return "tools" in jinja2.meta.find_undeclared_variables(self._compiled_template.environment.parse(
             self.chat_template))

@@ -29,5 +29,7 @@ def weights_identity(model_dir: Path) -> list[bytes]:
 
 
 def open_disk_store(cfg: EngineConfig, model_dir: Path, dtype: torch.dtype, block_nbytes: int) -> DiskStore:
+    if cfg.disk_cache_dir is None:
+        raise ValueError("no disk tier configured (--disk-cache-dir)")
     key = fingerprint(*weights_identity(model_dir), str(dtype), cfg.kv_layout, str(cfg.block_size), str(block_nbytes))
-    return DiskStore(cfg.disk_cache_dir, int(cfg.disk_cache_gb * 2**30), block_nbytes, key)  # type: ignore[arg-type]
+    return DiskStore(cfg.disk_cache_dir, int(cfg.disk_cache_gb * 2**30), block_nbytes, key)

@@ -22,11 +22,12 @@ import torch
 from memserve.config import EngineConfig
 from memserve.ipc.messages import SamplingParams
 from memserve.kvcache.address import Tier
-from memserve.kvcache.mover import BlockMover
 from memserve.kvcache.disk_store import DiskStore
+from memserve.kvcache.mover import BlockMover
 from memserve.kvcache.saver import InlineSaver, Saver, ThreadSaver
 from memserve.kvcache.tiered_mover import TieredMover
 from memserve.model_files.generation import eos_token_ids
+from memserve.workers.engine.layer_hooks import NO_HOOKS, ChainedHooks, LayerHooks
 from memserve.workers.engine.step_plan import KVLoad, StepPlan, StepResult
 from memserve.workers.kv_disk import open_disk_store
 from memserve.workers.kv_pools import KVPools
@@ -36,7 +37,6 @@ from memserve.workers.model.attention import CPU_ATTENTIONS, AttentionMetadata
 from memserve.workers.model.dtype import resolve_dtype
 from memserve.workers.model.grammar import GrammarMatchers
 from memserve.workers.model.kv_shift import shift_blocks
-from memserve.workers.engine.layer_hooks import NO_HOOKS, ChainedHooks, LayerHooks
 from memserve.workers.model.loader import load_model
 from memserve.workers.model.logprobs import (
     PromptLogprobs,

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from memserve.config import EngineConfig
+from memserve.ipc.kv_transfer import KVTransferEndpoint
 from memserve.kvcache.address import Tier
 from memserve.kvcache.mempool import KVFlags, MemPool
-from memserve.ipc.kv_transfer import KVTransferEndpoint
 from memserve.workers.kv_pools import KVPools
 from memserve.workers.model.dtype import resolve_dtype
 from memserve.workers.model.model_config import ModelConfig
@@ -90,7 +90,9 @@ class TransferProbe:
 
     @property
     def block_nbytes(self) -> int:
-        return self.sender.pool.mover.block_nbytes  # type: ignore[union-attr]
+        mover = self.sender.pool.mover
+        assert mover is not None  # _endpoint builds its pool over the runner's KV pools
+        return mover.block_nbytes
 
     def measure(self, num_blocks: int) -> float:
         """Seconds to transfer ``num_blocks`` blocks to the receiver, which frees them."""

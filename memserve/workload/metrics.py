@@ -96,10 +96,11 @@ def tbt_attainment_ceiling(base_ms: float, scale: tuple[float, float], step_floo
 
 
 def cached_token_ratio(records: Iterable[RequestRecord]) -> float | None:
-    reporting = [r for r in records if r.ok and r.cached_tokens is not None and r.prompt_tokens]
+    reporting = [(r.cached_tokens, r.prompt_tokens) for r in records
+                 if r.ok and r.cached_tokens is not None and r.prompt_tokens]
     if not reporting:
         return None
-    return sum(r.cached_tokens for r in reporting) / sum(r.prompt_tokens for r in reporting)
+    return sum(cached for cached, _ in reporting) / sum(prompt for _, prompt in reporting)
 
 
 def _present(values: Iterable[float | None]) -> list[float]:
@@ -109,15 +110,15 @@ def _present(values: Iterable[float | None]) -> list[float]:
 def slo_attainment(records: list[RequestRecord]) -> dict:
     """Each request is judged by the SLOs it carried; ``None`` where no request had one."""
     out: dict = {"ttft": None, "tbt": None, "both": None}
-    with_ttft = [r for r in records if r.slo_ttft_ms is not None]
-    with_tbt = [r for r in records if r.slo_tbt_ms is not None]
+    with_ttft = [(r, r.slo_ttft_ms) for r in records if r.slo_ttft_ms is not None]
+    with_tbt = [(r, r.slo_tbt_ms) for r in records if r.slo_tbt_ms is not None]
     if with_ttft:
-        out["ttft"] = sum(meets_ttft(r, r.slo_ttft_ms) for r in with_ttft) / len(with_ttft)
+        out["ttft"] = sum(meets_ttft(r, ttft) for r, ttft in with_ttft) / len(with_ttft)
     if with_tbt:
-        out["tbt"] = sum(meets_tbt(r, r.slo_tbt_ms) for r in with_tbt) / len(with_tbt)
-    both = [r for r in with_ttft if r.slo_tbt_ms is not None]
+        out["tbt"] = sum(meets_tbt(r, tbt) for r, tbt in with_tbt) / len(with_tbt)
+    both = [(r, ttft, r.slo_tbt_ms) for r, ttft in with_ttft if r.slo_tbt_ms is not None]
     if both:
-        out["both"] = sum(meets_ttft(r, r.slo_ttft_ms) and meets_tbt(r, r.slo_tbt_ms) for r in both) / len(both)
+        out["both"] = sum(meets_ttft(r, ttft) and meets_tbt(r, tbt) for r, ttft, tbt in both) / len(both)
     return out
 
 

@@ -84,7 +84,7 @@ def plot_vs_rate(points: list[RunPoint], out_dir: Path) -> Path | None:
     fig, axes = plt.subplots(1, len(panels) + 1, figsize=(5 * (len(panels) + 1), 4))
     labels = list(dict.fromkeys(p.label for p in swept))
     for label in labels:
-        series = sorted((p for p in swept if p.label == label), key=lambda p: p.rate)
+        series = sorted((p for p in swept if p.label == label), key=lambda p: _num(p.rate))  # all set in a sweep
         rates = [p.rate for p in series]
         for ax, (title, path) in zip(axes, panels):
             (line,) = ax.plot(rates, [_num(lookup(p.result, path + ("p50",))) for p in series], marker="o",

@@ -70,8 +70,8 @@ class SessionAffinity:
     def choose(self, request: RouteRequest, candidates: list[Candidate], ctx: RoutingContext) -> RouteDecision:
         sid = request.session_id
         home = self._home.get(sid) if sid is not None else None
-        if home is not None and any(c.instance_id == home for c in candidates):
-            self._home.move_to_end(sid)  # type: ignore[arg-type]
+        if sid is not None and home is not None and any(c.instance_id == home for c in candidates):
+            self._home.move_to_end(sid)
             return RouteDecision(home, CACHE_HIT)
         chosen = least_loaded(candidates).instance_id
         if sid is not None:

@@ -149,9 +149,7 @@ class Engine:
         lost: list[RequestOutput] = []
         for rid, error in self.runner.failed_loads().items():
             if self.scheduler.kv.fail_load(rid):
-                out = self.abort(rid)
-                out.finish_reason, out.error = "error", f"loading its cached KV failed: {error!r}"  # type: ignore[union-attr]
-                lost.append(out)  # type: ignore[arg-type]
+                lost.append(self._fail(rid, f"loading its cached KV failed: {error!r}"))
         self.scheduler.stream_loads(self.runner.streamable_loads())
         return lost
 
@@ -185,10 +183,16 @@ class Engine:
                 kept.chunks.append(chunk)
             except Exception as exc:
                 log.error("request %s fails the engine step on its own: %r", chunk.request_id, exc)
-                failure = self.abort(chunk.request_id)
-                failure.finish_reason, failure.error = "error", f"the engine step failed on this request: {exc!r}"
-                failed.append(failure)
+                failed.append(self._fail(chunk.request_id, f"the engine step failed on this request: {exc!r}"))
         return kept, result, failed
+
+    def _fail(self, request_id: str, error: str) -> RequestOutput:
+        """End a request the engine holds with ``error``; its blocks are freed."""
+        out = self.abort(request_id)
+        if out is None:
+            raise KeyError(f"request {request_id} is not in the engine")
+        out.finish_reason, out.error = "error", error
+        return out
 
     def drain_kv_events(self) -> list[KVEvent]:
         return self.mempool.drain_events()

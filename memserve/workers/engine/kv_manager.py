@@ -154,8 +154,8 @@ class KVCacheManager:
         intact = self.mempool.commit_swap_in(src, blocks.loading_dst)
         self.mempool.free_mem(src)
         blocks.num_indexed += intact  # the index holds these blocks now (ours, or another copy)
-        if intact < len(src):
-            blocks.loading_seq.num_computed_tokens = blocks.num_indexed * self.block_size  # type: ignore[union-attr]
+        if intact < len(src) and blocks.loading_seq is not None:
+            blocks.loading_seq.num_computed_tokens = blocks.num_indexed * self.block_size
         blocks.loading, blocks.loading_dst, blocks.loading_seq = [], [], None
         self.num_loaded_blocks += intact
         return True

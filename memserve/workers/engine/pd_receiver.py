@@ -15,10 +15,11 @@ reach this side whole, like any other transfer."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from memserve.ipc.kv_transfer import KVTransferEndpoint, ReceivedKV
+from memserve.ipc.kv_transfer import ReceivedKV
 from memserve.ipc.messages import (
     AddRequest,
     ExpectTransfer,
@@ -34,6 +35,21 @@ if TYPE_CHECKING:
 HOLD_S = 30.0
 
 
+class ReceiveEndpoint(Protocol):
+    """What the receiver needs of its transfer endpoint (``ipc/kv_transfer.py``'s over
+    ZeroMQ; the simulator's over its modelled network)."""
+
+    def expect(self, ticket: str, src_instance: int, max_blocks: int, ttl_s: float | None = None,
+               pinned: list[int] | None = None) -> None:
+        ...
+
+    def cancel(self, ticket: str) -> int:
+        ...
+
+    def expected(self) -> set[str]:
+        ...
+
+
 @dataclass
 class _Arrived:
     addrs: list[int]
@@ -41,8 +57,8 @@ class _Arrived:
 
 
 class KVReceiver:
-    def __init__(self, engine: Engine, endpoint: KVTransferEndpoint, hold_s: float = HOLD_S,
-                 clock=time.monotonic) -> None:
+    def __init__(self, engine: Engine, endpoint: ReceiveEndpoint, hold_s: float = HOLD_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.engine = engine
         self.kv = engine.kv_connector
         self.endpoint = endpoint

@@ -30,11 +30,12 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
-from memserve.ipc.kv_transfer import KVTransferEndpoint, LayerStream
+from memserve.ipc.kv_transfer import LayerStream
 from memserve.ipc.messages import AddRequest, HandoffDone, HandoffStart, RequestOutput
 from memserve.kvcache.address import addr_block
 from memserve.kvcache.blocks import contiguous_runs
@@ -44,6 +45,21 @@ if TYPE_CHECKING:
     from memserve.workers.engine.engine import Engine
 
 log = logging.getLogger("memserve.worker")
+
+
+class HandoffEndpoint(Protocol):
+    """What the sender needs of its transfer endpoint (``ipc/kv_transfer.py``'s over
+    ZeroMQ; the simulator's over its modelled network)."""
+
+    def send_async(self, instance: int, src: list[int], dst: Sequence[int] | None, flags: int, private: Any,
+                   ticket: str, tokens: list[int] | None = None, first_block: int = 0,
+                   frame_nbytes: int | None = None, cancelled: threading.Event | None = None) -> Future[list[int]]:
+        ...
+
+    def open_layers(self, instance: int, num_blocks: int, num_layers: int, ticket: str,
+                    tokens: list[int] | None = None, first_block: int = 0,
+                    clock: Callable[[], float] = time.monotonic) -> LayerStream:
+        ...
 
 
 @dataclass
@@ -69,7 +85,7 @@ class _Parked:
 
 
 class HandoffSender:
-    def __init__(self, engine: Engine, endpoint: KVTransferEndpoint, clock=time.monotonic) -> None:
+    def __init__(self, engine: Engine, endpoint: HandoffEndpoint, clock: Callable[[], float] = time.monotonic) -> None:
         self.engine = engine
         self.endpoint = endpoint
         self.clock = clock
@@ -119,7 +135,8 @@ class HandoffSender:
         stream = self.endpoint.open_layers(start.dst_instance, num_blocks - skip, self.kv.num_layers, start.ticket,
                                            tokens, skip, self.clock)
         self._streams[request_id] = (dataclasses.replace(start, first_block=skip), stream)
-        self.layers.arm(request_id, stream, skip)  # type: ignore[union-attr]
+        assert self.layers is not None  # only by-layer names destinations early
+        self.layers.arm(request_id, stream, skip)
 
     def filter(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Park the KV of handoff requests that produced their first token; their output
@@ -172,7 +189,7 @@ class HandoffSender:
             return None
         parked = self._parked.pop(msg.request_id, None)
         prompt, addrs = (parked.prompt, parked.addrs) if parked else ([], [])
-        if msg.dst_instance < 0 or not addrs:
+        if parked is None or msg.dst_instance < 0 or not addrs:
             if addrs:
                 self.kv.free(addrs)
             return None if msg.dst_instance < 0 else HandoffDone(msg.request_id, msg.ticket, 0,
@@ -194,7 +211,7 @@ class HandoffSender:
             future = Future()
             future.set_exception(exc)
         self.counts["blocks_skipped"] += skip
-        self._watch(_Sending(msg, send, future, self.clock(), nbytes, frames, len(send), parked.at,  # type: ignore[union-attr]
+        self._watch(_Sending(msg, send, future, self.clock(), nbytes, frames, len(send), parked.at,
                              cancelled=cancelled))
         return None
 

@@ -50,10 +50,9 @@ def reuse_truncated(mempool: MemPool, prompt: Sequence[int], dropped_at: int, dr
     plan = _plan(mempool, prompt, dropped_at, dropped)  # the allocation may have evicted cached blocks
     n = min(len(plan.sources), len(dst)) if plan is not None else 0
     newly = 0
-    if n:
-        shift(plan.sources[:n], [addr_block(a) for a in dst[:n]], plan.delta)  # type: ignore[union-attr]
-        hashes = plan.hashes[: len(plan.indexed) + n]  # type: ignore[union-attr]
-        newly = mempool.insert((), plan.indexed + dst[:n], hashes=hashes)  # type: ignore[union-attr]
+    if plan is not None and n:
+        shift(plan.sources[:n], [addr_block(a) for a in dst[:n]], plan.delta)
+        newly = mempool.insert((), plan.indexed + dst[:n], hashes=plan.hashes[: len(plan.indexed) + n])
     mempool.free_mem(dst)  # indexed copies stay cached; the others go back to the free list
     return newly
 

@@ -12,8 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memserve.workers.model.attention import AttentionMetadata, AttentionPlan, layer_kv, paged_attention
 from memserve.workers.engine.layer_hooks import NO_HOOKS, LayerHooks
+from memserve.workers.model.attention import (
+    AttentionMetadata,
+    AttentionPlan,
+    layer_kv,
+    paged_attention,
+)
 from memserve.workers.model.model_config import ModelConfig
 from memserve.workers.model.rope import RotaryEmbedding, apply_rotary
 

@@ -12,7 +12,11 @@ from safetensors import safe_open
 
 from memserve.workers.model.llama import LlamaForCausalLM
 from memserve.workers.model.model_config import ModelConfig
-from memserve.workers.model.packed_linear import CPU_GEMMS, pack_linears, packing_supported
+from memserve.workers.model.packed_linear import (
+    CPU_GEMMS,
+    pack_linears,
+    packing_supported,
+)
 
 # Our fused parameter -> the Hugging Face parameters concatenated (along the output dim) into it.
 _FUSED = {

@@ -117,18 +117,18 @@ def _penalize(logits: torch.Tensor, params: list[SamplingParams], histories: lis
     """Touches only the (row, token) pairs seen, never whole rows: a step costs in
     proportion to the tokens the rows have seen, not to the vocabulary."""
     device, vocab = logits.device, logits.shape[1]
-    repetition = [r for r, p in enumerate(params) if histories[r] is not None and p.repetition_penalty != 1.0]
-    if repetition:
-        rows, ids = _pairs([torch.cat([histories[r].prompt_tensor(vocab, device),  # type: ignore[union-attr]
-                                       _ids(histories[r].output_ids, vocab, device)])  # type: ignore[union-attr]
-                            for r in repetition], repetition, device)
+    repeating = [(r, h) for r, p in enumerate(params)
+                 if (h := histories[r]) is not None and p.repetition_penalty != 1.0]
+    if repeating:
+        rows, ids = _pairs([torch.cat([h.prompt_tensor(vocab, device), _ids(h.output_ids, vocab, device)])
+                            for _, h in repeating], [r for r, _ in repeating], device)
         penalty = torch.tensor([p.repetition_penalty for p in params], device=device)[rows]
         seen = logits[rows, ids]  # repeated pairs compute and write the same value
         logits[rows, ids] = torch.where(seen > 0, seen / penalty, seen * penalty)
-    counted = [r for r, p in enumerate(params) if histories[r] is not None and (p.presence_penalty or p.frequency_penalty)]
+    counted = [(r, h) for r, p in enumerate(params)
+               if (h := histories[r]) is not None and (p.presence_penalty or p.frequency_penalty)]
     if counted:
-        rows, ids = _pairs([_ids(histories[r].output_ids, vocab, device) for r in counted], counted,  # type: ignore[union-attr]
-                           device)
+        rows, ids = _pairs([_ids(h.output_ids, vocab, device) for _, h in counted], [r for r, _ in counted], device)
         pairs, counts = torch.unique(rows * vocab + ids, return_counts=True)
         rows, ids = pairs // vocab, pairs % vocab
         frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[rows]

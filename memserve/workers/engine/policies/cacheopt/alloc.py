@@ -40,7 +40,7 @@ def amortise(demands: list[int], floors: list[int], available: int, remaining_s:
     its SLO times predicted output length, never below ``floors[i]`` (a share a floor
     stops is spread over the others). Rounded down, so the sum never exceeds
     ``available``. The caller makes sure the floors fit."""
-    excess = sum(demands) - available
+    excess: float = sum(demands) - available
     if excess <= 0:
         return list(demands)
     rt = [max(r, 1e-3) for r in remaining_s]

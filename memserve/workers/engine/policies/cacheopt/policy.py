@@ -397,10 +397,12 @@ class CacheOpt:
 
     # ------------------------------------------------------------- KV gate
     def grant(self, seq: Sequence, held: int, need: int) -> bool:
-        return self.ledger.grant(seq, held, need)  # type: ignore[union-attr]
+        assert self.ledger is not None  # the gate is consulted only once attach() made it
+        return self.ledger.grant(seq, held, need)
 
     def release(self, seq: Sequence) -> None:
-        self.ledger.release(seq)  # type: ignore[union-attr]
+        assert self.ledger is not None
+        self.ledger.release(seq)
         if seq.is_finished:
             self._last_token.pop(seq.request_id, None)
             self._num_outputs.pop(seq.request_id, None)
