@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -108,19 +109,12 @@ class ThreadSaver:
         self._lock = threading.Lock()
         self._submitted = 0
         self._returned = 0
-        self._thread = threading.Thread(target=self._loop, name="kv-save", daemon=True)
+        # The thread holds the queue, the mover and the results, not the saver: a saver
+        # nobody uses any more is freed, which stops the thread (and frees the mover).
+        self._thread = threading.Thread(target=_save_loop, args=(self._queue, mover, self._done, self._lock),
+                                        name="kv-save", daemon=True)
         self._thread.start()
-
-    def _loop(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                self._queue.task_done()
-                return
-            _run(self.mover, job)
-            with self._lock:
-                self._done.append(job)
-            self._queue.task_done()
+        weakref.finalize(self, self._queue.put, None)
 
     def submit(self, job: SaveJob) -> None:
         self._submitted += 1
@@ -128,7 +122,8 @@ class ThreadSaver:
 
     def completed(self) -> list[SaveJob]:
         with self._lock:
-            done, self._done = self._done, []
+            done = self._done[:]
+            self._done.clear()
         self._returned += len(done)
         return done
 
@@ -142,3 +137,17 @@ class ThreadSaver:
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
+
+
+def _save_loop(jobs: queue.Queue[SaveJob | None], mover: BlockMover, done: list[SaveJob],
+               lock: threading.Lock) -> None:
+    """The save thread: runs jobs in submission order until it is told to stop."""
+    while True:
+        job = jobs.get()
+        if job is None:
+            jobs.task_done()
+            return
+        _run(mover, job)
+        with lock:
+            done.append(job)
+        jobs.task_done()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from queue import SimpleQueue
@@ -126,9 +127,12 @@ class LayerwisePreloader:
         self._compute_start: float | None = None
         self._step_wait = 0.0
         # A daemon thread, not an executor: a load throttled for a step that never comes
-        # (the process is exiting) must not hold up the exit. Loads copy in order.
-        self._queue: SimpleQueue[_Load] = SimpleQueue()
-        Thread(target=self._copier, name="kv-load", daemon=True).start()
+        # (the process is exiting) must not hold up the exit. Loads copy in order. The
+        # thread holds the preloader only while it copies, so a preloader nobody uses any
+        # more (with the runner and KV pools it copies with) is freed, and the thread ends.
+        self._queue: SimpleQueue[_Load | None] = SimpleQueue()
+        Thread(target=_copier, args=(weakref.ref(self), self._queue), name="kv-load", daemon=True).start()
+        weakref.finalize(self, self._queue.put, None)
 
     # ------------------------------------------------------------- scheduler side
     def start(self, load: KVLoad) -> None:
@@ -195,10 +199,6 @@ class LayerwisePreloader:
             self._cond.notify_all()
 
     # -------------------------------------------------------------- copy thread
-    def _copier(self) -> None:
-        while True:
-            self._run(self._queue.get())
-
     def _run(self, ld: _Load) -> None:
         try:
             for src, dst in ld.disk:
@@ -299,3 +299,13 @@ class LayerwisePreloader:
                 ld.released = True
             self._active = []
             self._cond.notify_all()
+
+
+def _copier(ref: weakref.ref[LayerwisePreloader], queue: SimpleQueue[_Load | None]) -> None:
+    """The copy thread: runs queued loads in order until its preloader is gone."""
+    while (ld := queue.get()) is not None:
+        preloader = ref()
+        if preloader is None:
+            return
+        preloader._run(ld)
+        del preloader

@@ -5,6 +5,7 @@ no time is spent on random initialisation and no second copy of the weights is m
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 import torch
@@ -25,6 +26,9 @@ _FUSED = {
 }
 # Checkpoint entries that are derived buffers, not weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Models held by this process, by (folder, dtype, device, CPU GEMM): see ``load_model``.
+_loaded: weakref.WeakValueDictionary[tuple[str, torch.dtype, str, str], LlamaForCausalLM] = (
+    weakref.WeakValueDictionary())
 
 
 def read_safetensors(folder: Path, dtype: torch.dtype, device: str | torch.device) -> dict[str, torch.Tensor]:
@@ -63,10 +67,22 @@ def load_model(
 ) -> LlamaForCausalLM:
     """Load the model in ``folder`` onto ``device`` in ``dtype``, ready for inference. On CPU
     its linear layers run through oneDNN-packed weights (``packed_linear.py``) unless
-    ``cpu_gemm`` is "torch" or oneDNN cannot pack ``dtype`` here."""
+    ``cpu_gemm`` is "torch" or oneDNN cannot pack ``dtype`` here.
+
+    A model this process already holds with the same settings is shared, not loaded again:
+    inference only reads the weights (every runner keeps its own KV pools), so the engines
+    a process builds over one model (the profiler's, a test's) hold one copy of them. It is
+    freed with the last runner that uses it."""
     if cpu_gemm not in CPU_GEMMS:
         raise ValueError(f"unknown CPU GEMM {cpu_gemm!r}; expected one of {CPU_GEMMS}")
-    folder = Path(folder)
+    key = (str(Path(folder).resolve()), dtype, str(torch.device(device)), cpu_gemm)
+    model = _loaded.get(key)
+    if model is None:
+        model = _loaded[key] = _load(Path(folder), dtype, device, cpu_gemm)
+    return model
+
+
+def _load(folder: Path, dtype: torch.dtype, device: str | torch.device, cpu_gemm: str) -> LlamaForCausalLM:
     config = ModelConfig.from_folder(folder)
     weights = fuse_hf_weights(read_safetensors(folder, dtype, device))
     tie = config.tie_word_embeddings or "lm_head.weight" not in weights
