@@ -52,7 +52,7 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
                         "(env MEMSERVE_CPU_THREADS_BIND)")
     p.add_argument("--cpu-gemm", default="onednn", choices=["onednn", "torch"],
                    help="CPU matrix products: oneDNN over weights prepacked at load (default; "
-                        "benchmarks/packed_linear_micro.py measures both) "
+                        "benchmarks/micro/packed_linear_micro.py measures both) "
                         "or torch's F.linear")
     p.add_argument("--cpu-attention", default="kernel", choices=["kernel", "torch"],
                    help="CPU decode attention: a compiled kernel reading the KV blocks in place (default; built "

@@ -35,7 +35,7 @@ folder explain how the flags work together; this page is the complete list.
 This page is generated from the command line's own definitions
 (`memserve.cli.build_parser`) by `scripts/configuration_docs.py`; do not edit it by hand.
 After adding or changing a flag, regenerate it with `{REGENERATE}`;
-`{REGENERATE} --check` and `tests/test_configuration_docs.py` fail while it is out of
+`{REGENERATE} --check` and `tests/project/test_configuration_docs.py` fail while it is out of
 date. Defaults are shown as they are when no environment variable is set.
 """
 

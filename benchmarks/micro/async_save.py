@@ -11,7 +11,7 @@ allocates only what is free. Prints mean and P90 step time, the time the step's 
 spent in the MemPool's allocation and save calls (where synchronous saving copies), the
 total time and the bytes saved per mode; ``--plot`` writes the figure.
 
-    python benchmarks/async_save.py [--lengths 256,512,1024] [--requests 8] [--plot out.png]
+    python benchmarks/micro/async_save.py [--lengths 256,512,1024] [--requests 8] [--plot out.png]
 """
 
 from __future__ import annotations

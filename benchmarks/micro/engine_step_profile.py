@@ -13,9 +13,9 @@ large tensor copy measured in the same run.
 sides run in two processes that take one step each in turn, so that the load of a shared
 machine falls on both alike.
 
-    python benchmarks/engine_step_profile.py [--dtype float32] [--threads 1] [--profile]
-    python benchmarks/engine_step_profile.py --baseline 7570ff4 --threads 1
-    python benchmarks/engine_step_profile.py --against "--dtype bfloat16" --threads 1
+    python benchmarks/micro/engine_step_profile.py [--dtype float32] [--threads 1] [--profile]
+    python benchmarks/micro/engine_step_profile.py --baseline 7570ff4 --threads 1
+    python benchmarks/micro/engine_step_profile.py --against "--dtype bfloat16" --threads 1
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from collections import defaultdict
 from io import BytesIO
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 # Profiler op name -> the kind of work it is (anything else counts as "elementwise/other").
 OP_KINDS = {

@@ -17,7 +17,7 @@ medians over ``--reps`` interleaved repetitions and "% of load time hidden" =
 does not depend on run-to-run noise, the share of the load time the step did not spend
 waiting in ``before_layer``.
 
-    python benchmarks/layerwise_preload.py [--history 1024] [--new 100] [--reps 9] [--buffers 0,4,30]
+    python benchmarks/micro/layerwise_preload.py [--history 1024] [--new 100] [--reps 9] [--buffers 0,4,30]
 """
 
 from __future__ import annotations

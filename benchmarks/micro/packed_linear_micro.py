@@ -2,7 +2,7 @@
 prepacked weights (``memserve/workers/model/packed_linear.py``), at decode and prefill
 batch sizes: why the CPU engine packs its weights at load.
 
-    python benchmarks/packed_linear_micro.py [--threads 1] [--dtype float32] [--rows 1,8,16,32,256]
+    python benchmarks/micro/packed_linear_micro.py [--threads 1] [--dtype float32] [--rows 1,8,16,32,256]
 
 Every layer's projections (qkv, o, gate_up, down) plus the lm_head, with the shapes of
 the embedded SmolLM2, run once per repetition; rounds alternate the two paths and the

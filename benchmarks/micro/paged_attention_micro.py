@@ -27,7 +27,7 @@ cache's layers, after building the per-step plan once. The cache holds 2 layers 
 to stay small; the per-layer views keep their real strides. Calls are taken in turns and
 the best of ``--reps`` kept, so that a busy moment on a shared machine hits all alike.
 
-    python benchmarks/paged_attention_micro.py [--batches 1,8,32] [--contexts 256,1024,2048]
+    python benchmarks/micro/paged_attention_micro.py [--batches 1,8,32] [--contexts 256,1024,2048]
         [--dtypes float32,bfloat16] [--methods gather,fold,shipped,loop-1,loop-16,flex] [--reps 5]
 """
 
@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from memserve.workers.model import attention
 from memserve.workers.model.attention import (

@@ -10,7 +10,7 @@ machine hits both alike. ``--gemm`` first prints float32 GEMM GFLOP/s of torch's
 (MKL) and of oneDNN's linear at attention-like shapes: on AMD CPUs MKL runs its AVX2
 path, which is why the blocked path calls oneDNN directly.
 
-    python benchmarks/prefill_attention_micro.py [--cases 2048+0,512+1536,256+1024]
+    python benchmarks/micro/prefill_attention_micro.py [--cases 2048+0,512+1536,256+1024]
         [--dtypes float32,bfloat16] [--threads 1] [--reps 5] [--gemm]
 """
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from memserve.workers.model import attention
 from memserve.workers.model.attention import AttentionMetadata, AttentionPlan, allocate_kv_cache, layer_kv, paged_attention

@@ -4,7 +4,7 @@ filled through KV events as the gateway fills them (documents of D tokens, most 
 sharing one of a few system prompts); requests are a document plus a question, half of
 them about a cached document; every instance has R requests in flight in the ledger.
 
-    python benchmarks/router_latency.py --instances 8 --blocks 100000
+    python benchmarks/micro/router_latency.py --instances 8 --blocks 100000
 """
 
 from __future__ import annotations

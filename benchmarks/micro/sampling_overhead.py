@@ -7,7 +7,7 @@ values), with every row asking for the feature, against the same rows sampled pl
 feature builds that feature's step; the forward pass, identical for all, is left out, so
 the ratio is an upper bound on what the feature adds to a whole decode step.
 
-    python benchmarks/sampling_overhead.py --device cpu --batch 1 16
+    python benchmarks/micro/sampling_overhead.py --device cpu --batch 1 16
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ MemPool and the bookkeeping of results. The baseline is the same measurement run
 revision (checked out into a temporary worktree) in the same run, so the ratio compares
 like with like on a noisy machine.
 
-    python benchmarks/scheduler_overhead.py --baseline 9fe2496 --running 64  # before the engine seams
-    python benchmarks/scheduler_overhead.py --baseline 9fe2496 --callgrind --steps 50  # instruction counts
+    python benchmarks/micro/scheduler_overhead.py --baseline 9fe2496 --running 64  # before the engine seams
+    python benchmarks/micro/scheduler_overhead.py --baseline 9fe2496 --callgrind --steps 50  # instruction counts
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def measure(running: int, steps: int, repeats: int) -> dict:

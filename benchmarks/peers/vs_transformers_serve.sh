@@ -5,13 +5,13 @@
 # session rates, then writes the side-by-side comparison and plots.
 #
 # Needs: pip install "transformers[serving]"  (fastapi, uvicorn, ...)
-# Usage: scripts/bench_vs_transformers.sh            (settings below, overridable by env)
+# Usage: benchmarks/peers/vs_transformers_serve.sh   (settings below, overridable by env)
 # Output: $OUT/{memserve,transformers}.json, $OUT/compare.txt, $OUT/plots/*.png
 #
 # Greedy decoding with natural output lengths: both servers produce the same tokens on
 # the same weights, so both are replayed with the same conversations and answers.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 PY=${PYTHON:-python3}
 OUT=${OUT:-bench-results/vs-transformers}
@@ -32,7 +32,7 @@ export HF_HUB_CACHE=${HF_HUB_CACHE:-$OUT/hf-hub}
 mkdir -p "$HF_HUB_CACHE"
 SERVER_PID=""
 
-log() { printf '[bench_vs_transformers] %s\n' "$*" >&2; }
+log() { printf '[vs_transformers_serve] %s\n' "$*" >&2; }
 
 stop_server() {
   # Each server runs in its own session (setsid), so this reaches its workers too.

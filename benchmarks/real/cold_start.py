@@ -6,7 +6,7 @@ then sends ``--requests`` sequential streamed chat requests of different ShareGP
 one-time cost the worker did not pay during warm-up; the ratio of the first request's
 TTFT to the median of the last half is the figure to watch (1.0 = no cold start).
 
-    python benchmarks/cold_start.py [--requests 8] [--max-tokens 8] [-- extra memserve up flags]
+    python benchmarks/real/cold_start.py [--requests 8] [--max-tokens 8] [-- extra memserve up flags]
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
-from conftest import SHARED_DATA, start_server, stop_server  # noqa: E402
+from memserve.bench.server_process import start_server, stop_server
+
+REPO = Path(__file__).resolve().parents[2]
+SHARED_DATA = REPO.parent / "shared" / "data"
 
 
 def first_user_messages(n: int) -> list[str]:
@@ -60,7 +60,7 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         started = time.perf_counter()
-        server = start_server(Path(tmp), *args.extra)
+        server = start_server(args.extra, Path(tmp) / "memserve.log", cwd=REPO)
         print(f"healthy after {time.perf_counter() - started:.1f} s")
         try:
             rows = [timed_chat(server.base_url, server.model, c, args.max_tokens)

@@ -8,7 +8,7 @@ ratio per policy, and writes the results files and a summary.
 The ``cost`` policy needs this machine's cost model: ``memserve profile --quick
 --threads 1 --dtype float32 --output cpu-1t.json`` then ``--cost-model cpu-1t.json``.
 
-    python benchmarks/global_scheduler_real.py --out /tmp/gs-real --cost-model cpu-1t.json --share-ratios 1,2,3,4
+    python benchmarks/real/global_scheduler_real.py --out /tmp/gs-real --cost-model cpu-1t.json --share-ratios 1,2,3,4
 
 ``--workloads hot-prefix --share-ratios 1`` is the skewed load (``hot_prefix.py``).
 """
@@ -23,8 +23,8 @@ import urllib.request
 from pathlib import Path
 
 from hot_prefix import add_hot_prefix_args, hot_prefix_flags
-from serve_process import serving
 
+from memserve.bench.server_process import serving
 from memserve.model_files.gguf_convert import ensure_model_dir
 
 POLICIES = ("least-load", "session", "prompt-tree", "cost")
@@ -84,7 +84,9 @@ def main() -> None:
     summary: dict = {}
     for ratio in (int(r) for r in args.share_ratios.split(",")):
         for policy in args.policies.split(","):
-            with serving(server_flags(args, policy), args.out / f"server-sr{ratio}-{policy}.log") as url:
+            with serving(server_flags(args, policy), args.out / f"server-sr{ratio}-{policy}.log", threads=1,
+                         timeout_s=600) as server:
+                url = server.base_url
                 for workload in args.workloads.split(","):  # each workload's text is its own: no carry-over
                     m = summary.setdefault(workload, {}).setdefault(str(ratio), {})[policy] = bench(
                         args, url, workload, ratio, args.out / f"{workload}-sr{ratio}-{policy}.json")

@@ -7,7 +7,7 @@ produce the same answers and see identical histories) with
 prints mean/P99 TTFT by turn and the prompt tokens actually computed (prompt tokens minus
 the cached tokens the server reports).
 
-    python benchmarks/multiturn_caching.py [--num-sessions 16] [--max-turns 6] [--rate 0.5]
+    python benchmarks/real/multiturn_caching.py [--num-sessions 16] [--max-turns 6] [--rate 0.5]
 """
 
 from __future__ import annotations
@@ -21,11 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
-from conftest import start_server, stop_server  # noqa: E402
+from memserve.bench.server_process import start_server, stop_server
+from memserve.model_files.gguf_convert import ensure_model_dir
 
-from memserve.model_files.gguf_convert import ensure_model_dir  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run_bench(server, args, out: Path) -> dict:
@@ -80,7 +79,8 @@ def main() -> int:
 
     results = {}
     for label, flags in (("caching", []), ("no-cache", ["--no-prefix-cache"])):
-        server = start_server(out_dir, "--dtype", args.dtype, *args.server_args.split(), *flags)
+        server = start_server(["--dtype", args.dtype, *args.server_args.split(), *flags],
+                              out_dir / f"{label}-server.log", cwd=REPO)
         try:
             results[label] = run_bench(server, args, out_dir / f"{label}.json")
         finally:

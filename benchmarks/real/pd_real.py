@@ -10,7 +10,7 @@ against the session-start rate (Fig. 8 shape). ``--rates`` sweeps the load, a fr
 server (cold caches) per setup and rate: what caching at P saves is prefill work, so
 its share of JCT grows as the prefill instance fills up.
 
-    python benchmarks/pd_real.py --out /tmp/pd-real [--setups colocated,pd-basic,pd-caching-3] [--rates 0.25,0.5]
+    python benchmarks/real/pd_real.py --out /tmp/pd-real [--setups colocated,pd-basic,pd-caching-3] [--rates 0.25,0.5]
 """
 
 from __future__ import annotations
@@ -22,16 +22,16 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from serve_process import start_memserve
+from memserve.bench.server_process import ServerHandle, start_server, stop_server
 
 SETUPS = ("colocated", "pd-basic", "pd-caching-1", "pd-caching-2", "pd-caching-3")
 
 
-def start(args: argparse.Namespace, setup: str, log: Path) -> tuple[subprocess.Popen, str]:
-    """`memserve up` for ``setup``, once /health answers 200."""
+def start(args: argparse.Namespace, setup: str, log: Path) -> ServerHandle:
+    """`memserve up` for ``setup`` (one thread per worker), once /health answers 200."""
     topology = ["--cpu-workers", "2"] if setup == "colocated" else ["--instances", "prefill,decode", "--pd-mode", setup]
-    return start_memserve(["--num-blocks", str(args.num_blocks), "--transfer-mode", args.transfer_mode, *topology],
-                          log)
+    return start_server(["--num-blocks", str(args.num_blocks), "--transfer-mode", args.transfer_mode, *topology],
+                        log, threads=1, timeout_s=600)
 
 
 def handoffs(url: str) -> dict:
@@ -102,7 +102,8 @@ def main() -> None:
     summary: dict[str, dict[str, dict]] = {}  # workload -> rate -> setup -> metrics
     for rate in (float(r) for r in args.rates.split(",")):
         for setup in args.setups.split(","):
-            proc, url = start(args, setup, args.out / f"{setup}-r{rate:g}.log")
+            server = start(args, setup, args.out / f"{setup}-r{rate:g}.log")
+            url = server.base_url
             try:
                 for workload in args.workloads.split(","):
                     r = summary.setdefault(workload, {}).setdefault(f"{rate:g}", {})[setup] = bench(
@@ -113,8 +114,7 @@ def main() -> None:
                           f"{r['handoffs']} blocks {r['blocks_sent']} (skipped {r['blocks_skipped']}) "
                           f"{r['bytes_sent'] / 2**20:.0f} MiB", flush=True)
             finally:
-                proc.terminate()
-                proc.wait(60)
+                stop_server(server, timeout_s=60)
     for workload, by_rate in summary.items():
         for rate, row in by_rate.items():
             if "pd-basic" in row and "pd-caching-3" in row:

@@ -8,7 +8,7 @@ driven through the gateway's engine client; the figures are the prefill worker's
 counters. ``transfer_ms`` runs from the send's start: after the step for by-request(-agg),
 from the first layer handed over (inside the step) for by-layer.
 
-    python benchmarks/pd_transfer_modes.py [--lengths 128,512,1024] [--requests 4] [--modes by-layer,...]
+    python benchmarks/real/pd_transfer_modes.py [--lengths 128,512,1024] [--requests 4] [--modes by-layer,...]
 """
 
 from __future__ import annotations

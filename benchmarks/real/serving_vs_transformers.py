@@ -7,7 +7,7 @@ prefill tokens/s of a 1,024-token prompt. Every request generates exactly
 same token ids, so the two sides do the same work. Prefix caching is off on the server
 so the engine itself is measured.
 
-    python benchmarks/serving_vs_transformers.py [--output-len 64] [--dtype float32] [--server-args "--cpu-gemm torch"]
+    python benchmarks/real/serving_vs_transformers.py [--output-len 64] [--dtype float32] [--server-args "--cpu-gemm torch"]
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ import aiohttp
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
-from conftest import SHARED_DATA, start_server, stop_server  # noqa: E402
+from memserve.bench.server_process import start_server, stop_server
+from memserve.model_files.gguf_convert import ensure_model_dir
 
-from memserve.model_files.gguf_convert import ensure_model_dir  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
+SHARED_DATA = REPO.parent / "shared" / "data"
 
 
 def sharegpt_prompts(tokenizer, n: int, max_len: int, seed: int = 0) -> list[list[int]]:
@@ -139,7 +139,8 @@ def main() -> int:
     print("starting memserve up...", flush=True)
     import tempfile
 
-    server = start_server(Path(tempfile.mkdtemp()), "--no-prefix-cache", "--dtype", args.dtype, *args.server_args.split())
+    server = start_server(["--no-prefix-cache", "--dtype", args.dtype, *args.server_args.split()],
+                          Path(tempfile.mkdtemp()) / "memserve.log", cwd=REPO)
     try:
         url, name = server.base_url, server.model
         asyncio.run(memserve_throughput(url, name, seq_prompts[:1], 4, 1))  # warm-up

@@ -21,7 +21,7 @@ step budget), so CacheOpt's per-chunk TTFT scaling is not needed.
 
 Full size (long: run it on a quiet machine)::
 
-    python benchmarks/slo_serving.py --policies fcfs,cacheopt --rates 0.25,0.5,1,2 \\
+    python benchmarks/real/slo_serving.py --policies fcfs,cacheopt --rates 0.25,0.5,1,2 \\
         --num-requests 120 --out /tmp/slo-serving
 
 Smoke: ``--policies fcfs --rates 1,4 --num-requests 6 --max-tokens 16``.
@@ -40,8 +40,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from serve_process import serving
-
+from memserve.bench.server_process import serving
 from memserve.workload.metrics import compute_metrics
 from memserve.workload.records import RequestRecord
 from memserve.workload.replay import ReplayOptions
@@ -55,8 +54,8 @@ def serving_policy(args: argparse.Namespace, policy: str, log: Path) -> Iterator
     flags = ["--cpu-workers", str(args.cpu_workers), "--num-blocks", str(args.num_blocks),
              "--max-num-seqs", str(args.max_num_seqs), "--schedule-policy", schedule,
              "--admission", admission or "off", *shlex.split(args.up_args)]
-    with serving(flags, log, threads=None) as url:
-        yield url
+    with serving(flags, log, threads=None, timeout_s=600) as server:
+        yield server.base_url
 
 
 def slo_options(args: argparse.Namespace, mean_ttft_ms: float, mean_tbt_ms: float) -> ReplayOptions:

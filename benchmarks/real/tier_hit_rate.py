@@ -16,8 +16,8 @@ the wall clock. ``--simulate``: the same comparison at cluster scale in the simu
 (the shipped engine, scheduler, MemPool and router on a cost-model clock with a paper
 preset), via ``memserve simulate``'s own flags after ``--``.
 
-    python benchmarks/tier_hit_rate.py [--sessions 12] [--turns 3] [--plot tier_hit_rate.png]
-    python benchmarks/tier_hit_rate.py --simulate --plot sim.png -- --cost-model llama2-13b-h800 \\
+    python benchmarks/real/tier_hit_rate.py [--sessions 12] [--turns 3] [--plot tier_hit_rate.png]
+    python benchmarks/real/tier_hit_rate.py --simulate --plot sim.png -- --cost-model llama2-13b-h800 \\
         --num-sessions 300 --max-turns 6 --rate 4 --instances 2 --router session
 """
 
@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 POLICIES = ("lru", "fifo", "scheduler-aware")
 
 

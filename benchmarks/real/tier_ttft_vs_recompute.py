@@ -14,7 +14,7 @@ to its first token; recomputation is the same engine with ``enable_prefix_cachin
 request, so a change of load on a shared machine hits both alike. Reports mean TTFT by
 turn and the ratio for turns >= 3 (turn 1, computed by both, is the control: about 1x).
 
-    python benchmarks/tier_ttft_vs_recompute.py [--sessions 6] [--turns 4] [--plot ttft.png]
+    python benchmarks/real/tier_ttft_vs_recompute.py [--sessions 6] [--turns 4] [--plot ttft.png]
 """
 
 from __future__ import annotations

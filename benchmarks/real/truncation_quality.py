@@ -15,9 +15,9 @@ memserve's own paged KV cache and model:
 - nkvt: the same kept blocks copied without rotation: keys keep their old positions.
 
 It also reports how far kv-shift's next-token distributions are from recompute's (mean
-KL divergence, top-1 agreement): the figures ``tests/test_kv_shift.py`` bounds.
+KL divergence, top-1 agreement): the figures ``tests/model/test_kv_shift.py`` bounds.
 
-    nice -n 10 /tmp/venv/bin/python benchmarks/truncation_quality.py --samples 24
+    nice -n 10 /tmp/venv/bin/python benchmarks/real/truncation_quality.py --samples 24
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from memserve.workers.model.kv_shift import shift_blocks
 from memserve.workers.model.llama import LlamaForCausalLM
 from memserve.workers.model.loader import load_model
 
-DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "sharegpt-sample.jsonl"
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "sharegpt-sample.jsonl"
 LAYOUT = "aggregated"
 SCHEMES = ("full", "recompute", "kv-shift", "nkvt")
 

@@ -16,7 +16,7 @@ cacheopt at more rates under the same SLOs and reports the highest rate each sus
 admission control (``fcfs+reject``, ``cacheopt+reject``); a refused request counts as a
 miss of both its SLOs, and its P99s are the admitted requests'.
 
-    python benchmarks/cacheopt_sim.py --out /tmp/cacheopt-sim --sustain-rates 2.5,2.75,3,3.25,3.5 --admission reject
+    python benchmarks/simulated/cacheopt_sim.py --out /tmp/cacheopt-sim --sustain-rates 2.5,2.75,3,3.25,3.5 --admission reject
 """
 
 from __future__ import annotations

@@ -4,18 +4,18 @@ and ShareGPT with share ratios 1..4 (a share ratio k replays every session k tim
 distinct sessions). Writes one ``memserve simulate`` results file per point, a
 ``summary.json`` (P99/mean TTFT, mean JCT, cached-token ratio per policy) and a plot.
 
-    python benchmarks/global_scheduler_sim.py --out /tmp/global-scheduler-sim
+    python benchmarks/simulated/global_scheduler_sim.py --out /tmp/global-scheduler-sim
 
 ``--workloads hot-prefix`` is the skewed load: single-turn requests that all share a few
 long system prompts (``--hot-prefixes``, fewer than the instances), so following the
 cache piles the load onto the instances that hold them:
 
-    python benchmarks/global_scheduler_sim.py --out /tmp/gs-hot --workloads hot-prefix --share-ratios 1
+    python benchmarks/simulated/global_scheduler_sim.py --out /tmp/gs-hot --workloads hot-prefix --share-ratios 1
 
 The real run's setting (``global_scheduler_real.py``'s defaults on a ``memserve profile``
 of the CPU workers) on the simulator:
 
-    python benchmarks/global_scheduler_sim.py --out /tmp/gs-sim-cpu --cost-model cpu-1t.json --instances 3 \
+    python benchmarks/simulated/global_scheduler_sim.py --out /tmp/gs-sim-cpu --cost-model cpu-1t.json --instances 3 \
         --num-sessions 8 --rate 0.5 --share-ratios 2,3 --doc-len 768 --questions-per-doc 3 --max-tokens 16 \
         --num-blocks 512 --sharegpt-max-turns 3 --sharegpt-max-session-tokens 1500
 """
@@ -26,11 +26,13 @@ import argparse
 import contextlib
 import io
 import json
+import sys
 from pathlib import Path
 
-from hot_prefix import add_hot_prefix_args, hot_prefix_flags
-
 from memserve.cli import main as memserve
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "real"))  # the skewed load, shared with the real run
+from hot_prefix import add_hot_prefix_args, hot_prefix_flags  # noqa: E402
 
 POLICIES = ("least-load", "session", "prompt-tree", "cost")
 WORKLOADS = ("long-doc-qa", "sharegpt")  # and "hot-prefix", the skewed load (not run by default)

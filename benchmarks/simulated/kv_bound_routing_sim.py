@@ -13,7 +13,7 @@ three one-thread workers share two cores, 1.5x slower than the one-worker profil
 most 1,500 tokens).
 
     python -m memserve.cli profile --quick --threads 1 --dtype float32 --output cpu-1t.json
-    python benchmarks/kv_bound_routing_sim.py --out /tmp/kv-bound --cost-model cpu-1t.json --slowdown 1.5 \\
+    python benchmarks/simulated/kv_bound_routing_sim.py --out /tmp/kv-bound --cost-model cpu-1t.json --slowdown 1.5 \\
         --points 0.3:2,0.4:2,0.5:2,0.5:3 --seeds 20
 """
 
@@ -22,12 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 
-from global_scheduler_real import SHAREGPT_MAX_SESSION_TOKENS, SHAREGPT_MAX_TURNS
 from global_scheduler_sim import run_point
 
 from memserve.costmodel.store import load_cost_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "real"))  # the real run's settings
+from global_scheduler_real import SHAREGPT_MAX_SESSION_TOKENS, SHAREGPT_MAX_TURNS  # noqa: E402
 
 POLICIES = ("session", "prompt-tree", "cost")
 AVERAGED = ("ttft_p99_ms", "ttft_mean_ms", "cached_token_ratio")  # over the seeds

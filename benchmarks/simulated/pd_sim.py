@@ -10,7 +10,7 @@ ratio and what moved between instances (handoff blocks and bytes, decode-phase K
 returned to prefill) per point; plots Fig. 8's shape (metric against the rate per
 instance, one line per setting) and prints pd-caching-3's P99 JCT against pd-basic's.
 
-    python benchmarks/pd_sim.py --out /tmp/pd-sim
+    python benchmarks/simulated/pd_sim.py --out /tmp/pd-sim
 """
 
 from __future__ import annotations

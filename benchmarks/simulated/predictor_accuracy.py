@@ -18,7 +18,7 @@ the held-out split, next to constant baselines (the training median and mean):
 The cost is ``Predictor.predict`` (prompt view, features, model, padding) per held-out
 prompt, next to the gateway's own tokenization of the same conversation, in one run.
 
-    python benchmarks/predictor_accuracy.py [--table memserve/predictor/data/...jsonl]
+    python benchmarks/simulated/predictor_accuracy.py [--table memserve/predictor/data/...jsonl]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from memserve.model_files.gguf_convert import ensure_model_dir

@@ -7,7 +7,7 @@ same seed, token lengths from the served model's tokenizer and the same engine s
 Both write results.json files (``memserve bench compare`` reads them too).
 
     memserve profile --dtype float32 --threads 1 --output cost.json
-    python benchmarks/sim_fidelity.py --cost-model cost.json --out-dir fidelity/
+    python benchmarks/simulated/sim_fidelity.py --cost-model cost.json --out-dir fidelity/
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from serve_process import serving
-
+from memserve.bench.server_process import serving
 from memserve.model_files.gguf_convert import ensure_model_dir
 
 WORKLOADS = {
@@ -59,9 +58,9 @@ def main() -> int:
         workload = WORKLOADS[name] + common
         real, sim = args.out_dir / f"{name}-real.json", args.out_dir / f"{name}-sim.json"
         flags = ["--num-blocks", str(args.num_blocks), "--log-level", "WARNING"]
-        with serving(flags, args.out_dir / f"{name}-server.log", args.threads) as url:
-            run([sys.executable, "-m", "memserve.cli", "bench", "--base-url", url, *workload, "--no-progress",
-                 "--label", f"real:{name}", "--output", str(real)], stdout=subprocess.DEVNULL)
+        with serving(flags, args.out_dir / f"{name}-server.log", threads=args.threads, timeout_s=600) as server:
+            run([sys.executable, "-m", "memserve.cli", "bench", "--base-url", server.base_url, *workload,
+                 "--no-progress", "--label", f"real:{name}", "--output", str(real)], stdout=subprocess.DEVNULL)
         run([sys.executable, "-m", "memserve.cli", "simulate", "--cost-model", args.cost_model, "--instances", "1",
              "--num-blocks", str(args.num_blocks), *workload, "--label", f"sim:{name}", "--output", str(sim)],
             stdout=subprocess.DEVNULL)

@@ -19,7 +19,7 @@ only if it lands by chance where an earlier copy ran). The ratio of the two floo
 run's arrivals is about what routing by prefix could take off session routing's P99 if
 no worker queued: the part of prompt-tree's gain that the workload alone gives.
 
-    python benchmarks/ttft_floor.py --cost-model cpu-1t.json R/sharegpt-sr3-session.json R/sharegpt-sr3-prompt-tree.json
+    python benchmarks/simulated/ttft_floor.py --cost-model cpu-1t.json R/sharegpt-sr3-session.json R/sharegpt-sr3-prompt-tree.json
 """
 
 from __future__ import annotations

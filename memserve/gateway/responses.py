@@ -1,6 +1,6 @@
 """OpenAI response shapes for /v1/completions and /v1/chat/completions: whole
 responses, stream chunks and usage, as OpenAI's published schemas define them
-(``tests/test_openai_schema.py`` validates every shape against them)."""
+(``tests/e2e/test_openai_schema.py`` validates every shape against them)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Feature vectors of a ``PromptView``, cheap enough for the gateway's event loop.
 
 Three groups, chosen per predictor (``FeatureSet``) by measured accuracy
-(``benchmarks/predictor_accuracy.py``):
+(``benchmarks/simulated/predictor_accuracy.py``):
 
 - shape: log prompt length, log length of the last user turn, log number of turn
   markers and the share of the prompt that the last turn is: long conversations and long

@@ -40,7 +40,7 @@ DEFAULT_MAX_LENGTH = 512
 
 @dataclass(frozen=True)
 class PredictorConfig:
-    # Chosen by benchmarks/predictor_accuracy.py (docs/benchmarks.md).
+    # Chosen by benchmarks/simulated/predictor_accuracy.py (docs/benchmarks.md).
     feature_set: FeatureSet = field(default_factory=lambda: FeatureSet(embedding=True, ngram_buckets=0))
     learner: str = "bucket"
     bucket_width: int = 64  # tokens; also the (b - a) of the Hoeffding padding

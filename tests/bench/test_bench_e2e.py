@@ -27,7 +27,7 @@ from aiohttp import web
 
 from memserve.bench import cli
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FIRST_TOKEN_S = 0.040
 TOKEN_GAP_S = 0.015
 NATURAL_LEN = 4  # the fake model's "EOS" comes after this many tokens

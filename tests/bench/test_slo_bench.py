@@ -1,5 +1,5 @@
 """Per-request SLOs in `memserve bench` (``--slo-scale``, CacheOpt §5's uniform scale)
-and the arithmetic of benchmarks/slo_serving.py (pooled means, scoring a run against
+and the arithmetic of benchmarks/real/slo_serving.py (pooled means, scoring a run against
 SLOs afterwards, the sustainable rate), by hand-computed expectation."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from memserve.bench.cli import configure_parser, replay_options
 from memserve.workload.records import RequestRecord
 from memserve.workload.replay import ReplayOptions
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "real"))
 import slo_serving
 
 

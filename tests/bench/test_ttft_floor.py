@@ -1,4 +1,4 @@
-"""The TTFT floor of benchmarks/ttft_floor.py on hand-built bench records: a first turn
+"""The TTFT floor of benchmarks/simulated/ttft_floor.py on hand-built bench records: a first turn
 pays its whole prompt but what its earliest copy found cached, a later turn only what its
 session's previous turn does not cover, and a copy only the earliest copy's floor left
 when it arrives; the session floor counts only the session's own previous turn."""
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "simulated"))
 
 from ttft_floor import floors, session_floors  # noqa: E402
 

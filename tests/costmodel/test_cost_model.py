@@ -19,7 +19,7 @@ from memserve.costmodel.model import BandwidthCost, CostKey, CostModel, DecodeCo
 from memserve.costmodel.presets import PRESETS
 from memserve.costmodel.store import default_path, find_profile, load_cost_model
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 HAND_BUILT = {
     "schema_version": 1,

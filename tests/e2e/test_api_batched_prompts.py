@@ -7,9 +7,9 @@ from __future__ import annotations
 import openai
 import orjson
 import pytest
+from helpers.openai_schema import COMPLETION_CHUNK, assert_valid, request, sse_chunks
 
-from conftest import ServerHandle
-from test_openai_schema import COMPLETION_CHUNK, assert_valid, request, sse_chunks
+from memserve.bench.server_process import ServerHandle
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"]
 FIELDS = {"max_tokens": 4, "temperature": 0}

@@ -14,10 +14,9 @@ import openai
 import orjson
 import pytest
 import torch
-from conftest import ServerHandle
-from test_openai_schema import COMPLETION_CHUNK, assert_valid, request, sse_chunks
-from test_serving_e2e import hf  # noqa: F401  (the transformers reference fixture)
+from helpers.openai_schema import COMPLETION_CHUNK, assert_valid, request, sse_chunks
 
+from memserve.bench.server_process import ServerHandle
 from memserve.config import EngineConfig
 from memserve.ipc.messages import AddRequest, SamplingParams
 from memserve.model_files.gguf_convert import ensure_model_dir
@@ -39,7 +38,7 @@ def client(memserve_server: ServerHandle) -> openai.OpenAI:
     return openai.OpenAI(base_url=memserve_server.base_url + "/v1", api_key="none", max_retries=0)
 
 
-def hf_logprobs(hf, ids: list[int]) -> torch.Tensor:  # noqa: F811
+def hf_logprobs(hf, ids: list[int]) -> torch.Tensor:
     """[len(ids), vocab] log-softmax of transformers' logits: row i predicts ids[i + 1]."""
     _, model = hf
     with torch.inference_mode():
@@ -52,7 +51,7 @@ def tokenize(server: ServerHandle, **body) -> list[int]:
     return orjson.loads(raw)["tokens"]
 
 
-def hf_greedy_ids(hf, ids: list[int], num: int) -> list[int]:  # noqa: F811
+def hf_greedy_ids(hf, ids: list[int], num: int) -> list[int]:
     """transformers' greedy continuation: the ids behind memserve's greedy tokens."""
     _, model = hf
     with torch.inference_mode():
@@ -90,7 +89,7 @@ def post_stream(server: ServerHandle, path: str, body: dict) -> list[dict]:
 # ----------------------------------------------------------------------------- chat
 
 
-def test_chat_logprobs_match_transformers(hf, memserve_server: ServerHandle) -> None:  # noqa: F811
+def test_chat_logprobs_match_transformers(hf, memserve_server: ServerHandle) -> None:
     body = post_json(memserve_server, "/v1/chat/completions",
                      {"messages": CHAT, "max_tokens": 5, "temperature": 0, "logprobs": True, "top_logprobs": 5})
     assert_valid(body, "CreateChatCompletionResponse")
@@ -157,7 +156,7 @@ def test_streamed_logprobs_equal_whole(memserve_server: ServerHandle, path: str,
 # ----------------------------------------------------------------------------- completions and echo
 
 
-def test_completion_logprobs_match_transformers(hf, memserve_server: ServerHandle) -> None:  # noqa: F811
+def test_completion_logprobs_match_transformers(hf, memserve_server: ServerHandle) -> None:
     body = post_json(memserve_server, "/v1/completions",
                      {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 5, "echo": True})
     assert_valid(without_echo_nulls(body), "CreateCompletionResponse")
@@ -182,7 +181,7 @@ def test_completion_logprobs_match_transformers(hf, memserve_server: ServerHandl
     assert [choice["text"][o:o + len(t)] for o, t in zip(offsets, logprobs["tokens"])] == logprobs["tokens"]
 
 
-def test_echo_with_zero_max_tokens_scores_the_prompt(hf, memserve_server: ServerHandle) -> None:  # noqa: F811
+def test_echo_with_zero_max_tokens_scores_the_prompt(hf, memserve_server: ServerHandle) -> None:
     """What lm-evaluation-harness sends: the prompt back with its logprobs, nothing generated."""
     prompt = tokenize(memserve_server, prompt=PROMPT)
     body = post_json(memserve_server, "/v1/completions",
@@ -230,7 +229,7 @@ def chunking_engine() -> Engine:
     return build_engine(cfg, model_dir)
 
 
-def test_prompt_logprobs_across_chunks_and_batches(hf, chunking_engine: Engine) -> None:  # noqa: F811
+def test_prompt_logprobs_across_chunks_and_batches(hf, chunking_engine: Engine) -> None:
     """Two requests prefilled together over many chunks (their last rows wait for the next
     chunk's first token) report every prompt position once, as transformers does."""
     tok = hf[0]

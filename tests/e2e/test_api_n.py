@@ -15,9 +15,8 @@ import time
 import openai
 import orjson
 import pytest
-from conftest import SERVER_NUM_BLOCKS
-from test_openai_schema import assert_valid, generate, sse_chunks
-from test_serving_e2e import _free_device_blocks, _wait_free_blocks
+from helpers.live_server import SERVER_NUM_BLOCKS, free_device_blocks, wait_free_blocks
+from helpers.openai_schema import assert_valid, generate, sse_chunks
 
 BLOCK_SIZE = 16
 PROMPT = "Once upon a time"
@@ -75,7 +74,7 @@ def test_choices_share_the_prompt_blocks(client, memserve_server):
     """A prompt of 10 full blocks and one token: with one prefill the 4 choices hold the
     10 shared blocks plus at most 11 blocks each (160 tokens); 4 prefills would hold 84.
     The answers run long enough (seconds) for the heartbeats' block counts to see them."""
-    assert _wait_free_blocks(memserve_server, lambda f: f == SERVER_NUM_BLOCKS) == SERVER_NUM_BLOCKS
+    assert wait_free_blocks(memserve_server, lambda f: f == SERVER_NUM_BLOCKS) == SERVER_NUM_BLOCKS
     rng = random.Random(time.time_ns())
     prompt = [rng.randrange(1000, 20000) for _ in range(10 * BLOCK_SIZE + 1)]
     shared = 10
@@ -86,17 +85,17 @@ def test_choices_share_the_prompt_blocks(client, memserve_server):
                            max_tokens=max_tokens, temperature=1.0, extra_body={"ignore_eos": True})
         used = []
         while not done.done():
-            used.append(SERVER_NUM_BLOCKS - _free_device_blocks(memserve_server))
+            used.append(SERVER_NUM_BLOCKS - free_device_blocks(memserve_server))
             time.sleep(0.05)
         out = done.result()
     assert [c.finish_reason for c in out.choices] == ["length"] * 4
     assert max(used) > shared, "the request was never seen holding blocks"
     assert max(used) <= bound, (max(used), bound)
-    assert _wait_free_blocks(memserve_server, lambda f: f == SERVER_NUM_BLOCKS) == SERVER_NUM_BLOCKS
+    assert wait_free_blocks(memserve_server, lambda f: f == SERVER_NUM_BLOCKS) == SERVER_NUM_BLOCKS
 
 
 def test_disconnect_frees_every_choice(memserve_server):
-    assert _wait_free_blocks(memserve_server, lambda f: f == SERVER_NUM_BLOCKS) == SERVER_NUM_BLOCKS
+    assert wait_free_blocks(memserve_server, lambda f: f == SERVER_NUM_BLOCKS) == SERVER_NUM_BLOCKS
     host, port = memserve_server.base_url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
     body = json.dumps({"model": memserve_server.model, "prompt": "Tell me a very long story. " * 20, "n": 4,
@@ -109,7 +108,7 @@ def test_disconnect_frees_every_choice(memserve_server):
         line = resp.fp.readline()
         if line.startswith(b"data: {"):
             indexes.update(c["index"] for c in json.loads(line[6:])["choices"])
-    assert _wait_free_blocks(memserve_server, lambda f: f < SERVER_NUM_BLOCKS, 10) < SERVER_NUM_BLOCKS
+    assert wait_free_blocks(memserve_server, lambda f: f < SERVER_NUM_BLOCKS, 10) < SERVER_NUM_BLOCKS
     conn.sock.close()
     conn.close()
-    assert _wait_free_blocks(memserve_server, lambda f: f == SERVER_NUM_BLOCKS) == SERVER_NUM_BLOCKS
+    assert wait_free_blocks(memserve_server, lambda f: f == SERVER_NUM_BLOCKS) == SERVER_NUM_BLOCKS

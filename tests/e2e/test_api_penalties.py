@@ -1,5 +1,5 @@
 """Penalties, logit_bias and min_tokens through a real `memserve up`, with the `openai`
-client: greedy outputs equal the per-row reference of tests/test_penalties.py applied to
+client: greedy outputs equal the per-row reference of tests/model/test_penalties.py applied to
 Hugging Face transformers' logits step by step, and each knob does what clients use it for
 (a frequency penalty breaks a loop, a +100 bias forces a token, min_tokens defers EOS).
 Every response validates against OpenAI's schemas."""
@@ -10,9 +10,8 @@ import openai
 import orjson
 import pytest
 import torch
-from test_openai_schema import assert_valid, chunk_schema, generate, sse_chunks
-from test_penalties import reference
-from test_serving_e2e import hf  # noqa: F401  (fixture: transformers on the same GGUF)
+from helpers.openai_schema import assert_valid, chunk_schema, generate, sse_chunks
+from helpers.penalties_reference import reference
 
 from memserve.ipc.messages import SamplingParams
 from memserve.workers.model.penalties import TokenHistory
@@ -26,7 +25,7 @@ def client(memserve_server):
     return openai.OpenAI(base_url=memserve_server.base_url + "/v1", api_key="none", max_retries=0)
 
 
-def reference_greedy(hf, prompt_ids: list[int], params: SamplingParams) -> list[int]:  # noqa: F811
+def reference_greedy(hf, prompt_ids: list[int], params: SamplingParams) -> list[int]:
     """Greedy tokens of transformers' float32 logits, adjusted by the plain reference."""
     tok, model = hf
     history = TokenHistory(list(prompt_ids), sorted(set(params.stop_token_ids) | {tok.eos_token_id}))
@@ -44,7 +43,7 @@ def reference_greedy(hf, prompt_ids: list[int], params: SamplingParams) -> list[
 
 
 @pytest.fixture(scope="module")
-def plain_greedy(hf) -> list[int]:  # noqa: F811
+def plain_greedy(hf) -> list[int]:
     return reference_greedy(hf, hf[0](LOOP_PROMPT)["input_ids"], SamplingParams(temperature=0.0))
 
 
@@ -54,7 +53,7 @@ def plain_greedy(hf) -> list[int]:  # noqa: F811
     pytest.param({"frequency_penalty": -0.5, "presence_penalty": 2.0, "repetition_penalty": 0.9},
                  marks=pytest.mark.slow),
 ], ids=["frequency+presence+bias", "repetition", "mixed-signs"])
-def test_greedy_equals_reference_on_transformers_logits(hf, plain_greedy, client, memserve_server,  # noqa: F811
+def test_greedy_equals_reference_on_transformers_logits(hf, plain_greedy, client, memserve_server,
                                                         fields):
     tok, _ = hf
     prompt_ids = tok(LOOP_PROMPT)["input_ids"]
@@ -78,7 +77,7 @@ def test_frequency_penalty_breaks_a_greedy_loop(client, memserve_server):
     assert text(frequency_penalty=2.0).count("I'm a cat") == 1
 
 
-def test_logit_bias_forces_and_bans_tokens(hf, client, memserve_server):  # noqa: F811
+def test_logit_bias_forces_and_bans_tokens(hf, client, memserve_server):
     tok, _ = hf
     forced = tok(" banana")["input_ids"]
     assert len(forced) == 1

@@ -11,10 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
+from helpers.openai_schema import assert_valid, chunk_schema, generate, sse_chunks
 from jsonschema import Draft202012Validator
 
-from conftest import ServerHandle
-from test_openai_schema import assert_valid, chunk_schema, generate, sse_chunks
+from memserve.bench.server_process import ServerHandle
 
 SHORT = {"type": "string", "minLength": 1, "maxLength": 12}
 SCHEMAS = {

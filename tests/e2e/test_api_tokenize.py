@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import orjson
 import pytest
+from helpers.openai_schema import assert_valid, request
 
-from conftest import ServerHandle
-from test_openai_schema import assert_valid, request
+from memserve.bench.server_process import ServerHandle
 
 TEXT = "Tokenizers split héllo wörld 😀 into pieces."
 MESSAGES = [{"role": "user", "content": "How many tokens is this?"}]

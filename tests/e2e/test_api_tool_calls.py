@@ -13,11 +13,11 @@ from pathlib import Path
 
 import openai
 import pytest
-from conftest import ServerHandle
+from helpers.fake_engine import FakeEngine, async_test, post, serve
+from helpers.openai_schema import assert_valid, chunk_schema, generate, sse_chunks
 from jsonschema import Draft202012Validator
-from test_gateway_api import FakeEngine, async_test, post, serve
-from test_openai_schema import assert_valid, chunk_schema, generate, sse_chunks
 
+from memserve.bench.server_process import ServerHandle
 from memserve.text.tokenizer import Tokenizer
 
 WEATHER = {"type": "function", "function": {

@@ -18,10 +18,17 @@ import time
 import urllib.parse
 
 import pytest
+from helpers.hostile_requests import (
+    RAW_HTTP_CASES,
+    HostileRequest,
+    check_response,
+    hostile_requests,
+    raw_http,
+    send,
+)
 from hypothesis import HealthCheck, given, seed, settings
 
-from conftest import ServerHandle
-from hostile_requests import RAW_HTTP_CASES, HostileRequest, check_response, hostile_requests, raw_http, send
+from memserve.bench.server_process import ServerHandle
 
 BATCHES = 3
 EXAMPLES_PER_BATCH = 50

@@ -9,8 +9,9 @@ import importlib.metadata
 import os
 
 import pytest
+from helpers.paths import REPO
 
-from conftest import REPO, ServerHandle
+from memserve.bench.server_process import ServerHandle
 
 TASK = "memserve_tiny_mc"
 TASK_DIR = REPO / "tests" / "data" / "lm_eval_tiny_mc"

@@ -15,9 +15,10 @@ import time
 import urllib.request
 
 import pytest
-from conftest import start_server, stop_server
+from helpers.paths import REPO
 from openai import AsyncOpenAI
 
+from memserve.bench.server_process import start_server, stop_server
 from memserve.costmodel.model import (
     AttentionCost,
     BandwidthCost,
@@ -45,7 +46,7 @@ def server_args(router: str, *extra: str) -> tuple[str, ...]:
 
 @pytest.fixture(scope="module")
 def tree_server(tmp_path_factory):
-    handle = start_server(tmp_path_factory.mktemp("tree"), *server_args("prompt-tree"))
+    handle = start_server(server_args("prompt-tree"), tmp_path_factory.mktemp("tree") / "memserve.log", cwd=REPO)
     yield handle
     stop_server(handle)
 
@@ -59,7 +60,8 @@ def cost_server(tmp_path_factory):
                       operators={"gemm": OperatorCost(per_token=1e-3)}, attention=AttentionCost(0, 0, 0, 0),
                       decode=DecodeCost(0.0, 0.0, 0.0), copy=BandwidthCost(0.0, 1e12),
                       transfer=BandwidthCost(0.0, 1e12))
-    handle = start_server(tmp, *server_args("cost", "--cost-model", str(model.save(tmp / "cost.json"))))
+    handle = start_server(server_args("cost", "--cost-model", str(model.save(tmp / "cost.json"))), tmp / "memserve.log",
+                          cwd=REPO)
     yield handle
     stop_server(handle)
 

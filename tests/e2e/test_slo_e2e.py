@@ -16,8 +16,9 @@ import urllib.request
 
 import aiohttp
 import pytest
-from conftest import start_server, stop_server
+from helpers.paths import REPO
 
+from memserve.bench.server_process import start_server, stop_server
 from memserve.costmodel.model import (
     AttentionCost,
     BandwidthCost,
@@ -40,8 +41,8 @@ def cost_model() -> CostModel:
 
 def start(tmp, admission: str):
     path = cost_model().save(tmp / "cost.json")
-    return start_server(tmp, "--num-blocks", "256", "--cost-model", str(path), "--admission", admission,
-                        "--admission-queue-size", "2")
+    return start_server(["--num-blocks", "256", "--cost-model", str(path), "--admission", admission,
+                         "--admission-queue-size", "2"], tmp / f"memserve-{admission}.log", cwd=REPO)
 
 
 @pytest.fixture(scope="module")

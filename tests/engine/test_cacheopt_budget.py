@@ -8,8 +8,8 @@ due soon takes what its TTFT deadline needs over the TBT bound."""
 from __future__ import annotations
 
 import pytest
-from test_cacheopt_policy import add, make, policy
-from test_scheduler import chunk_sizes
+from helpers.cacheopt import add, make, policy
+from helpers.scripted_engine import chunk_sizes
 
 from memserve.costmodel.model import (
     AttentionCost,

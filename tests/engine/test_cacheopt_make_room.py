@@ -14,8 +14,8 @@ blocks >= the 1 short, so A alone is preempted."""
 
 from __future__ import annotations
 
-from test_cacheopt_policy import add, make, policy
-from test_scheduler import assert_no_block_held, chunk_sizes, run_to_end
+from helpers.cacheopt import add, make, policy
+from helpers.scripted_engine import assert_no_block_held, chunk_sizes, run_to_end
 
 OPTIONS = "reserve=0;b=0;disable=PA"
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from test_context_caching import replay
-from test_tiered_engine import TURNS, short_conversations, tiered_config, tokens_of
+from helpers.engine_replay import replay
+from helpers.tiered_engine import TURNS, short_conversations, tiered_config, tokens_of
 
 from memserve.text.tokenizer import Tokenizer
 from memserve.workers.real_engine import build_engine

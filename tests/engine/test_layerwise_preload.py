@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from test_context_caching import conversations, replay, run
+from helpers.engine_replay import conversations, replay, run
 
 from memserve.config import EngineConfig
 from memserve.ipc.messages import AddRequest, SamplingParams

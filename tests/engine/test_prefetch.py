@@ -6,8 +6,8 @@ comparison at cluster scale in the simulator: scheduler-aware never hits less.""
 
 from __future__ import annotations
 
-from test_mempool import NumpyBlockMover
-from test_scheduler import BS, Clock, ScriptedRunner, add, run_to_end
+from helpers.mempool import NumpyBlockMover
+from helpers.scripted_engine import BS, Clock, ScriptedRunner, add, run_to_end
 
 from memserve.config import EngineConfig
 from memserve.kvcache.address import Tier, addr_tier
@@ -118,7 +118,7 @@ def test_at_cluster_scale_scheduler_aware_hits_far_more_than_lru(tmp_path):
     import subprocess
     import sys
 
-    from conftest import SHARED_DATA
+    from helpers.paths import SHARED_DATA
 
     def cached_ratio(policy: str) -> float:
         out = tmp_path / f"{policy}.json"

@@ -15,7 +15,14 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from test_context_caching import replay
+from helpers.engine_replay import replay
+from helpers.tiered_engine import (
+    MAX_MODEL_LEN,
+    TURNS,
+    short_conversations,
+    tiered_config,
+    tokens_of,
+)
 
 from memserve.config import EngineConfig
 from memserve.kvcache.address import Tier
@@ -25,41 +32,7 @@ from memserve.text.tokenizer import Tokenizer
 from memserve.workers.engine.engine import Engine
 from memserve.workers.real_engine import build_engine
 
-REPO = Path(__file__).resolve().parent.parent
-DEVICE_BLOCKS = 16  # 256 tokens: one conversation at a time, barely
-HOST_BLOCKS = 8
-DISK_GB = 0.12  # about 170 blocks of SmolLM2-135M in float32 (720 KiB each)
-MAX_MODEL_LEN = DEVICE_BLOCKS * 16
-TURNS = 3
-
-
-def tiered_config(disk_dir: Path) -> EngineConfig:
-    return EngineConfig(dtype="float32", num_blocks=DEVICE_BLOCKS, num_host_blocks=HOST_BLOCKS,
-                        disk_cache_dir=str(disk_dir), disk_cache_gb=DISK_GB, max_num_batched_tokens=512,
-                        max_model_len=MAX_MODEL_LEN)
-
-
-def short_conversations(tokenizer: Tokenizer, n: int) -> list[list[dict]]:
-    """The first ``n`` ShareGPT conversations whose third turn fits the context."""
-    from conftest import SHARED_DATA
-
-    out = []
-    for line in (SHARED_DATA / "sharegpt-sample.jsonl").read_text().splitlines():
-        conv = json.loads(line)["messages"]
-        if len(conv) < 2 * TURNS:
-            continue
-        history = []
-        for turn in range(TURNS):
-            history += [{"role": "user", "content": conv[2 * turn]["content"]}, {"role": "assistant", "content": "x " * 16}]
-        if len(tokenizer.encode_chat(history[:-1])) < MAX_MODEL_LEN - 40:
-            out.append(conv)
-        if len(out) == n:
-            return out
-    raise AssertionError("not enough short conversations")
-
-
-def tokens_of(results) -> list[dict[int, list[int]]]:
-    return [{s: tokens for s, (tokens, _) in turn.items()} for turn in results]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +104,9 @@ def test_a_new_process_on_the_same_directory_serves_from_the_previous_runs_cache
     engine, disk_dir = tiered
     engine.close()  # a graceful shutdown: what the faster tiers cache goes to disk
     report = subprocess.run([sys.executable, __file__, str(disk_dir), json.dumps(convs)],
-                            check=False, capture_output=True, text=True, cwd=REPO / "tests", timeout=300)
+                            check=False, capture_output=True, text=True, cwd=REPO / "tests", timeout=300,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(  # tests/ for helpers.*
+                                [str(REPO / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])])})
     assert report.returncode == 0, report.stderr[-3000:]
     out = json.loads(report.stdout.splitlines()[-1])
     assert out["adopted_blocks"] > 0
@@ -144,8 +119,9 @@ def test_a_restarted_server_publishes_and_serves_its_disk_cache(tmp_path):
     """Over the real stack: after ``memserve up`` restarts on the same --disk-cache-dir,
     the gateway's mirror knows the previous run's blocks before any request, and the same
     chat is answered identically from them; /health and /metrics show the tiers."""
-    from conftest import start_server, stop_server
     from openai import OpenAI
+
+    from memserve.bench.server_process import start_server, stop_server
 
     args = ("--num-blocks", "64", "--num-host-blocks", "16", "--disk-cache-dir", str(tmp_path / "kv"),
             "--disk-cache-gb", "0.2")
@@ -156,13 +132,13 @@ def test_a_restarted_server_publishes_and_serves_its_disk_cache(tmp_path):
             model=server.model, messages=messages, max_tokens=16, temperature=0)
         return reply.choices[0].message.content, reply.usage.prompt_tokens_details.cached_tokens
 
-    first = start_server(tmp_path, *args)
+    first = start_server(args, tmp_path / "first.log", cwd=REPO)
     try:
         answer, cached = ask(first)
         assert cached == 0
     finally:
         assert stop_server(first) == 0
-    second = start_server(tmp_path, *args)
+    second = start_server(args, tmp_path / "second.log", cwd=REPO)
     try:
         deadline = time.monotonic() + 10  # the adopted blocks' KV events follow the worker's ready message
         while (worker := second.get_json("/health")["workers"][0])["mirror_blocks"] == 0:

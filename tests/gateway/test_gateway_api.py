@@ -5,7 +5,6 @@ disconnects, metrics, health, the official ``openai`` client, and a torch-free i
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 import subprocess
 import sys
@@ -18,74 +17,23 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
+from helpers.fake_engine import (
+    MESSAGES,
+    MODEL,
+    REPLY,
+    FakeEngine,
+    async_test,
+    post,
+    serve,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from memserve.gateway.app import create_app
 from memserve.gateway.engine_protocol import EngineUnavailable, RequestRejected
-from memserve.ipc.messages import RequestOutput, SamplingParams
+from memserve.ipc.messages import SamplingParams
 from memserve.text.tokenizer import Tokenizer
 
-MODEL = "smollm2-test"
-REPLY = "Hello! 😀 你好. The end is near."
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-class FakeEngine:
-    """An ``EngineClient`` that streams a scripted reply, one token per output, then EOS;
-    it records what it was asked and which requests were aborted."""
-
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int = 256) -> None:
-        self.max_model_len = max_model_len
-        self.outputs = [[t] for t in tokenizer.encode(REPLY)] + [tokenizer.eos_token_ids[:1]]
-        self.finish_reason = "stop"
-        self.num_cached_tokens = 3
-        self.delay_s = 0.0
-        self.error: str | None = None  # reported on the last output
-        self.exception: Exception | None = None  # raised before the first output
-        self.requests: list[dict] = []
-        self.aborted: list[str] = []
-        self.workers = [
-            {"instance_id": 0, "alive": True, "num_running": 2, "num_waiting": 1,
-             "free_blocks": {"device": 100, "host": 400}, "cache_hit_rate": 0.25, "cached_tokens_total": 48,
-             "num_held_admissions": 3},
-            {"instance_id": 1, "alive": True, "num_running": 0, "num_waiting": 0,
-             "free_blocks": {"device": 128}, "cache_hit_rate": 0.0, "cached_tokens_total": 0},
-        ]
-
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       session_id: str | None = None, slo: dict | None = None) -> AsyncIterator[RequestOutput]:
-        self.requests.append({"request_id": request_id, "prompt_token_ids": prompt_token_ids, "params": params,
-                              "session_id": session_id, "slo": slo})
-        if self.exception is not None:
-            raise self.exception
-        for i, token_ids in enumerate(self.outputs):
-            await asyncio.sleep(self.delay_s)
-            last = i == len(self.outputs) - 1
-            yield RequestOutput(request_id, token_ids, finished=last,
-                                finish_reason=("error" if self.error else self.finish_reason) if last else None,
-                                num_prompt_tokens=len(prompt_token_ids), num_cached_tokens=self.num_cached_tokens,
-                                error=self.error if last else None)
-
-    async def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
-
-    def stats(self) -> dict:
-        return {"workers": self.workers}
-
-
-def async_test(fn):
-    """Run an async test function on a fresh event loop (no pytest-asyncio needed)."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        return asyncio.run(fn(*args, **kwargs))
-    return wrapper
-
-
-@asynccontextmanager
-async def serve(engine: FakeEngine, tokenizer: Tokenizer, **app_kwargs) -> AsyncIterator[TestClient]:
-    async with TestClient(TestServer(create_app(engine, tokenizer, MODEL, **app_kwargs))) as client:
-        yield client
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @asynccontextmanager
@@ -100,25 +48,6 @@ async def serve_on_port(engine: FakeEngine, tokenizer: Tokenizer, handler_cancel
         yield f"http://{host}:{port}"
     finally:
         await runner.cleanup()
-
-
-def sse_events(body: str) -> list[dict | str]:
-    """Parse an SSE body into JSON events; ``[DONE]`` stays a string."""
-    events: list[dict | str] = []
-    for block in body.split("\n\n"):
-        if block:
-            assert block.startswith("data: "), block
-            payload = block[len("data: "):]
-            events.append(payload if payload == "[DONE]" else orjson.loads(payload))
-    return events
-
-
-async def post(client: TestClient, path: str, body: dict) -> tuple[int, dict | list]:
-    async with client.post(path, json=body) as resp:
-        text = await resp.text()
-        if resp.content_type == "text/event-stream":
-            return resp.status, sse_events(text)
-        return resp.status, orjson.loads(text)
 
 
 def expected_usage(prompt_tokens: int, completion_tokens: int, cached: int = 3) -> dict:
@@ -194,8 +123,6 @@ async def test_completion_stream_without_usage_and_length_finish(tokenizer: Toke
 
 
 # ----------------------------------------------------------------------------- chat
-
-MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Greet me"}]
 
 
 @async_test

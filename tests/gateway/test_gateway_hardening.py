@@ -4,7 +4,7 @@ content, the Content-Type policy, deep nesting, malformed HTTP answered with err
 objects and one quiet log line, header/body timeouts and the connection cap, prompts
 refused by their size, and long prompts tokenised without stalling the event loop.
 
-The same defects against a real `memserve up`: ``test_hostile_input.py``."""
+The same defects against a real `memserve up`: ``tests/e2e/test_hostile_input.py``."""
 
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp import web
-from hostile_requests import RAW_HTTP_CASES, raw_http
-from test_gateway_api import MESSAGES, MODEL, FakeEngine, async_test, post, serve
+from helpers.fake_engine import MESSAGES, MODEL, FakeEngine, async_test, post, serve
+from helpers.hostile_requests import RAW_HTTP_CASES, raw_http
 
 from memserve.gateway.app import create_app
 from memserve.gateway.connection import GatewayRunner

@@ -3,7 +3,7 @@ clients that cannot add body fields, the ``x-session-id`` header (the body wins)
 
 from __future__ import annotations
 
-from test_gateway_api import MODEL, FakeEngine, async_test, post, serve
+from helpers.fake_engine import MODEL, FakeEngine, async_test, post, serve
 
 
 @async_test

@@ -7,8 +7,8 @@ and predictor figures appear on /metrics."""
 from __future__ import annotations
 
 import pytest
+from helpers.fake_engine import FakeEngine, async_test, post, serve
 from prometheus_client.parser import text_string_to_metric_families
-from test_gateway_api import FakeEngine, async_test, post, serve
 
 from memserve.gateway.engine_protocol import RequestRejected
 

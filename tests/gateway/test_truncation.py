@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from test_gateway_api import async_test
+from helpers.fake_engine import async_test
 
 from memserve.config import EngineConfig
 from memserve.gateway.app import create_app

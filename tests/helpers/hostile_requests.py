@@ -1,7 +1,7 @@
-"""Hostile requests for the gateway, shared by ``tests/test_hostile_input.py`` (hypothesis,
-a bounded run per test) and ``scripts/fuzz`` (tens of thousands against a running
-server), so both exercise the same inputs: test-support code, kept out of the package
-and imported from here like ``conftest`` is by the other scripts.
+"""Hostile requests for the gateway, shared by ``tests/e2e/test_hostile_input.py``
+(hypothesis, a bounded run per test) and ``scripts/fuzz`` (tens of thousands against a
+running server), so both exercise the same inputs: test-support code, kept out of the
+package; ``scripts/fuzz`` puts ``tests/`` on ``sys.path`` to import it.
 
 - ``hostile_requests()``: a hypothesis strategy of HTTP requests: random JSON values,
   valid-looking requests with fields of wrong types, out-of-range and huge numbers,

@@ -8,8 +8,8 @@ import asyncio
 import json
 import time
 from contextlib import asynccontextmanager
-from pathlib import Path
 
+from helpers.paths import SHARED_DATA
 from memserve.config import EngineConfig
 from memserve.gateway.cluster import Cluster, plan_workers
 from memserve.gateway.engine_client import ZmqEngineClient
@@ -19,7 +19,7 @@ from memserve.model_files.gguf_convert import ensure_model_dir
 from memserve.text.tokenizer import Tokenizer
 
 BLOCK = 16
-SHAREGPT = Path(__file__).resolve().parents[2] / "shared" / "data" / "sharegpt-sample.jsonl"
+SHAREGPT = SHARED_DATA / "sharegpt-sample.jsonl"
 
 
 @asynccontextmanager

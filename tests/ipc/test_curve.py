@@ -7,10 +7,10 @@ import json
 import urllib.request
 
 import zmq
+from helpers.paths import REPO
 
+from memserve.bench.server_process import start_server, stop_server
 from memserve.ipc.curve import ENV_VAR, CurveKeys, release, secure_client, secure_server
-
-from conftest import start_server, stop_server
 
 
 def _server(ctx: zmq.Context, keys: CurveKeys) -> tuple[zmq.Socket, str]:
@@ -59,7 +59,7 @@ def test_keys_round_trip_through_the_environment() -> None:
 
 def test_serves_over_curve_tcp(tmp_path, monkeypatch) -> None:
     monkeypatch.delenv(ENV_VAR, raising=False)
-    server = start_server(tmp_path, "--internal-transport", "tcp", "--num-blocks", "128")
+    server = start_server(["--internal-transport", "tcp", "--num-blocks", "128"], tmp_path / "memserve.log", cwd=REPO)
     try:
         request = urllib.request.Request(
             server.base_url + "/v1/completions", headers={"Content-Type": "application/json"},

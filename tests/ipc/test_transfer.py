@@ -9,12 +9,18 @@ from typing import Any
 
 import pytest
 import zmq
-from test_mempool import BS, NumpyBlockMover, prompt
+from helpers.mempool import BS, NumpyBlockMover, prompt
 
-from memserve.ipc.messages import decode, encode
-from memserve.kvcache.address import Tier, addr_block, addr_instance, addr_tier, make_addr
-from memserve.kvcache.mempool import KVFlags, MemPool, MemPoolError
 from memserve.ipc.kv_transfer import KVAllocRequest, KVTransferEndpoint, TransferError
+from memserve.ipc.messages import decode, encode
+from memserve.kvcache.address import (
+    Tier,
+    addr_block,
+    addr_instance,
+    addr_tier,
+    make_addr,
+)
+from memserve.kvcache.mempool import KVFlags, MemPool, MemPoolError
 
 SENDER, RECEIVER = 0, 1
 TIERS = {Tier.DEVICE: 32, Tier.HOST: 16}

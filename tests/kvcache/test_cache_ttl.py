@@ -6,9 +6,9 @@ longer, blocks in use never expire; the body field is validated by the gateway."
 from __future__ import annotations
 
 import pytest
-from test_mempool import BS, Clock, prompt
-from test_scheduler import ScriptedRunner, add, run_to_end
-from test_tier_cascade import cache_filled, settle, tiered_pool, tiers_of
+from helpers.mempool import BS, Clock, prompt
+from helpers.scripted_engine import ScriptedRunner, add, run_to_end
+from helpers.tiers import cache_filled, settle, tiered_pool, tiers_of
 
 from memserve.config import EngineConfig
 from memserve.gateway.errors import APIError

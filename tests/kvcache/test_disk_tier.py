@@ -12,8 +12,8 @@ import sys
 import time
 
 import pytest
-from test_mempool import BS, prompt
-from test_tier_cascade import (
+from helpers.mempool import BS, prompt
+from helpers.tiers import (
     BLOCK_NBYTES,
     assert_no_leaks,
     cache_filled,

@@ -8,7 +8,7 @@ disk blocks to the host, parents first, only inside the host's window."""
 from __future__ import annotations
 
 import pytest
-from test_mempool import BS, Clock, make_pool, prompt
+from helpers.mempool import BS, Clock, make_pool, prompt
 
 from memserve.kvcache.address import Tier, addr_tier
 from memserve.kvcache.eviction import FIFO, LRU, SchedulerAware, make_eviction_policy

@@ -4,7 +4,15 @@ index."""
 from __future__ import annotations
 
 import pytest
-from test_mempool import BS, Clock, cache, make_pool, prompt, random_workload, workload_prompts
+from helpers.mempool import (
+    BS,
+    Clock,
+    cache,
+    make_pool,
+    prompt,
+    random_workload,
+    workload_prompts,
+)
 
 from memserve.ipc.messages import decode, encode
 from memserve.kvcache.address import Tier, make_addr

@@ -22,7 +22,7 @@ from memserve.model_files.gguf_convert import (
     unpermute_rotary_rows,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 _CONVERT_WITHOUT_TORCH = """
 import sys
 from memserve.model_files.gguf_convert import ensure_model_dir

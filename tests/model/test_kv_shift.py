@@ -8,7 +8,7 @@ a sequence whose kept part never attended to anything else (prefilled on its own
 offset) is exact in every layer after the shift. A real truncation is not exact: the kept
 tokens' KV of layers >= 1 attended to the dropped tokens when it was computed; there the
 test bounds kv-shift's distance from recompute and checks that naive reuse of unrotated
-keys (NKVT) is far worse (benchmarks/truncation_quality.py measures it on ShareGPT)."""
+keys (NKVT) is far worse (benchmarks/real/truncation_quality.py measures it on ShareGPT)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from memserve.workers.model.loader import load_model
 from memserve.workers.model.rope import RotaryEmbedding, apply_rotary
 from memserve.workers.real_engine import build_engine
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "real"))
 from truncation_quality import (
     PagedSequence,
     Sample,

@@ -3,11 +3,11 @@ reference written from the OpenAI / vLLM definitions; no model needed."""
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
 import torch
+from helpers.penalties_reference import reference
 
 from memserve.ipc.messages import SamplingParams
 from memserve.workers.model.penalties import TokenHistory, apply_adjustments
@@ -15,24 +15,6 @@ from memserve.workers.model.sampler import Sampler
 
 VOCAB = 40
 EOS = 39
-
-
-def reference(logits: list[float], params: SamplingParams, history: TokenHistory | None) -> list[float]:
-    """One row, token by token: bias, min_tokens mask, repetition, frequency and presence."""
-    out = list(logits)
-    for token, bias in params.logit_bias.items():
-        out[token] += bias
-    if history is None:
-        return out
-    if len(history.output_ids) < params.min_tokens:
-        for token in history.stop_ids:
-            out[token] = -math.inf
-    for token in range(len(out)):
-        count = history.output_ids.count(token)
-        if params.repetition_penalty != 1.0 and (count or token in history.prompt_ids):
-            out[token] = out[token] / params.repetition_penalty if out[token] > 0 else out[token] * params.repetition_penalty
-        out[token] -= count * params.frequency_penalty + (count > 0) * params.presence_penalty
-    return out
 
 
 def _random_params(rng: random.Random) -> SamplingParams:

@@ -38,7 +38,7 @@ from memserve.predictor.prompt_view import (
 )
 from memserve.text.tokenizer import Tokenizer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class FakeClock:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from test_sim_pd import conversation, simulate
+from helpers.sim_pd import conversation, simulate
 
 from memserve.gateway.engine_protocol import EngineUnavailable
 from memserve.gateway.pd_flow import PDFlow, pick_decode

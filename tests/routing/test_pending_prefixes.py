@@ -1,6 +1,6 @@
 """Prompts routed but not yet in their worker's KV events (gateway/routing/pending_prefixes.py):
 two copies of a prompt sent back to back go to one worker under prompt-tree and cost
-(hand-computed on the exact linear cost model of test_router); a claim ends when the
+(hand-computed on the exact linear cost model of helpers/routing.py); a claim ends when the
 worker's events cover it, when its request ends, or after its TTL on the injected
 clock; memory is bounded; cost copies a prefix or places a new prompt only where KV
 headroom stays."""
@@ -8,8 +8,8 @@ headroom stays."""
 from __future__ import annotations
 
 import pytest
+from helpers.routing import BS, PROMPT, linear_cost, mirror, view
 from prometheus_client import CollectorRegistry, generate_latest
-from test_router import BS, PROMPT, linear_cost, mirror, view
 
 from memserve.gateway.routing.pending_prefixes import PendingPrefixes
 from memserve.gateway.routing.route_types import RouteDecision

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from conftest import SHARED_DATA
+from helpers.paths import SHARED_DATA
 
 from memserve.bench.cli import build_sessions, replay_options
 from memserve.config import EngineConfig

@@ -9,8 +9,7 @@ import subprocess
 import sys
 
 import pytest
-
-from conftest import SHARED_DATA
+from helpers.paths import SHARED_DATA
 
 # 60 requests in 3 s on one instance of 400 KV blocks, every one with a 1 s TTFT SLO.
 ARGS = ["--cost-model", "opt-13b-a100", "--workload", "sharegpt", "--dataset", str(SHARED_DATA / "sharegpt-sample.jsonl"),

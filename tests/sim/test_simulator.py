@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from conftest import SHARED_DATA
+from helpers.paths import SHARED_DATA
 
 ARGS = ["--cost-model", "opt-13b-a100", "--instances", "2", "--workload", "sharegpt", "--dataset",
         str(SHARED_DATA / "sharegpt-sample.jsonl"), "--num-sessions", "12", "--max-turns", "3", "--rate", "2",

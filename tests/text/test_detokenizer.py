@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from test_chat_template import smollm2_tokenizer_folder
+from helpers.tokenizer_files import smollm2_tokenizer_folder
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 

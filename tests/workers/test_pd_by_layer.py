@@ -17,7 +17,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from pd_harness import BLOCK, collect, pd_cluster, settled, user_turns, wait_stats
+from helpers.pd_harness import (
+    BLOCK,
+    collect,
+    pd_cluster,
+    settled,
+    user_turns,
+    wait_stats,
+)
 
 from memserve.config import EngineConfig
 from memserve.ipc.kv_transfer import KVLayer, KVTransferEndpoint, TransferError

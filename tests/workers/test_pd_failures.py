@@ -16,7 +16,7 @@ import signal
 import time
 
 import pytest
-from pd_harness import collect, leaks, pd_cluster, settled, user_turns
+from helpers.pd_harness import collect, leaks, pd_cluster, settled, user_turns
 
 from memserve.ipc.messages import SamplingParams
 

@@ -11,7 +11,14 @@ from __future__ import annotations
 import asyncio
 import math
 
-from pd_harness import BLOCK, collect, pd_cluster, settled, user_turns, wait_stats
+from helpers.pd_harness import (
+    BLOCK,
+    collect,
+    pd_cluster,
+    settled,
+    user_turns,
+    wait_stats,
+)
 
 from memserve.ipc.messages import SamplingParams
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from pd_harness import BLOCK, collect, pd_cluster, settled, user_turns
+from helpers.pd_harness import BLOCK, collect, pd_cluster, settled, user_turns
 
 from memserve.gateway.routing.pd_topology import PD_MODES, parse_instances, role_caches
 from memserve.ipc.messages import SamplingParams

@@ -8,8 +8,9 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.paths import REPO
 
-from conftest import start_server
+from memserve.bench.server_process import start_server
 
 
 def _children(pid: int) -> list[int]:
@@ -31,7 +32,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_stops_gateway_and_workers(tmp_path, sig):
-    server = start_server(tmp_path, "--num-blocks", "64", "--cpu-workers", "2")
+    server = start_server(["--num-blocks", "64", "--cpu-workers", "2"], tmp_path / "memserve.log", cwd=REPO)
     workers = _children(server.process.pid)
     assert len(workers) == 2
     server.process.send_signal(sig)

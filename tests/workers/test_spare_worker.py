@@ -8,15 +8,17 @@ import os
 import signal
 
 import pytest
-from conftest import start_server, stop_server
+from helpers.live_server import all_ok, health, wait_until, workers
+from helpers.paths import REPO
 from openai import OpenAI
-from test_worker_faults import all_ok, health, wait_until, workers
+
+from memserve.bench.server_process import start_server, stop_server
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    handle = start_server(tmp_path_factory.mktemp("spare"), "--num-blocks", "256", "--spare-workers", "1",
-                          "--heartbeat-timeout", "3")
+    handle = start_server(["--num-blocks", "256", "--spare-workers", "1", "--heartbeat-timeout", "3"],
+                          tmp_path_factory.mktemp("spare") / "memserve.log", cwd=REPO)
     yield handle
     stop_server(handle)
 

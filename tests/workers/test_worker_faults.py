@@ -16,8 +16,10 @@ import urllib.request
 
 import aiohttp
 import pytest
+from helpers.live_server import all_ok, health, wait_until, workers
+from helpers.paths import REPO
 
-from conftest import start_server, stop_server
+from memserve.bench.server_process import start_server, stop_server
 
 NUM_BLOCKS = 256
 HEARTBEAT_TIMEOUT_S = 3.0
@@ -26,37 +28,11 @@ MAX_TOKENS = 48
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    handle = start_server(tmp_path_factory.mktemp("faults"), "--cpu-workers", "2", "--num-blocks", str(NUM_BLOCKS),
-                          "--max-num-seqs", "2", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S))
+    handle = start_server(["--cpu-workers", "2", "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", "2",
+                           "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)],
+                          tmp_path_factory.mktemp("faults") / "memserve.log", cwd=REPO)
     yield handle
     stop_server(handle)
-
-
-def health(server) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(server.base_url + "/health", timeout=5) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
-def wait_until(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-
-
-def workers(server) -> dict[int, dict]:
-    return {w["instance_id"]: w for w in health(server)[1]["workers"]}
-
-
-def all_ok(server) -> bool:
-    status, body = health(server)
-    return status == 200 and body["status"] == "ok"
 
 
 async def stream_completion(session: aiohttp.ClientSession, server, prompt: str, started: asyncio.Event) -> dict:

@@ -19,7 +19,7 @@ from memserve.kvcache.hashing import block_hashes
 # The decode choice's load-imbalance guard: a decode instance with more than 2 requests in
 # flight beyond the least loaded one is passed over whatever it caches. Tighter than the
 # router's (16 by default): each request in a decode batch lengthens every step of it, while
-# a prefix D holds saves only a transfer (benchmarks/pd_sim.py, long-doc-qa, 4 P + 4 D: with
+# a prefix D holds saves only a transfer (benchmarks/simulated/pd_sim.py, long-doc-qa, 4 P + 4 D: with
 # 16, 2-5% higher P99 JCT than least-loaded; with 2, within 2% and half the blocks sent).
 DECODE_BALANCE = Balance(abs_threshold=2, rel_threshold=1.0)
 

@@ -128,7 +128,7 @@ class CostAware:
     the cluster is KV-bound and it goes to the worker with the fewest requests in
     flight, as prompt-tree sends it: requests in flight hold the KV their sessions come
     back to, which placing by compute alone evicts. Measured on the simulator at the
-    real run's setting (``benchmarks/kv_bound_routing_sim.py``: 3 CPU workers, 512
+    real run's setting (``benchmarks/simulated/kv_bound_routing_sim.py``: 3 CPU workers, 512
     blocks each, long-doc-qa, mean of 20 seeds; docs/benchmarks.md, "Routing"):
     without these rules a KV-bound cluster spread copies and new documents by queue,
     evicted documents whose next questions were queued, and its P99 TTFT was 1.4-1.6x

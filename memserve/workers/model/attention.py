@@ -29,7 +29,7 @@ past a block's last query are never touched, where SDPA with a bottom-right mask
 them all, and both products run at oneDNN's speed: on AMD CPUs torch's float32 matmul (and
 the SDPA CPU kernel's) goes to MKL's AVX2 path at less than half of it. bf16 chunks are
 attended in float32 (bf16 scores halved greedy agreement with float32). Measured 1.3-1.9x
-SDPA in float32 and 1.4-2x in bf16 (benchmarks/prefill_attention_micro.py).
+SDPA in float32 and 1.4-2x in bf16 (benchmarks/micro/prefill_attention_micro.py).
 
 On CPU, decode rows go to a compiled kernel (cpu_kernels, csrc/paged_decode.cpp) that
 reads each row's blocks in place, unless ``--cpu-attention torch`` or it cannot be built;
@@ -43,7 +43,7 @@ chunks merged by their log-sum-exp (flash-decoding). A 256-token chunk stays in 
 its copy to its use; one multi-megabyte gather does not. Measured 1.1-1.5x faster
 (float32; more in bf16) from 8 x 1024 tokens up, and slower below, where everything fits
 in cache and the merge's ops cost more than they save: hence the rule
-(benchmarks/paged_attention_micro.py).
+(benchmarks/micro/paged_attention_micro.py).
 Reading blocks strictly in place measured slower everywhere: a one-block-column loop pays
 ~10 ops per column per layer (0.02-0.7x), and torch 2.13's inductor flex_attention over
 the cache as one long key sequence costs time that grows with the pool (0.01-0.05x over
@@ -406,7 +406,7 @@ def _blocked_prefill(queries: torch.Tensor, keys: torch.Tensor, values: torch.Te
     dtype = queries.dtype
     # bf16 is attended in float32: oneDNN would round the scores to bf16 before the
     # softmax, and that halved bf16's greedy agreement with float32 (31 % -> 19 % of
-    # outputs identical, benchmarks/bf16_agreement.py).
+    # outputs identical, benchmarks/real/bf16_agreement.py).
     queries = queries.float()
     keys = keys.float().contiguous()
     values_t = values.transpose(1, 2).float().contiguous()  # [kv_heads, dim, context]
@@ -427,7 +427,7 @@ def _blocked_prefill(queries: torch.Tensor, keys: torch.Tensor, values: torch.Te
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [m, k] @ weight [n, k]^T through oneDNN: on AMD CPUs torch's float32 matmul goes
-    to MKL's AVX2 path, at less than half oneDNN's speed (benchmarks/prefill_attention_micro.py)."""
+    to MKL's AVX2 path, at less than half oneDNN's speed (benchmarks/micro/prefill_attention_micro.py)."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 

@@ -3,7 +3,7 @@
 torch's ``F.linear`` on CPU multiplies by the row-major weight as stored; oneDNN, given the
 weight once reordered into its blocked layout, runs the same float32 (or bf16) product
 1.9-2.5x faster on this machine's AVX-512 core at every batch from 1 to 256 rows
-(``benchmarks/packed_linear_micro.py``). The reorder is done once, when the model is
+(``benchmarks/micro/packed_linear_micro.py``). The reorder is done once, when the model is
 loaded; the packed weight replaces the plain one, so memory stays the same except for a
 tied ``lm_head``, which gets a packed copy of the embedding (the embedding lookup needs the
 plain table). Results equal ``F.linear``'s up to float rounding (a different summation

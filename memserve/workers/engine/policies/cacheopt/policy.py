@@ -28,7 +28,7 @@ priority x slack (a preempted one: its last token + TBT SLO + priority x slack),
 it is overtaken only by requests with an earlier deadline. A request arriving at t has
 deadline >= t + S_min (S_min: the smallest SLO plus priority slack in the workload), so
 nothing arriving after d - S_min overtakes it: it is admitted no later than once the
-requests that arrived by d - S_min are admitted (tests/test_cacheopt_policy.py checks
+requests that arrived by d - S_min are admitted (tests/engine/test_cacheopt_policy.py checks
 this under a continuous stream of tighter-SLO requests). A preempted request waits under
 the same rule, keyed by its next-token deadline; a running request gives up its place
 to waiting ones (``make_room``) at most once.
