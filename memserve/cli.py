@@ -153,7 +153,27 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
                    help="a chat over the context window: drop whole blocks of its oldest turns (keeping the "
                         "system prompt) and reuse their successors' cached KV shifted (kv-shift) or recompute "
                         "it (recompute); or refuse it with 400 (error)")
+    p.add_argument("--no-web-ui", action="store_true",
+                   help="do not serve the chat page (/) and the cache dashboard (/dashboard); the stats API "
+                        "(/v1/stats, /v1/stats/stream) stays")
+    keys = p.add_argument_group("API keys")
+    keys.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                      help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (401 "
+                           "otherwise); repeat for several keys. Also read from MEMSERVE_API_KEY (comma-separated "
+                           "keys). /health stays open")
+    keys.add_argument("--metrics-api-key", default=None, metavar="KEY",
+                      help="require 'Authorization: Bearer KEY' on /metrics (open without it)")
+    keys.add_argument("--cache-salt-from-key", action="store_true",
+                      help="give a request that sets no cache_salt its API key's id as salt, so clients with "
+                           "different keys never share cached KV blocks (needs --api-key)")
     p.add_argument("--log-level", default=os.environ.get("MEMSERVE_LOG_LEVEL", "INFO"))
+    kv_events = p.add_argument_group("KV events")  # vLLM-format KV events (workers/kv_event_publisher.py)
+    kv_events.add_argument("--kv-events-config", default=None, metavar="JSON",
+                           help="publish each worker's KV cache events in vLLM's format (ZeroMQ PUB + replay "
+                                "ROUTER), e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+                                "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5600\", "
+                                "\"topic\": \"kv-events\"}'; worker i binds each TCP port + i, or replaces "
+                                "{instance} (docs/observability.md)")
     p.set_defaults(func=_run_up)
 
 
@@ -169,6 +189,9 @@ def _run_up(args: argparse.Namespace) -> int:
         make_schedule_policy(args.schedule_policy, args.schedule_policy_options)
     except ValueError as exc:
         print(f"memserve: --schedule-policy-options: {exc}", file=sys.stderr)
+        return 2
+    kv_events_config = _kv_events_config(args)
+    if kv_events_config is False:
         return 2
     logging.basicConfig(level=args.log_level, format="%(asctime)s gateway %(levelname)s %(message)s")
     os.environ["MEMSERVE_LOG_LEVEL"] = args.log_level
@@ -218,6 +241,7 @@ def _run_up(args: argparse.Namespace) -> int:
         body_timeout_s=args.body_timeout,
         max_connections=args.max_connections,
         truncation=args.truncation,
+        web_ui=not args.no_web_ui,
         router=args.router,
         cost_model=args.cost_model,
         router_balance_abs=args.router_balance_abs,
@@ -228,7 +252,17 @@ def _run_up(args: argparse.Namespace) -> int:
         admission=args.admission,
         admission_queue_size=args.admission_queue_size,
         predictor=args.predictor,
+        kv_events_config=kv_events_config or None,
     )
+    # API keys (gateway/auth.py): the flag's keys plus MEMSERVE_API_KEY's.
+    from memserve.gateway.auth import ENV_API_KEY, auth_config
+
+    auth = auth_config(args.api_key, os.environ.get(ENV_API_KEY), args.metrics_api_key, args.cache_salt_from_key)
+    cfg.api_keys, cfg.metrics_api_key, cfg.cache_salt_from_key = list(auth.api_keys), auth.metrics_api_key, \
+        auth.cache_salt_from_key
+    if cfg.cache_salt_from_key and not cfg.api_keys:
+        print("memserve: --cache-salt-from-key needs --api-key or MEMSERVE_API_KEY", file=sys.stderr)
+        return 2
     if args.instances:
         try:
             cfg.roles, gpus = parse_instances(args.instances)
@@ -264,6 +298,31 @@ def _run_up(args: argparse.Namespace) -> int:
         print(f"memserve: cannot listen on {args.host}:{args.port}: {exc.strerror}", file=sys.stderr)
         return 1
     return 0
+
+
+def _kv_events_config(args: argparse.Namespace) -> dict | None | bool:
+    """``--kv-events-config`` checked here (not in every worker): the dict, None when
+    absent, False (after an error message) when bad."""
+    if args.kv_events_config is None:
+        return None
+    import json
+
+    from memserve.workers.kv_event_publisher import KVEventsConfig, instance_endpoint
+
+    try:
+        d = json.loads(args.kv_events_config)
+        if not isinstance(d, dict):
+            raise ValueError("must be a JSON object")
+        cfg = KVEventsConfig.from_dict(d)
+        workers = len(args.gpus.split(",")) if args.gpus else max(args.cpu_workers, 1)
+        for i in range(workers):
+            instance_endpoint(cfg.endpoint, i)
+            if cfg.replay_endpoint:
+                instance_endpoint(cfg.replay_endpoint, i)
+    except (ValueError, TypeError) as exc:
+        print(f"memserve: --kv-events-config: {exc}", file=sys.stderr)
+        return False
+    return d
 
 
 def _add_profile(sub: argparse._SubParsersAction) -> None:

@@ -62,6 +62,9 @@ class WorkerConfig:
     heartbeat_s: float = 1.0
     runtime_dir: str = ""  # private directory for ipc:// sockets ("" = TCP on internal_host)
     internal_host: str = "127.0.0.1"  # where the KV transfer socket listens when on TCP
+    # --kv-events-config (vLLM's KVEventsConfig as a dict): KV events published in vLLM's
+    # format (workers/kv_event_publisher.py); None: off.
+    kv_events_config: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -102,6 +105,14 @@ class ServeConfig:
     body_timeout_s: float = 10.0  # a request body must arrive within this
     max_connections: int = 1024  # open HTTP connections; past it a new one is answered 503
     truncation: str = "kv-shift"  # a chat over the context window: kv-shift | recompute | error (text/truncation.py)
+    # API keys (gateway/auth.py): --api-key (repeatable) and MEMSERVE_API_KEY; empty: the API is
+    # open. --metrics-api-key protects /metrics; --cache-salt-from-key salts unsalted requests
+    # with their key's id. Kept out of repr: the keys must never reach a log.
+    api_keys: list[str] = field(default_factory=list, repr=False)
+    metrics_api_key: str | None = field(default=None, repr=False)
+    cache_salt_from_key: bool = False
+    web_ui: bool = True  # serve the chat page (/) and the dashboard (/dashboard); --no-web-ui: off
+    kv_events_config: dict | None = None  # --kv-events-config: vLLM-format KV events (workers/kv_event_publisher.py)
 
 
 def served_model_name(cfg: ServeConfig) -> str:

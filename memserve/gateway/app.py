@@ -33,6 +33,7 @@ from typing import AsyncIterator, Awaitable, Callable
 import orjson
 from aiohttp import web
 
+from memserve.gateway.auth import KEY_SALT, AuthConfig, auth_middleware
 from memserve.gateway.engine_protocol import (
     EngineClient,
     EngineUnavailable,
@@ -59,11 +60,13 @@ from memserve.gateway.responses import (
     ResponseFormat,
     Usage,
 )
+from memserve.gateway.stats import add_stats_routes
 from memserve.gateway.tokenize_api import (
     parse_detokenize_request,
     parse_tokenize_request,
 )
 from memserve.gateway.tool_calls import chat_format, template_inputs
+from memserve.gateway.web_ui import add_web_routes
 from memserve.ipc.messages import RequestOutput
 from memserve.text.detokenizer import IncrementalDetokenizer
 from memserve.text.tokenizer import ChatTemplateError, Tokenizer
@@ -402,6 +405,8 @@ class _OpenAIServer:
         # A session names itself in the body (``session_id``) or, for clients that cannot add
         # body fields, in the ``x-session-id`` header; the session router keys on it.
         req.session_id = req.session_id or request.headers.get("x-session-id") or None
+        # --cache-salt-from-key: a request naming no cache_salt gets its API key's (gateway/auth.py).
+        req.cache_salt = req.cache_salt or request.get(KEY_SALT)
         req.slo = resolve_slo(req.slo, request.headers, self._slo_defaults)
         budgets = [resolve_max_tokens(req.max_tokens, len(ids), self._engine.max_model_len, prompt_param)
                    for ids in prompts]
@@ -557,14 +562,21 @@ def _error_middleware(metrics: GatewayMetrics) -> Callable:
 def create_app(engine: EngineClient, tokenizer: Tokenizer, model_name: str, max_body_bytes: int = 4 * MiB,
                body_timeout_s: float = 10.0, tokenizer_processes: int = DEFAULT_PROCESSES,
                slo_defaults: dict[str, float] | None = None, truncation: str = DEFAULT_TRUNCATION,
-               block_size: int = 16) -> web.Application:
+               block_size: int = 16, web_ui: bool = True,
+               auth: AuthConfig | None = None) -> web.Application:
     """The OpenAI API over ``engine``. Serve it with ``connection.GatewayRunner(app,
     handler_cancellation=True)`` so that a client disconnect cancels its handler at once
     and malformed HTTP gets error objects too. ``slo_defaults``: the SLOs (``ttft_ms``,
     ``tbt_ms``) of requests that set none. ``truncation``: what becomes of a chat over the
-    context window (text/truncation.py); ``block_size``: the workers' KV block size."""
+    context window (text/truncation.py); ``block_size``: the workers' KV block size;
+    ``web_ui``: serve the chat page (/) and the dashboard (/dashboard)."""
     metrics = GatewayMetrics(engine.stats)
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[_error_middleware(metrics)])
+    middlewares = [_error_middleware(metrics)]
+    # API keys (gateway/auth.py): ``auth`` with keys protects /v1/*, /tokenize, /detokenize
+    # (and /metrics with a metrics key); without, nothing changes.
+    if auth is not None and auth.enabled:
+        middlewares.append(auth_middleware(auth, metrics.count_key))
+    app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
     encoder = PromptEncoder(tokenizer, tokenizer_processes)
 
     async def close_encoder(_: web.Application) -> None:
@@ -582,4 +594,8 @@ def create_app(engine: EngineClient, tokenizer: Tokenizer, model_name: str, max_
         web.get("/health", server.health),
         web.get("/metrics", server.metrics),
     ])
+    # Stats API (/v1/stats, /v1/stats/stream) and, unless --no-web-ui, the chat and dashboard pages.
+    add_stats_routes(app, engine.stats, metrics)
+    if web_ui:
+        add_web_routes(app)
     return app

@@ -65,7 +65,7 @@ class WorkerHandle:
 
 def plan_workers(engine: EngineConfig, gateway_addr: str, cpu_workers: int, gpus: list[int] | None,
                  roles: list[str] | None = None, runtime_dir: str = "",
-                 internal_host: str = "127.0.0.1") -> list[WorkerConfig]:
+                 internal_host: str = "127.0.0.1", kv_events_config: dict | None = None) -> list[WorkerConfig]:
     """One WorkerConfig per GPU in ``gpus``, else ``cpu_workers`` CPU workers; their
     sockets go in ``runtime_dir`` when given, else on TCP at ``internal_host``."""
     devices = [f"cuda:{g}" for g in gpus] if gpus else ["cpu"] * cpu_workers
@@ -74,7 +74,7 @@ def plan_workers(engine: EngineConfig, gateway_addr: str, cpu_workers: int, gpus
         raise ValueError(f"{len(roles)} roles for {len(devices)} workers")
     return [
         WorkerConfig(instance_id=i, role=role, engine=replace(engine, device=dev), gateway_addr=gateway_addr,
-                     runtime_dir=runtime_dir, internal_host=internal_host)
+                     runtime_dir=runtime_dir, internal_host=internal_host, kv_events_config=kv_events_config)
         for i, (dev, role) in enumerate(zip(devices, roles))
     ]
 

@@ -138,7 +138,8 @@ class ZmqEngineClient:
             async for out in self.pd.generate(request_id, prompt_token_ids, params, session_id, slo):
                 yield out
             return
-        route = RouteRequest(request_id, prompt_token_ids, session_id, slo or {}, params.max_tokens, params.n)
+        route = RouteRequest(request_id, prompt_token_ids, session_id, slo or {}, params.max_tokens, params.n,
+                             params.cache_salt)
         if instance is None:
             await self.admit(route)
         decision = self.pick_worker(route) if instance is None else None
@@ -149,7 +150,7 @@ class ZmqEngineClient:
         produced: Counter[int] = Counter()  # tokens per choice, for the predictor
         try:
             if decision is not None and decision.pull_from is not None:
-                await self.pull_prefix(decision.pull_from, decision.instance, prompt_token_ids)
+                await self.pull_prefix(decision.pull_from, decision.instance, prompt_token_ids, params.cache_salt)
             add = self.add_request(request_id, prompt_token_ids, params, session_id, slo)
             await self.channel.send(stream.worker, add)
             while not finished:
@@ -184,19 +185,21 @@ class ZmqEngineClient:
             await self.send_abort(stream.worker, choice_request_id(request_id, index))
 
     async def transfer_prefix(self, src: int, dst: int, token_ids: list[int], timeout_s: float = 60.0,
-                              incremental: bool = False) -> int:
+                              incremental: bool = False, cache_salt: str | None = None) -> int:
         """Have worker ``src`` push its cached prefix of ``token_ids`` to worker ``dst``;
         returns the number of blocks that arrived there. ``dst`` is told to expect the
         transfer under a fresh ticket before ``src`` starts it; ``incremental``: ``dst``
-        pins what it caches of them and only the blocks after that are sent."""
+        pins what it caches of them and only the blocks after that are sent. ``cache_salt``:
+        the request's, which names the prefix's blocks at both ends."""
         tid = next(self.transfer_ids)
         ticket = secrets.token_hex(16)
         name = f"transfer-{tid}"  # an abort under this name frees dst's pins if nothing arrives
         expected = await self.ask(dst, ExpectTransfer(tid, ticket, src, len(token_ids) // self.block_size,
-                                                       list(token_ids) if incremental else None, name), timeout_s)
+                                                       list(token_ids) if incremental else None, name,
+                                                       cache_salt=cache_salt), timeout_s)
         try:
-            reply = await self.ask(src, TransferPrefix(tid, list(token_ids), dst, ticket, expected.cached_blocks),
-                                    timeout_s)
+            reply = await self.ask(src, TransferPrefix(tid, list(token_ids), dst, ticket, expected.cached_blocks,
+                                                       cache_salt), timeout_s)
         finally:
             if incremental:
                 await self.send_abort(dst, name)
@@ -219,11 +222,11 @@ class ZmqEngineClient:
         except Exception:  # the worker is gone; its requests are failed by the watcher
             pass
 
-    async def pull_prefix(self, src: int, dst: int, token_ids: list[int]) -> None:
+    async def pull_prefix(self, src: int, dst: int, token_ids: list[int], cache_salt: str | None = None) -> None:
         """MemServe eq. 2: the router found it cheaper to move ``src``'s longer cached
         prefix to ``dst`` than to recompute it there. A failed pull only means recompute."""
         try:
-            await self.transfer_prefix(src, dst, token_ids, PULL_TIMEOUT_S)
+            await self.transfer_prefix(src, dst, token_ids, PULL_TIMEOUT_S, cache_salt=cache_salt)
             self.router.pull_done(True)
         except Exception as exc:  # the worker died, timed out or refused: compute instead
             log.warning("prefix pull %d -> %d failed (%s); the prompt is recomputed", src, dst, exc)
@@ -297,6 +300,8 @@ class ZmqEngineClient:
                 "kv_allocation": s.get("kv_allocation", {}),
                 # Allocatable blocks per tier: free plus cached-but-evictable.
                 "free_blocks": {t: v["free"] + v["evictable"] for t, v in mp.items() if t in TIER_NAMES},
+                # Blocks the worker's index holds per tier (what its KV events describe).
+                "cached_blocks": {t: v["cached"] for t, v in mp.items() if t in TIER_NAMES},
                 # Per tier: bytes used, blocks matched, bytes read and written, blocks being saved down.
                 "kv_tiers": mp.get("tier_io", {}),
                 "kv_save_queue": mp.get("save_queue", 0),
@@ -304,6 +309,12 @@ class ZmqEngineClient:
                 "cached_tokens_total": s.get("cached_tokens_total", 0),
                 "prompt_tokens_total": s.get("prompt_tokens_total", 0),
                 "mirror_blocks": len(self.mirrors[h.instance_id].entries()),
+                # Per tier: pool size, allocatable (as free_blocks) and blocks in the index; the
+                # mirror's counts of blocks evicted from the index and demoted a tier (stats page).
+                "kv_blocks": {t: {"total": v["total"], "free": v["free"] + v["evictable"], "cached": v["cached"]}
+                              for t, v in mp.items() if t in TIER_NAMES},
+                "evicted_blocks": self.mirrors[h.instance_id].removed_blocks,
+                "demoted_blocks": self.mirrors[h.instance_id].demoted_blocks,
                 "pd": s.get("pd", {}),  # KV handoffs sent (prefill) and received (decode)
             })
         return {"workers": workers, "spare_workers": self.cluster.spare_states(),

@@ -49,6 +49,9 @@ class EngineStatsCollector(Collector):
                                     labels=["instance"])
         free_blocks = GaugeMetricFamily("memserve_free_blocks", "Free KV blocks per memory tier",
                                         labels=["instance", "tier"])
+        cached_blocks = GaugeMetricFamily("memserve_kv_tier_cached_blocks",
+                                          "KV blocks the worker's index holds per memory tier",
+                                          labels=["instance", "tier"])
         hit_rate = GaugeMetricFamily("memserve_cache_hit_rate", "Fraction of prompt tokens served from the KV cache",
                                      labels=["instance"])
         cached = CounterMetricFamily("memserve_cached_tokens", "Prompt tokens served from the KV cache",
@@ -99,6 +102,8 @@ class EngineStatsCollector(Collector):
             waiting.add_metric([instance], worker.get("num_waiting", 0))
             for tier, count in worker.get("free_blocks", {}).items():
                 free_blocks.add_metric([instance, tier], count)
+            for tier, count in worker.get("cached_blocks", {}).items():
+                cached_blocks.add_metric([instance, tier], count)
             hit_rate.add_metric([instance], worker.get("cache_hit_rate", 0.0))
             cached.add_metric([instance], worker.get("cached_tokens_total", 0))
             held.add_metric([instance], worker.get("num_held_admissions", 0))
@@ -119,7 +124,7 @@ class EngineStatsCollector(Collector):
                 unheld.add_metric([instance], allocation["unheld_blocks"])
         yield from (alive, running, waiting, free_blocks, hit_rate, cached, held, tier_bytes, tier_hits, tier_read,
                     tier_write, tier_saving, save_queue, tier_queue, prefetched, prefetch_hits, role, handoff,
-                    reserve, unheld)
+                    reserve, unheld, cached_blocks)
 
 
 class GatewayMetrics:
@@ -137,6 +142,9 @@ class GatewayMetrics:
                               buckets=_TPOT_BUCKETS, registry=self.registry)
         self.e2e = Histogram("memserve_e2e_request_latency_seconds", "Arrival to last output token",
                              buckets=_E2E_BUCKETS, registry=self.registry)
+        # API requests by key id (gateway/auth.py; only with --api-key): never the key itself.
+        self.requests_by_key = Counter("memserve_requests_by_key", "API requests by API key id (first 8 hex "
+                                       "digits of the key's SHA-256)", ["key_id"], registry=self.registry)
         self.registry.register(EngineStatsCollector(engine_stats))
         self.registry.register(RouterStatsCollector(engine_stats))
         self.registry.register(SLOStatsCollector(engine_stats))
@@ -144,6 +152,9 @@ class GatewayMetrics:
 
     def count_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def count_key(self, key_id: str) -> None:
+        self.requests_by_key.labels(key_id=key_id).inc()
 
     def observe_tokens(self, prompt_tokens: int, generation_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)

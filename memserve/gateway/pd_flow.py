@@ -99,7 +99,7 @@ class PDFlow:
                        slo: dict | None) -> AsyncIterator[RequestOutput]:
         c = self.client
         slo = slo or {}
-        route = RouteRequest(request_id, prompt, session_id, slo, params.max_tokens, params.n)
+        route = RouteRequest(request_id, prompt, session_id, slo, params.max_tokens, params.n, params.cache_salt)
         await c.admit(route)
         decision = c.pick_worker(route)
         stream = RequestStream(decision.instance, resumable=True)
@@ -117,7 +117,7 @@ class PDFlow:
         done_early: HandoffDone | None = None  # the KV arrived before the first token was seen here
         try:
             if decision.pull_from is not None:
-                await c.pull_prefix(decision.pull_from, decision.instance, prompt)
+                await c.pull_prefix(decision.pull_from, decision.instance, prompt, params.cache_salt)
             early, naming = await self._send_prefill(stream, add, prefill)
             while not finished:
                 try:
@@ -178,7 +178,8 @@ class PDFlow:
                         if naming is not None:  # P was told where to send unless naming failed
                             early, naming = await naming, None
                         if not early:
-                            handoff = asyncio.create_task(self._handoff(stream, request_id, prefill, prompt))
+                            handoff = asyncio.create_task(self._handoff(stream, request_id, prefill, prompt,
+                                                                        salt=params.cache_salt))
                         elif done_early is not None:
                             stream.queue.put_nowait(done_early)
                 else:
@@ -186,7 +187,7 @@ class PDFlow:
                 if out.finished:
                     c.learn(request_id, len(tokens), out.finish_reason)
                 if finished and phase == "decode" and out.finish_reason in COMPLETE and self.pd_mode == "pd-caching-3":
-                    self._return_kv(stream.worker, prefill, prompt + tokens)
+                    self._return_kv(stream.worker, prefill, prompt + tokens, params.cache_salt)
                 yield out
         finally:
             c.release(request_id)
@@ -206,10 +207,10 @@ class PDFlow:
         return all(h.alive and now - h.last_heartbeat <= DEGRADED_AFTER_HEARTBEATS * h.config.heartbeat_s
                    for h in workers)
 
-    def _pick_decode(self, prompt: list[int], exclude: int | None = None) -> int:
+    def _pick_decode(self, prompt: list[int], exclude: int | None = None, salt: str | None = None) -> int:
         """``pick_decode`` among the decode instances as they are now; by prefix only where
         they cache."""
-        return pick_decode(self.client.views(), exclude, prompt if self.decode_caches else None)
+        return pick_decode(self.client.views(), exclude, prompt if self.decode_caches else None, cache_salt=salt)
 
     async def _send_prefill(self, stream: RequestStream, add: AddRequest, prefill: int) -> tuple[bool, asyncio.Task | None]:
         """Send the request to P with D named early: by-layer, before P gets it (whether
@@ -217,30 +218,31 @@ class PDFlow:
         held up by D's answer; its result is whether P was told)."""
         rid, prompt = add.request_id, add.prompt_token_ids
         if self._by_layer(prefill):
-            early = await self._handoff(stream, rid, prefill, prompt, early=True)
+            early = await self._handoff(stream, rid, prefill, prompt, early=True, salt=add.params.cache_salt)
             await self.client.channel.send(prefill, add)
             return early, None
         await self.client.channel.send(prefill, add)
-        return False, asyncio.get_running_loop().create_task(self._handoff(stream, rid, prefill, prompt, early=True))
+        return False, asyncio.get_running_loop().create_task(self._handoff(stream, rid, prefill, prompt, early=True,
+                                                                           salt=add.params.cache_salt))
 
     def _by_layer(self, prefill: int) -> bool:
         return self.client.cluster.workers[prefill].config.engine.transfer_mode == "by-layer"
 
     async def _handoff(self, stream: RequestStream, request_id: str, prefill: int, prompt: list[int],
-                       early: bool = False) -> bool:
+                       early: bool = False, salt: str | None = None) -> bool:
         """Name the decode instance, let it pin what it has, and start P's send (``early``:
         tell P where to send before its prefill ends); whether P was told. On a failure P
         drops the KV and the request resumes without it (``early``: it hands off after its
         first token instead)."""
         c = self.client
         try:
-            stream.peer = decode = self._pick_decode(prompt)
+            stream.peer = decode = self._pick_decode(prompt, salt=salt)
             ticket = secrets.token_hex(16)
             num_blocks = math.ceil(len(prompt) / c.block_size)
             # At least the last block is sent: it holds the prompt's tail (a partial block).
             pin = prompt[: (num_blocks - 1) * c.block_size] if self.decode_caches else None
             expect = ExpectTransfer(next(c.transfer_ids), ticket, prefill, num_blocks, pin, request_id,
-                                    EARLY_TICKET_TTL_S if early else None)
+                                    EARLY_TICKET_TTL_S if early else None, cache_salt=salt)
             # Later, the request's loop watches D's health; before the prefill nothing does.
             reply = await c.ask(decode, expect, self.handoff_timeout_s if early else HANDOFF_MAX_S)
             self.counts["blocks_skipped"] += reply.cached_blocks
@@ -266,7 +268,8 @@ class PDFlow:
         else (``fresh``) another live one, which recomputes it."""
         c = self.client
         old = stream.peer
-        decode = old if not fresh and old is not None else self._pick_decode(add.prompt_token_ids, exclude=old)
+        decode = old if not fresh and old is not None else self._pick_decode(add.prompt_token_ids, exclude=old,
+                                                                             salt=add.params.cache_salt)
         if fresh and old is not None:
             await c.send_abort(old, add.request_id)  # frees what it holds for the request
         stream.peer = stream.worker = decode
@@ -275,12 +278,12 @@ class PDFlow:
         await c.channel.send(decode, dataclasses.replace(add, params=params, handoff=False,
                                                          output_token_ids=list(tokens), kv_ticket=ticket))
 
-    def _return_kv(self, decode: int, prefill: int, tokens: list[int]) -> None:
+    def _return_kv(self, decode: int, prefill: int, tokens: list[int], salt: str | None = None) -> None:
         """pd-caching-3: D's decode-phase KV of the conversation goes back to P, in the
         background; only the blocks P lacks move."""
         async def run() -> None:
             try:
-                blocks = await self.client.transfer_prefix(decode, prefill, tokens, incremental=True)
+                blocks = await self.client.transfer_prefix(decode, prefill, tokens, incremental=True, cache_salt=salt)
                 self.counts["returned_blocks"] += blocks
             except Exception as exc:  # noqa: BLE001 - a lost return only costs a recompute
                 log.warning("returning decode KV %d -> %d failed: %s", decode, prefill, exc)

@@ -39,6 +39,7 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_TOKEN_IDS = 1024
 # Sequences per request (each holds its own KV tail and decodes every step).
 MAX_N = 16
+MAX_CACHE_SALT_CHARS = 256  # a request's ``cache_salt``
 MAX_CACHE_TTL_S = 30 * 86400.0  # a request's ``cache_ttl_s`` extension: at most 30 days
 # Entries of logit_bias, as OpenAI caps it.
 MAX_LOGIT_BIAS = 300
@@ -156,6 +157,9 @@ class GenerationRequest:
     # and where (text/truncation.py), so the worker can reuse their successors' KV.
     dropped_at: int = field(default=0, kw_only=True)
     dropped_token_ids: list[int] = field(default_factory=list, kw_only=True)
+    # vLLM's ``cache_salt``: folded into the first KV block's name, so this prompt shares
+    # cached blocks only with requests of the same salt (kvcache/hashing.py).
+    cache_salt: str | None = field(default=None, kw_only=True)
 
     def sampling_params(self, max_tokens: int, eos_token_ids: list[int]) -> SamplingParams:
         """The model's end-of-sequence ids join the stop ids unless ``ignore_eos``, as
@@ -170,7 +174,7 @@ class GenerationRequest:
                               min_tokens=self.min_tokens, n=self.n, logprobs=self.logprobs,
                               prompt_logprobs=self.prompt_logprobs, grammar=self.grammar,
                               cache_ttl_s=self.cache_ttl_s, dropped_at=self.dropped_at,
-                              dropped_token_ids=self.dropped_token_ids)
+                              dropped_token_ids=self.dropped_token_ids, cache_salt=self.cache_salt)
 
 
 def _parse_common(body: dict, max_tokens_names: tuple[str, ...], max_tokens_default: int | None,
@@ -233,7 +237,17 @@ def _parse_common(body: dict, max_tokens_names: tuple[str, ...], max_tokens_defa
         slo=slo or None,
         cache_ttl_s=_number(body, "cache_ttl_s", 0.0, 0.0, MAX_CACHE_TTL_S) or None,
         grammar=_constrained(body, response_format_grammar(body), "response_format"),
+        cache_salt=_cache_salt(body),
     )
+
+
+def _cache_salt(body: dict) -> str | None:
+    """vLLM's ``cache_salt``: a non-empty string of at most ``MAX_CACHE_SALT_CHARS``."""
+    salt = _get(body, "cache_salt", str)
+    if salt is not None and not 1 <= len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise bad_request(f"'cache_salt' must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
+                          "cache_salt")
+    return salt
 
 
 def _constrained(body: dict, grammar: str | None, param: str) -> str | None:

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from memserve.config import ServeConfig, served_model_name
 from memserve.gateway.app import create_app
+from memserve.gateway.auth import AuthConfig
 from memserve.gateway.cluster import Cluster, plan_workers
 from memserve.gateway.connection import GatewayRunner
 from memserve.gateway.engine_client import ZmqEngineClient
@@ -65,7 +66,8 @@ async def serve(cfg: ServeConfig) -> None:
         if cfg.predictor == "on" else None
     runtime_dir, channel = _internal_channel(cfg)
     workers = plan_workers(cfg.engine, channel.address, cfg.cpu_workers, cfg.gpus, cfg.roles,
-                           runtime_dir if cfg.internal_transport == "ipc" else "", cfg.internal_host)
+                           runtime_dir if cfg.internal_transport == "ipc" else "", cfg.internal_host,
+                           kv_events_config=cfg.kv_events_config)
     apply_pd_mode(workers, cfg.pd_mode)
     cluster = Cluster(workers, cfg.heartbeat_timeout_s, cfg.spare_workers)
     if cfg.admission != OFF and router.cost is None:
@@ -90,7 +92,9 @@ async def serve(cfg: ServeConfig) -> None:
             client.predictor = await predictor
         slo_defaults = {k: v for k, v in (("ttft_ms", cfg.slo_ttft_ms), ("tbt_ms", cfg.slo_tbt_ms)) if v is not None}
         app = create_app(client, tokenizer, name, cfg.max_body_bytes, cfg.body_timeout_s, slo_defaults=slo_defaults,
-                         truncation=cfg.truncation, block_size=cfg.engine.block_size)
+                         truncation=cfg.truncation, block_size=cfg.engine.block_size,
+                         web_ui=cfg.web_ui,
+                         auth=AuthConfig(tuple(cfg.api_keys), cfg.metrics_api_key, cfg.cache_salt_from_key))
         runner = GatewayRunner(app, header_timeout_s=cfg.header_timeout_s, body_timeout_s=cfg.body_timeout_s,
                                max_connections=cfg.max_connections, access_log=None, handler_cancellation=True)
         await runner.setup()

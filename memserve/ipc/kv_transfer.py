@@ -56,6 +56,7 @@ from memserve.ipc.curve import protect
 from memserve.ipc.messages import decode, encode, register
 from memserve.kvcache.address import Tier, addr_block, addr_tier
 from memserve.kvcache.blocks import MemPoolError
+from memserve.kvcache.hashing import block_hashes
 from memserve.kvcache.mempool import KVFlags, MemPool
 from memserve.kvcache.mover import Buffer
 
@@ -100,6 +101,7 @@ class KVData:
     tokens: list[int] | None = None  # set by transfer_with_insert
     first_block: int = 0  # the blocks sent are blocks first_block.. of tokens
     ticket: str = ""
+    cache_salt: str | None = None  # the tokens' request's: their blocks are named with it
 
 
 @dataclass
@@ -120,6 +122,7 @@ class KVLayer:
     private: Any = None
     tokens: list[int] | None = None
     first_block: int = 0
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -177,7 +180,8 @@ class LayerStream:
     with the receiver's answer to the last layer (the blocks' addresses there)."""
 
     def __init__(self, endpoint: KVTransferEndpoint, instance: int, num_blocks: int, num_layers: int, ticket: str,
-                 tokens: list[int] | None, first_block: int, clock: Callable[[], float] = time.monotonic) -> None:
+                 tokens: list[int] | None, first_block: int, clock: Callable[[], float] = time.monotonic,
+                 cache_salt: str | None = None) -> None:
         self.endpoint = endpoint
         self.instance = instance
         self.num_blocks = num_blocks
@@ -185,6 +189,7 @@ class LayerStream:
         self.ticket = ticket
         self.tokens = tokens
         self.first_block = first_block
+        self.cache_salt = cache_salt
         self.future: Future[list[int]] = Future()
         self.cancelled = threading.Event()
         self.dst: list[int] | None = None  # set by the sender thread once allocated
@@ -303,22 +308,24 @@ class KVTransferEndpoint:
         return self._await(self._sender.submit(self._allocate, instance, size, tier, ticket))
 
     def send(self, instance: int, src: list[int], dst: Sequence[int] | None, flags: int, private: Any, ticket: str,
-             tokens: list[int] | None = None, first_block: int = 0) -> list[int]:
+             tokens: list[int] | None = None, first_block: int = 0, cache_salt: str | None = None) -> list[int]:
         """Copy held blocks ``src`` to ``instance`` under ``ticket``; returns their
         addresses there."""
-        return self._await(self.send_async(instance, src, dst, flags, private, ticket, tokens, first_block))
+        return self._await(self.send_async(instance, src, dst, flags, private, ticket, tokens, first_block,
+                                           cache_salt=cache_salt))
 
     def send_async(self, instance: int, src: list[int], dst: Sequence[int] | None, flags: int, private: Any,
                    ticket: str, tokens: list[int] | None = None, first_block: int = 0,
                    frame_nbytes: int | None = None,
-                   cancelled: threading.Event | None = None) -> Future[list[int]]:
+                   cancelled: threading.Event | None = None, cache_salt: str | None = None) -> Future[list[int]]:
         """``send`` without waiting: the blocks' bytes are taken here (they must stay held
         until the future is done); allocation, sending and waiting for the receiver run on
         the sender thread, so the engine keeps stepping meanwhile. Frames are one per run
         of consecutive blocks, or pieces of ``frame_nbytes`` (MemServe's unaggregated
         by-request transfer: one network call per layer's K or V of each block). Setting
         ``cancelled`` gives up waiting for the receiver (a dead or frozen one would hold
-        the sender thread, and the blocks, until the timeout)."""
+        the sender thread, and the blocks, until the timeout). ``cache_salt``: the salt
+        ``tokens``' blocks are named with (the receiver indexes them under it)."""
         self.pool.check_held(src, "transfer")
         if dst is not None and len(dst) != len(src):
             raise MemPoolError(f"transfer: {len(src)} source blocks but {len(dst)} destinations")
@@ -326,14 +333,14 @@ class KVTransferEndpoint:
         if frame_nbytes:
             buffers = split_frames(buffers, frame_nbytes)
         return self._sender.submit(self._send, instance, len(src), dst, flags, private, ticket, tokens, first_block,
-                                   buffers, cancelled)
+                                   buffers, cancelled, cache_salt)
 
     def open_layers(self, instance: int, num_blocks: int, num_layers: int, ticket: str,
                     tokens: list[int] | None = None, first_block: int = 0,
-                    clock: Callable[[], float] = time.monotonic) -> LayerStream:
+                    clock: Callable[[], float] = time.monotonic, cache_salt: str | None = None) -> LayerStream:
         """Start a by-layer transfer of ``num_blocks`` blocks to ``instance``: the receiver
         allocates them now, on the sender thread, while the sender's step is still ahead."""
-        stream = LayerStream(self, instance, num_blocks, num_layers, ticket, tokens, first_block, clock)
+        stream = LayerStream(self, instance, num_blocks, num_layers, ticket, tokens, first_block, clock, cache_salt)
         self._sender.submit(self._open_layers, stream)
         return stream
 
@@ -358,7 +365,7 @@ class KVTransferEndpoint:
 
     def _send(self, instance: int, num_blocks: int, dst: Sequence[int] | None, flags: int, private: Any, ticket: str,
               tokens: list[int] | None, first_block: int, buffers: Sequence[Buffer],
-              cancelled: threading.Event | None = None) -> list[int]:
+              cancelled: threading.Event | None = None, cache_salt: str | None = None) -> list[int]:
         if cancelled is not None and cancelled.is_set():
             raise TransferError(f"the transfer to instance {instance} was cancelled")
         peer = self._peer(instance)
@@ -369,7 +376,7 @@ class KVTransferEndpoint:
         mover = self.pool.mover
         assert mover is not None  # send_async read the blocks through it
         header = KVData(tid, self.pool.instance_id, list(dst), int(flags), mover.block_nbytes,
-                        private, tokens, first_block, ticket)
+                        private, tokens, first_block, ticket, cache_salt)
         # copy=False: the frames point into the mover's memory. They are safe to reuse
         # once the receiver answers, which means it has received every frame.
         peer.send_multipart([encode(header), *buffers], copy=False)
@@ -393,7 +400,8 @@ class KVTransferEndpoint:
             peer = self._peer(stream.instance)
             tid = next(self._ids)
             header = KVLayer(tid, self.pool.instance_id, stream.dst, layer, stream.num_layers, stream.ticket, final,
-                             tokens=stream.tokens if final else None, first_block=stream.first_block)
+                             tokens=stream.tokens if final else None, first_block=stream.first_block,
+                             cache_salt=stream.cache_salt if final else None)
             peer.send_multipart([encode(header), buffer], copy=False)  # the buffer is the stream's own copy
             if final:
                 done = self._wait(peer, tid, stream.cancelled)
@@ -538,7 +546,8 @@ class KVTransferEndpoint:
         pool = self.pool
         try:
             tokens = msg.tokens
-            inserted = insert_received(pool, tokens, msg.first_block, msg.dst) if tokens is not None else 0
+            inserted = (insert_received(pool, tokens, msg.first_block, msg.dst, msg.cache_salt)
+                        if tokens is not None else 0)
         except Exception as e:  # noqa: BLE001 - as in _on_data
             pool.free_mem(pinned + msg.dst)
             return KVDone(msg.transfer_id, error=f"{type(e).__name__}: {e}")
@@ -550,11 +559,14 @@ class KVTransferEndpoint:
         return KVDone(msg.transfer_id, inserted)
 
 
-def insert_received(pool: MemPool, tokens: list[int], first_block: int, addrs: list[int]) -> int:
+def insert_received(pool: MemPool, tokens: list[int], first_block: int, addrs: list[int],
+                    cache_salt: str | None = None) -> int:
     """The insertion step of ``transfer_with_insert`` at the receiver: index the received
     blocks ``addrs`` (blocks ``first_block..`` of ``tokens``) after the prefix this
-    instance already caches; returns the blocks indexed (shared with the simulator)."""
-    prefix = pool.match(tokens[: first_block * pool.block_size], take_ref=False) if first_block else []
+    instance already caches; returns the blocks indexed (shared with the simulator).
+    ``cache_salt``: the salt the sender named the blocks with (the names must agree)."""
+    hashes = block_hashes(tokens, pool.block_size, salt=cache_salt)
+    prefix = pool.match((), take_ref=False, hashes=hashes[:first_block]) if first_block else []
     if len(prefix) < first_block:
         return 0  # the prefix was evicted here meanwhile: nothing to hang the blocks on
-    return pool.insert(tokens, prefix + addrs)
+    return pool.insert(tokens, prefix + addrs, hashes=hashes)

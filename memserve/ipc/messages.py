@@ -62,6 +62,10 @@ class SamplingParams:
     # (workers/engine/truncated_prefix.py). Empty: nothing dropped, or recompute it.
     dropped_at: int = 0
     dropped_token_ids: list[int] = field(default_factory=list)
+    # vLLM's cache_salt: seeds the first KV block's name (kvcache/hashing.py), so the
+    # request shares cached blocks only with requests of the same salt. Last: new fields
+    # go at the end (fields travel by position).
+    cache_salt: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -158,6 +162,7 @@ class ExpectTransfer:
     # Seconds the ticket is kept without a transfer (None: the receiver's transfer timeout).
     # A handoff named while the prefill waits in P's queue needs longer.
     ttl_s: float | None = None
+    cache_salt: str | None = None  # the request's: names ``token_ids``' blocks
 
 
 @dataclass
@@ -178,6 +183,7 @@ class TransferPrefix:
     dst_instance: int
     ticket: str = ""
     first_block: int = 0  # the receiver holds the blocks before this one: send the rest
+    cache_salt: str | None = None  # the prompt's: names the blocks of ``token_ids`` (both ends)
 
 
 @dataclass

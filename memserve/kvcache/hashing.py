@@ -5,8 +5,11 @@ prefix. Workers (radix index), KV events and the gateway's mirrors all use these
 which is what lets the router see exactly what each worker has cached.
 
 Chaining uses xxh3_64's seed: ``name_i = xxh3_64(le_uint32(tokens of block i),
-seed=name_{i-1})``, with a fixed seed for the first block. Tokens are packed once per call
-with ``array`` (about 7 ns a token), then hashed block by block (about 130 ns a block).
+seed=name_{i-1})``, with a fixed seed for the first block (``ROOT_SEED``, or for a prompt
+with a ``cache_salt`` a seed derived from the salt: ``salt_seed``, so that every name of a
+salted prompt differs from the unsalted and other salts' names of the same tokens).
+Tokens are packed once per call with ``array`` (about 7 ns a token), then hashed block by
+block (about 130 ns a block).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from collections.abc import Sequence
 import xxhash
 
 ROOT_SEED = 0x6D656D7365727665  # b"memserve": the "parent" of a prompt's first block
+
+_SALT_DOMAIN = b"memserve.cache_salt\0"
 
 _TYPECODE = next(code for code in "IL" if array(code).itemsize == 4)
 _hash = xxhash.xxh3_64_intdigest
@@ -35,11 +40,22 @@ def pack_tokens(tokens: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
-def block_hashes(tokens: Sequence[int], block_size: int, parent: int | None = None) -> list[int]:
+def salt_seed(salt: str | None) -> int:
+    """The seed of a prompt's first block: ``ROOT_SEED`` without a salt, else a hash of
+    the salt seeded with it (vLLM's ``cache_salt``)."""
+    if not salt:
+        return ROOT_SEED
+    return _hash(_SALT_DOMAIN + salt.encode("utf-8"), ROOT_SEED)
+
+
+def block_hashes(tokens: Sequence[int], block_size: int, parent: int | None = None,
+                 salt: str | None = None) -> list[int]:
     """Names of the full blocks of ``tokens``; a trailing partial block has no name.
 
     ``parent`` is the name of the block just before ``tokens`` (None: they start a prompt),
-    so a sequence can name its blocks incrementally as they fill up.
+    so a sequence can name its blocks incrementally as they fill up. ``salt`` (the
+    request's ``cache_salt``) seeds the first block when ``tokens`` start a prompt; a
+    ``parent`` already carries it.
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
@@ -48,7 +64,7 @@ def block_hashes(tokens: Sequence[int], block_size: int, parent: int | None = No
         return []
     data = pack_tokens(tokens if len(tokens) == num_full * block_size else tokens[: num_full * block_size])
     step = block_size * 4
-    h = ROOT_SEED if parent is None else parent
+    h = salt_seed(salt) if parent is None else parent
     out: list[int] = []
     append = out.append
     for start in range(0, len(data), step):

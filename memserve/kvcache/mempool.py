@@ -110,6 +110,10 @@ class MemPool(TierMoves, TransferAPI):
         self._node_of: list[list[RadixNode | None]] = [[None] * (p.num_blocks if p else 0) for p in self._pools]
         self.index = RadixIndex(block_size, self._clock, eviction)
         self._events: list[KVEvent] = []
+        # Set to a dict by a consumer that needs the tokens of stored blocks (the worker's
+        # vLLM-format KV event publisher): insert records hash -> the block's tokens there,
+        # and the consumer takes them out. None: nothing is recorded.
+        self.event_tokens: dict[int, Sequence[int]] | None = None
         self._hit_tokens = 0
         self._query_tokens = 0
         self._transfer = None
@@ -217,19 +221,25 @@ class MemPool(TierMoves, TransferAPI):
 
     # ----------------------------------------------------------------- index
 
-    def insert(self, tokens: Sequence[int], addrs: Sequence[int], flags: int = 0, hashes: Sequence[int] | None = None) -> int:
+    def insert(self, tokens: Sequence[int], addrs: Sequence[int], flags: int = 0, hashes: Sequence[int] | None = None,
+               salt: str | None = None) -> int:
         """Index the full blocks of ``tokens`` (``addrs[i]`` holds block i) and return how
         many were newly indexed. A block whose name is already cached keeps its cached
         copy; the given address then stays private to the caller. ``hashes`` (the
-        prompt's ``block_hashes``) skips hashing when the caller already has them."""
+        prompt's ``block_hashes``) skips hashing when the caller already has them;
+        ``salt``: the prompt's ``cache_salt`` (names its blocks apart)."""
         newly = 0
         if self.enable_caching:
             if hashes is None:
-                hashes = block_hashes(tokens, self.block_size)
+                hashes = block_hashes(tokens, self.block_size, salt=salt)
             n = min(len(hashes), len(addrs))
             start = self.index.known_prefix(hashes[:n])
             if start < n:
                 newly = self._index_chain(hashes[start - 1] if start else None, hashes[start:n], addrs[start:n])
+                if newly and self.event_tokens is not None:
+                    bs = self.block_size
+                    for i in range(start, n):
+                        self.event_tokens[hashes[i]] = tokens[i * bs:(i + 1) * bs]
         if flags & KVFlags.RELEASE:
             self.free_mem(addrs)
         return newly
@@ -255,11 +265,15 @@ class MemPool(TierMoves, TransferAPI):
         self._events.append(KVEvent(STORED, list(hashes), parent_hash, list(addrs)))
         return len(created)
 
-    def match(self, tokens: Sequence[int], take_ref: bool = True, hashes: Sequence[int] | None = None) -> list[int]:
+    def match(self, tokens: Sequence[int], take_ref: bool = True, hashes: Sequence[int] | None = None,
+              salt: str | None = None) -> list[int]:
         """Addresses of the longest cached prefix of ``tokens`` (full blocks; an empty or
         shorter-than-a-block prompt matches nothing). With ``take_ref`` the caller holds
         each returned block until it frees it, and the lookup counts for the hit rate;
-        without, it is a peek. Blocks may sit in any tier: ``swap_in`` the slow ones."""
+        without, it is a peek. Blocks may sit in any tier: ``swap_in`` the slow ones.
+        ``salt``: the prompt's ``cache_salt`` (only blocks named with it match)."""
+        if salt and hashes is None and self.enable_caching:
+            hashes = block_hashes(tokens, self.block_size, salt=salt)
         if not self.enable_caching:
             nodes: list[RadixNode] = []
         elif hashes is not None:
@@ -294,10 +308,10 @@ class MemPool(TierMoves, TransferAPI):
         self._forget(removed)
         return len(removed)
 
-    def delete(self, tokens: Sequence[int]) -> int:
+    def delete(self, tokens: Sequence[int], hashes: Sequence[int] | None = None) -> int:
         """Drop the cached blocks only this prompt uses (see ``RadixIndex.delete``);
-        returns how many."""
-        removed = self.index.delete(tokens)
+        returns how many. ``hashes``: its block names (a salted prompt's must be given)."""
+        removed = self.index.delete(tokens, hashes)
         self._forget(removed)
         return len(removed)
 

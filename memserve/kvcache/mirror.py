@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from memserve.kvcache.address import addr_tier
 from memserve.kvcache.blocks import MemPoolError
 from memserve.kvcache.events import MOVED, REMOVED, STORED, KVEvent, KVEvents
 from memserve.kvcache.radix import RadixIndex
@@ -22,6 +23,10 @@ class PromptTreeMirror:
         self.instance_id = instance_id
         self.block_size = block_size
         self.index = RadixIndex(block_size)
+        # Counters over the mirror's life (a reset keeps them): blocks that left the
+        # worker's index (eviction, expiry, delete) and blocks moved to a slower tier.
+        self.removed_blocks = 0
+        self.demoted_blocks = 0
 
     def reset(self) -> None:
         self.index = RadixIndex(self.block_size)
@@ -40,9 +45,13 @@ class PromptTreeMirror:
             elif event.type == REMOVED:
                 for h in event.hashes:
                     index.remove(self._node(h))
+                    self.removed_blocks += 1
             elif event.type == MOVED:
                 for h, addr in zip(event.hashes, event.addrs, strict=True):
-                    index.move(self._node(h), addr)
+                    node = self._node(h)
+                    if addr_tier(addr) > addr_tier(node.addr):
+                        self.demoted_blocks += 1
+                    index.move(node, addr)
             else:
                 raise ValueError(f"unknown KV event type {event.type!r}")
         except MemPoolError as e:

@@ -321,11 +321,12 @@ class RadixIndex:
         assert parent is not None  # an indexed node: the root and removed nodes do not move
         self._left_tier(parent, old_tier)
 
-    def delete(self, tokens: Sequence[int]) -> list[RadixNode]:
+    def delete(self, tokens: Sequence[int], hashes: Sequence[int] | None = None) -> list[RadixNode]:
         """Unindex the blocks only this prompt needs: walk its cached path bottom-up and
         remove idle leaves, stopping at a block that is in use or shared with another
-        cached prompt. Returns the removed nodes, deepest first."""
-        path = self.match(tokens)
+        cached prompt. Returns the removed nodes, deepest first. ``hashes``: the prompt's
+        block names, when known (a salted prompt's must be given)."""
+        path = self.match_hashes(hashes) if hashes is not None else self.match(tokens)
         removed = []
         for node in reversed(path):
             if node.children or not node.idle:

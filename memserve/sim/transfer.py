@@ -122,11 +122,12 @@ class SimEndpoint:
         return grant.addrs
 
     def _arrive(self, ticket: str, src_instance: int, tokens: list[int] | None, first_block: int, flags: int,
-                private: Any) -> None:
+                private: Any, cache_salt: str | None = None) -> None:
         grant = self._grants.pop(ticket, None)
         if grant is None:
             raise TransferError("not held: the transfer's ticket was cancelled while it was in flight")
-        inserted = insert_received(self.pool, tokens, first_block, grant.addrs) if tokens is not None else 0
+        inserted = (insert_received(self.pool, tokens, first_block, grant.addrs, cache_salt)
+                    if tokens is not None else 0)
         blocks = grant.pinned + grant.addrs
         if flags & KVFlags.RELEASE:
             self.pool.free_mem(blocks)
@@ -136,12 +137,13 @@ class SimEndpoint:
     # ------------------------------------------------------------ sender side
     def open_layers(self, instance: int, num_blocks: int, num_layers: int, ticket: str,
                     tokens: list[int] | None = None, first_block: int = 0,
-                    clock: Callable[[], float] | None = None) -> LayerStream:
+                    clock: Callable[[], float] | None = None, cache_salt: str | None = None) -> LayerStream:
         raise NotImplementedError("by-layer transfers are not simulated: a simulated step is timed whole")
 
     def send_async(self, instance: int, src: list[int], dst: Sequence[int] | None, flags: int, private: Any,
                    ticket: str, tokens: list[int] | None = None, first_block: int = 0,
-                   frame_nbytes: int | None = None, cancelled: threading.Event | None = None) -> Future[list[int]]:
+                   frame_nbytes: int | None = None, cancelled: threading.Event | None = None,
+                   cache_salt: str | None = None) -> Future[list[int]]:
         """Copy held blocks ``src`` to ``instance``: the receiver allocates now, indexes
         and takes them when the link has carried them (the future is then done).
         ``cancelled`` is never waited on: a simulated receiver always answers."""
@@ -160,7 +162,7 @@ class SimEndpoint:
 
         def arrive() -> None:
             try:
-                receiver._arrive(ticket, me, tokens, first_block, flags, private)
+                receiver._arrive(ticket, me, tokens, first_block, flags, private, cache_salt)
                 future.set_result(addrs)
             except TransferError as e:
                 future.set_exception(e)

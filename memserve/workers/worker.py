@@ -51,6 +51,7 @@ from memserve.workers.engine.engine import Engine
 from memserve.workers.engine.pd_receiver import KVReceiver
 from memserve.workers.engine.pd_sender import HandoffSender
 from memserve.workers.heartbeat import HeartbeatThread
+from memserve.workers.kv_event_publisher import KVEventPublisher, KVEventsConfig
 from memserve.workers.step_serving import ServeBetweenLayers
 from memserve.workers.warmup import warm_up
 
@@ -86,6 +87,7 @@ class Worker:
         self.sender: HandoffSender | None = None  # disaggregated prefill/decode, both sides
         self.receiver: KVReceiver | None = None
         self._pushes: list[tuple[TransferPrefix, list[int], Future]] = []  # prefix transfers in flight
+        self.kv_publisher: KVEventPublisher | None = None  # --kv-events-config: vLLM-format KV events
 
     def prepare(self) -> None:
         """The heavy part of starting, which needs no identity: the model, its KV pool and
@@ -115,6 +117,7 @@ class Worker:
         e.kv_connector.add_step_hooks(ServeBetweenLayers(self.endpoint.serve).for_step)
         self.sender, self.receiver = HandoffSender(e, self.endpoint), KVReceiver(e, self.endpoint)
         self.channel.watch(self.endpoint.socket)
+        self._start_kv_publisher()
         self.channel.send(WorkerReady(self.id, self.cfg.role, e.runner.num_blocks, self.cfg.engine.block_size,
                                       e.max_model_len, e.stats(), self.endpoint.address))
 
@@ -156,6 +159,8 @@ class Worker:
                 self.channel.send(StepOutputs(self.id, outputs))
             events = self.engine.drain_kv_events()
             if events:
+                if self.kv_publisher is not None:
+                    self.kv_publisher.publish(events)
                 self.channel.send(KVEvents(self.id, events))
             now = time.monotonic()
             if now - last_published >= hb / 2:
@@ -205,7 +210,7 @@ class Worker:
         """Start sending the cached prefix of ``msg.token_ids`` to another instance, which
         indexes it as its own historical KV; the engine keeps stepping while it goes."""
         kv = self.engine.kv_connector
-        addrs = kv.hold_prefix(msg.token_ids)
+        addrs = kv.hold_prefix(msg.token_ids, msg.cache_salt)
         skip = min(msg.first_block, len(addrs))  # the receiver holds these already
         if skip:
             kv.free(addrs[:skip])
@@ -216,7 +221,7 @@ class Worker:
         tokens = msg.token_ids[: (skip + len(addrs)) * self.cfg.engine.block_size]
         try:
             sent = self.endpoint.send_async(msg.dst_instance, addrs, None, KVFlags.RELEASE, None, msg.ticket, tokens,
-                                            skip)
+                                            skip, cache_salt=msg.cache_salt)
         except Exception as exc:
             sent = Future()
             sent.set_exception(exc)
@@ -235,6 +240,22 @@ class Worker:
                 log.warning("worker %d: prefix transfer to %d failed: %s", self.id, msg.dst_instance, error)
             self.channel.send(TransferDone(msg.transfer_id, 0 if error else len(addrs), str(error) if error else None))
         self._pushes = pending
+
+    def _start_kv_publisher(self) -> None:
+        """With ``--kv-events-config``: publish the MemPool's tier changes in vLLM's format
+        on this instance's endpoints, with the tokens of the blocks stored."""
+        if not self.cfg.kv_events_config:
+            return
+        cfg = KVEventsConfig.from_dict(self.cfg.kv_events_config)
+        if not cfg.enabled:
+            return
+        mempool = self.engine.mempool
+        try:
+            self.kv_publisher = KVEventPublisher(cfg.for_instance(self.id), self.cfg.engine.block_size, {})
+        except Exception as exc:  # a port in use: serve anyway, without the outside stream
+            log.error("worker %d: cannot publish KV events (%r); serving without them", self.id, exc)
+            return
+        mempool.event_tokens = self.kv_publisher.translator.event_tokens
 
     def _stats(self) -> dict:
         """The engine's statistics and the KV handoffs' (both sides)."""
@@ -258,6 +279,8 @@ class Worker:
             self.engine.close()  # saves in flight finish: their block files are whole
         if self.heartbeat is not None:
             self.heartbeat.stop()
+        if self.kv_publisher is not None:
+            self.kv_publisher.close()
         if self.endpoint is not None:
             self.endpoint.close()
         if self.channel is not None:

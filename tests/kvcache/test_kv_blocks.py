@@ -17,9 +17,14 @@ from memserve.kvcache.address import (
     make_addr,
     make_addrs,
 )
-from memserve.kvcache.blocks import FREE, BlockPool, MemPoolError, OutOfBlocks, contiguous_runs
+from memserve.kvcache.blocks import (
+    FREE,
+    BlockPool,
+    MemPoolError,
+    OutOfBlocks,
+    contiguous_runs,
+)
 from memserve.kvcache.hashing import ROOT_SEED, block_hashes
-
 
 # ------------------------------------------------------------------ addresses
 

@@ -25,7 +25,7 @@ DECODE_BALANCE = Balance(abs_threshold=2, rel_threshold=1.0)
 
 
 def pick_decode(views: list[WorkerView], exclude: int | None = None, prompt: Sequence[int] | None = None,
-                balance: Balance = DECODE_BALANCE) -> int:
+                balance: Balance = DECODE_BALANCE, cache_salt: str | None = None) -> int:
     """The live decode instance to take a request, avoiding ``exclude`` unless it is the
     only one left.
 
@@ -41,7 +41,7 @@ def pick_decode(views: list[WorkerView], exclude: int | None = None, prompt: Seq
         raise EngineUnavailable("no live decode instance")
     others = [v for v in live if v.instance_id != exclude] or live
     block_size = others[0].mirror.block_size if prompt else 1
-    hashes = block_hashes(prompt, block_size) if prompt else []
+    hashes = block_hashes(prompt, block_size, salt=cache_salt) if prompt else []  # the request's salt names them
     candidates = [Candidate(v, len(v.mirror.match_hashes(hashes)) if hashes and v.state == "ok" else 0)
                   for v in others]
     request = RouteRequest("", list(prompt or ()))

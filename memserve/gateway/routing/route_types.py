@@ -27,6 +27,7 @@ class RouteRequest:
     slo: dict = field(default_factory=dict)
     max_tokens: int | None = None  # per choice; None: unknown (the ledger assumes a default)
     n: int = 1  # choices decoded from the one prompt
+    cache_salt: str | None = None  # names the prompt's blocks apart (kvcache/hashing.py)
 
 
 @dataclass

@@ -83,7 +83,7 @@ class Router:
             raise EngineUnavailable("no live worker: the workers are restarting", RESTART_RETRY_AFTER_S)
         block_size = live[0].mirror.block_size
         scored = self.policy.uses_cache or self.cost is not None
-        hashes = block_hashes(request.prompt_token_ids, block_size) if scored else []
+        hashes = block_hashes(request.prompt_token_ids, block_size, salt=request.cache_salt) if scored else []
         out = []
         for w in live:
             stored = pending = 0

@@ -140,14 +140,15 @@ class KVConnector:
         return self._retained.pop(request_id, [])
 
     # ------------------------------------------------- blocks for senders, receivers
-    def hold_prefix(self, token_ids: list[int]) -> list[int]:
-        """The cached prefix of ``token_ids`` in any tier, one reference taken on each block."""
-        return self.mempool.match(token_ids, take_ref=True)
+    def hold_prefix(self, token_ids: list[int], salt: str | None = None) -> list[int]:
+        """The cached prefix of ``token_ids`` in any tier, one reference taken on each block
+        (``salt``: the request's ``cache_salt``, which names its blocks)."""
+        return self.mempool.match(token_ids, take_ref=True, salt=salt)
 
-    def hold_device_prefix(self, token_ids: list[int]) -> list[int]:
+    def hold_device_prefix(self, token_ids: list[int], salt: str | None = None) -> list[int]:
         """The device-resident part of the cached prefix of ``token_ids``, held (the
         slower-tier rest is let go: a receiver writes only device blocks)."""
-        hit = self.hold_prefix(token_ids)
+        hit = self.hold_prefix(token_ids, salt)
         device = next((i for i, a in enumerate(hit) if addr_tier(a) != Tier.DEVICE), len(hit))
         if device < len(hit):
             self.mempool.free_mem(hit[device:])

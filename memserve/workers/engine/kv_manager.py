@@ -281,8 +281,9 @@ class KVCacheManager:
         self._pending_copies.append(BlockCopy(Tier.DEVICE, blocks.ids[:full], Tier.HOST,
                                               [addr_block(a) for a in host], hold=host))
         self.free(seq)
-        self.mempool.delete(tokens)
-        self.mempool.insert(tokens, host, KVFlags.NONE, hashes=seq.full_block_hashes(self.block_size, full))
+        hashes = seq.full_block_hashes(self.block_size, full)
+        self.mempool.delete(tokens, hashes)
+        self.mempool.insert(tokens, host, KVFlags.NONE, hashes=hashes)
         return full
 
     def free(self, seq: Sequence) -> None:

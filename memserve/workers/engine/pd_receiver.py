@@ -71,7 +71,7 @@ class KVReceiver:
 
     def expect(self, msg: ExpectTransfer) -> TransferExpected:
         """Accept the transfer; pin the device-resident cached prefix of ``token_ids``."""
-        pinned = self.kv.hold_device_prefix(msg.token_ids) if msg.token_ids else []
+        pinned = self.kv.hold_device_prefix(msg.token_ids, msg.cache_salt) if msg.token_ids else []
         self.endpoint.expect(msg.ticket, msg.src_instance, msg.max_blocks, msg.ttl_s, pinned=pinned)
         if msg.request_id:
             self._tickets[msg.request_id] = msg.ticket

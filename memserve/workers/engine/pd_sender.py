@@ -53,12 +53,13 @@ class HandoffEndpoint(Protocol):
 
     def send_async(self, instance: int, src: list[int], dst: Sequence[int] | None, flags: int, private: Any,
                    ticket: str, tokens: list[int] | None = None, first_block: int = 0,
-                   frame_nbytes: int | None = None, cancelled: threading.Event | None = None) -> Future[list[int]]:
+                   frame_nbytes: int | None = None, cancelled: threading.Event | None = None,
+                   cache_salt: str | None = None) -> Future[list[int]]:
         ...
 
     def open_layers(self, instance: int, num_blocks: int, num_layers: int, ticket: str,
                     tokens: list[int] | None = None, first_block: int = 0,
-                    clock: Callable[[], float] = time.monotonic) -> LayerStream:
+                    clock: Callable[[], float] = time.monotonic, cache_salt: str | None = None) -> LayerStream:
         ...
 
 
@@ -82,6 +83,7 @@ class _Parked:
     prompt: list[int]
     addrs: list[int]
     at: float
+    salt: str | None = None  # the request's cache_salt: the receiver names the blocks with it
 
 
 class HandoffSender:
@@ -90,6 +92,7 @@ class HandoffSender:
         self.endpoint = endpoint
         self.clock = clock
         self._prompts: dict[str, list[int]] = {}  # handoff requests not yet parked
+        self._salts: dict[str, str] = {}  # the cache_salt of those that have one
         self._parked: dict[str, _Parked] = {}
         self._sending: list[_Sending] = []
         # by-layer: destinations named before the prefill, and the transfers of the
@@ -115,6 +118,8 @@ class HandoffSender:
     def add(self, msg: AddRequest) -> RequestOutput | None:
         """Queue a handoff request: the prefill and the first token only, KV kept."""
         self._prompts[msg.request_id] = list(msg.prompt_token_ids)
+        if msg.params.cache_salt:  # the receiver names the prompt's blocks with it too
+            self._salts[msg.request_id] = msg.params.cache_salt
         self.kv.retain(msg.request_id)
         out = self.engine.add_request(dataclasses.replace(msg, params=dataclasses.replace(msg.params, max_tokens=1)))
         if out is not None:  # rejected at once
@@ -133,7 +138,7 @@ class HandoffSender:
         skip = min(start.first_block, num_blocks - 1)  # at least the prompt's tail block goes
         tokens = prompt[: len(prompt) // block_size * block_size] if start.insert else None
         stream = self.endpoint.open_layers(start.dst_instance, num_blocks - skip, self.kv.num_layers, start.ticket,
-                                           tokens, skip, self.clock)
+                                           tokens, skip, self.clock, cache_salt=self._salts.get(request_id))
         self._streams[request_id] = (dataclasses.replace(start, first_block=skip), stream)
         assert self.layers is not None  # only by-layer names destinations early
         self.layers.arm(request_id, stream, skip)
@@ -148,11 +153,12 @@ class HandoffSender:
                 continue
             if out.finish_reason == "length" and out.new_token_ids:
                 del self._prompts[out.request_id]
+                salt = self._salts.pop(out.request_id, None)
                 addrs = self.kv.take_retained(out.request_id)
                 if out.request_id in self._streams:
                     self._sent_by_layer(out.request_id, addrs)
                 else:
-                    self._parked[out.request_id] = _Parked(prompt, addrs, self.clock())
+                    self._parked[out.request_id] = _Parked(prompt, addrs, self.clock(), salt)
                     named = self._named.pop(out.request_id, None)
                     answer = self.start(named) if named is not None else None
                     if answer is not None:
@@ -206,7 +212,7 @@ class HandoffSender:
         cancelled = threading.Event()
         try:
             future = self.endpoint.send_async(msg.dst_instance, send, None, 0, None, msg.ticket, tokens, skip,
-                                              frame_nbytes, cancelled)
+                                              frame_nbytes, cancelled, cache_salt=parked.salt)
         except Exception as exc:  # noqa: BLE001 - reported to the gateway like a failed send
             future = Future()
             future.set_exception(exc)
@@ -277,6 +283,7 @@ class HandoffSender:
 
     def _drop(self, request_id: str) -> None:
         self._prompts.pop(request_id, None)
+        self._salts.pop(request_id, None)
         self._early.pop(request_id, None)
         self._named.pop(request_id, None)
         if self.layers is not None:

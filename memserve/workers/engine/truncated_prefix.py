@@ -36,18 +36,19 @@ class _Plan:
 
 
 def reuse_truncated(mempool: MemPool, prompt: Sequence[int], dropped_at: int, dropped: Sequence[int],
-                    shift: ShiftBlocks) -> int:
+                    shift: ShiftBlocks, salt: str | None = None) -> int:
     """Cache the truncated ``prompt``'s blocks after its kept head from shifted copies of
     the conversation's earlier KV; ``dropped`` are the tokens the gateway removed at token
-    offset ``dropped_at`` (both block-aligned). Returns how many blocks were indexed."""
+    offset ``dropped_at`` (both block-aligned). Returns how many blocks were indexed.
+    ``salt``: the request's ``cache_salt`` (only the same salt's earlier KV is reused)."""
     bs = mempool.block_size
     if not (mempool.enable_caching and dropped and dropped_at % bs == 0 and len(dropped) % bs == 0):
         return 0
-    plan = _plan(mempool, prompt, dropped_at, dropped)
+    plan = _plan(mempool, prompt, dropped_at, dropped, salt)
     if plan is None or not mempool.can_alloc(len(plan.sources)):
         return 0
     dst = mempool.alloc_mem(len(plan.sources))
-    plan = _plan(mempool, prompt, dropped_at, dropped)  # the allocation may have evicted cached blocks
+    plan = _plan(mempool, prompt, dropped_at, dropped, salt)  # the allocation may have evicted cached blocks
     n = min(len(plan.sources), len(dst)) if plan is not None else 0
     newly = 0
     if plan is not None and n:
@@ -57,13 +58,14 @@ def reuse_truncated(mempool: MemPool, prompt: Sequence[int], dropped_at: int, dr
     return newly
 
 
-def _plan(mempool: MemPool, prompt: Sequence[int], dropped_at: int, dropped: Sequence[int]) -> _Plan | None:
+def _plan(mempool: MemPool, prompt: Sequence[int], dropped_at: int, dropped: Sequence[int],
+          salt: str | None = None) -> _Plan | None:
     """The candidate source covering the most of the truncated prompt's uncached blocks
     (peeking only: nothing is held); None when there is nothing to shift."""
     bs = mempool.block_size
     head, num_dropped = dropped_at // bs, len(dropped) // bs
     num_target = (len(prompt) - 1) // bs  # its last token is always computed: no block past it is read
-    hashes = block_hashes(prompt[: num_target * bs], bs)
+    hashes = block_hashes(prompt[: num_target * bs], bs, salt=salt)
     indexed = mempool.match((), take_ref=False, hashes=hashes)
     if len(indexed) < head or len(indexed) >= num_target:
         return None  # the head is not cached (nothing to chain to), or nothing is missing
@@ -73,11 +75,12 @@ def _plan(mempool: MemPool, prompt: Sequence[int], dropped_at: int, dropped: Seq
     for earlier in range(num_dropped):  # blocks an earlier truncation dropped here (0: none)
         gap = num_dropped - earlier  # the candidate's block j holds the target's block j - gap
         start = dropped_at + earlier * bs
-        first = block_hashes(original[start : start + bs], bs, parent)
+        first = block_hashes(original[start : start + bs], bs, parent, salt)
         if not mempool.match((), take_ref=False, hashes=hashes[:head] + first):
             continue  # cheap test: the candidate's first block after the head is not cached
         end = start + (num_target + gap - head) * bs
-        chain = mempool.match((), take_ref=False, hashes=hashes[:head] + block_hashes(original[start:end], bs, parent))
+        chain = mempool.match((), take_ref=False,
+                              hashes=hashes[:head] + block_hashes(original[start:end], bs, parent, salt))
         sources: list[int] = []
         for a in chain[len(indexed) + gap :]:
             if addr_tier(a) != Tier.DEVICE:
