@@ -41,17 +41,16 @@ import math
 import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Iterator
+from typing import Any, Protocol
 
-from memserve.gateway.cluster import DEGRADED_AFTER_HEARTBEATS
+from memserve.gateway.cluster import DEGRADED_AFTER_HEARTBEATS, Cluster
 from memserve.gateway.engine_protocol import EngineUnavailable
 from memserve.gateway.request_stream import RETRY, RequestStream
 from memserve.gateway.routing.decode_choice import pick_decode
 from memserve.gateway.routing.pd_topology import role_caches
-from memserve.gateway.routing.route_types import (
-    RouteRequest,
-)
+from memserve.gateway.routing.route_types import RouteDecision, RouteRequest, WorkerView
+from memserve.ipc.channel import GatewayChannel
 from memserve.ipc.messages import (
     AddRequest,
     ExpectTransfer,
@@ -59,10 +58,8 @@ from memserve.ipc.messages import (
     HandoffStart,
     RequestOutput,
     SamplingParams,
+    TransferPrefix,
 )
-
-if TYPE_CHECKING:
-    from memserve.gateway.engine_client import ZmqEngineClient
 
 log = logging.getLogger("memserve.gateway")
 
@@ -80,8 +77,45 @@ EARLY_TICKET_TTL_S = 600.0
 MAX_RESUMES = 3
 # Reasons a request ends on the decode instance with its answer whole (its KV is worth keeping).
 COMPLETE = ("stop", "length")
+class PDClient(Protocol):
+    """What the disaggregated flow needs of the engine client that owns it
+    (``engine_client.ZmqEngineClient``): its workers and channel, its routing and
+    admission, and its bookkeeping of requests in flight."""
+
+    channel: GatewayChannel
+    cluster: Cluster
+    block_size: int
+    max_model_len: int
+    streams: dict[str, RequestStream]
+
+    @property
+    def transfer_ids(self) -> Iterator[int]: ...
+
+    def views(self) -> list[WorkerView]: ...
+
+    def pick_worker(self, request: RouteRequest) -> RouteDecision: ...
+
+    async def admit(self, request: RouteRequest) -> None: ...
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    session_id: str | None, slo: dict | None, handoff: bool = False) -> AddRequest: ...
+
+    async def ask(self, worker: int, msg: ExpectTransfer | TransferPrefix, timeout_s: float) -> Any: ...
+
+    async def pull_prefix(self, src: int, dst: int, token_ids: list[int]) -> None: ...
+
+    async def transfer_prefix(self, src: int, dst: int, token_ids: list[int], timeout_s: float = 60.0,
+                              incremental: bool = False) -> int: ...
+
+    async def send_abort(self, worker: int, request_id: str) -> None: ...
+
+    def release(self, request_id: str) -> None: ...
+
+    def learn(self, request_id: str, output_tokens: int, finish_reason: str | None) -> None: ...
+
+
 class PDFlow:
-    def __init__(self, client: ZmqEngineClient, pd_mode: str, handoff_timeout_s: float = HANDOFF_TIMEOUT_S) -> None:
+    def __init__(self, client: PDClient, pd_mode: str, handoff_timeout_s: float = HANDOFF_TIMEOUT_S) -> None:
         self.client = client
         self.pd_mode = pd_mode
         self.handoff_timeout_s = handoff_timeout_s

@@ -18,22 +18,31 @@ shorter cached prefix stays usable."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from memserve.registry import make
-
-if TYPE_CHECKING:
-    from memserve.kvcache.radix import RadixNode
-
 
 #: Lower goes first; one policy's priorities must compare with each other.
 Priority = float | tuple[float, float]
 
 
+class CachedBlock(Protocol):
+    """What a policy reads of a cached block (``radix.RadixNode`` is one)."""
+
+    @property
+    def hash(self) -> int: ...
+
+    @property
+    def last_access(self) -> float: ...
+
+    @property
+    def born(self) -> float: ...
+
+
 class EvictionPolicy(Protocol):
     name: str
 
-    def priority(self, node: RadixNode) -> Priority:
+    def priority(self, node: CachedBlock) -> Priority:
         """Lower goes first."""
         ...
 
@@ -43,7 +52,7 @@ class LRU:
 
     name = "lru"
 
-    def priority(self, node: RadixNode) -> float:
+    def priority(self, node: CachedBlock) -> float:
         return node.last_access
 
 
@@ -53,7 +62,7 @@ class FIFO:
 
     name = "fifo"
 
-    def priority(self, node: RadixNode) -> float:
+    def priority(self, node: CachedBlock) -> float:
         return node.born
 
 
@@ -70,7 +79,7 @@ class SchedulerAware:
     def __init__(self) -> None:
         self._next_use: dict[int, int] = {}  # block name -> queue position of its next use
 
-    def priority(self, node: RadixNode) -> tuple[float, float]:
+    def priority(self, node: CachedBlock) -> tuple[float, float]:
         rank = self._next_use.get(node.hash)
         return (0, node.last_access) if rank is None else (1, -rank)
 

@@ -24,11 +24,14 @@ import dataclasses
 import itertools
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from memserve.costmodel.model import CostModel
 from memserve.gateway.routing.decode_choice import pick_decode
 from memserve.gateway.routing.pd_topology import role_caches
+from memserve.gateway.routing.route_types import WorkerView
 from memserve.ipc.messages import (
     AddRequest,
     ExpectTransfer,
@@ -37,12 +40,31 @@ from memserve.ipc.messages import (
     RequestOutput,
 )
 from memserve.kvcache.mempool import KVFlags
+from memserve.sim.instance import InFlight, SimInstance
 from memserve.sim.transfer import SimNetwork
 from memserve.workers.engine.pd_receiver import KVReceiver
 from memserve.workers.engine.pd_sender import HandoffSender
 
-if TYPE_CHECKING:
-    from memserve.sim.simulator import Simulation
+
+class SimHost(Protocol):
+    """What the disaggregated flow needs of the simulation that runs it (``Simulation``)."""
+
+    cost: CostModel
+    instances: list[SimInstance]
+    in_flight: dict[str, InFlight]
+    now: float
+
+    def clock(self) -> float: ...
+
+    def schedule(self, at: float, fn: Callable[[], None]) -> None: ...
+
+    def publish(self, i: int) -> None: ...
+
+    def views(self) -> list[WorkerView]: ...
+
+    def wake(self, i: int, at: float) -> None: ...
+
+    def finish(self, rid: str, turn: InFlight, at: float, error: str | None) -> None: ...
 
 
 @dataclass
@@ -56,7 +78,7 @@ class _Handoff:
 
 
 class SimPDFlow:
-    def __init__(self, sim: Simulation, pd_mode: str) -> None:
+    def __init__(self, sim: SimHost, pd_mode: str) -> None:
         self.sim = sim
         self.pd_mode = pd_mode
         self.decode_caches = role_caches("decode", pd_mode)

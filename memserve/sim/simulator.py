@@ -28,7 +28,7 @@ import itertools
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from memserve.config import EngineConfig
 from memserve.costmodel.model import CostModel
@@ -39,6 +39,7 @@ from memserve.ipc.messages import AddRequest, RequestOutput, SamplingParams
 from memserve.kvcache.blocks import OutOfBlocks
 from memserve.kvcache.events import KVEvents
 from memserve.kvcache.mirror import PromptTreeMirror
+from memserve.sim.instance import InFlight, SimInstance
 from memserve.sim.pd_flow import SimPDFlow
 from memserve.sim.runner import SimulatedRunner
 from memserve.sim.tokens import TextTokenizer, chat_tokens
@@ -51,17 +52,6 @@ from memserve.workload.workloads import Session
 IDLE_POLL_S = 1e-3
 
 
-@dataclass
-class _Instance:
-    engine: Engine
-    runner: SimulatedRunner
-    mirror: PromptTreeMirror
-    role: str = "colocated"  # colocated | prefill | decode (sim/pd_flow.py)
-    busy: bool = False  # a step event is scheduled
-    step_end: float = 0.0  # when its latest step ends (a prefix push waits for it)
-    stats: dict = field(default_factory=dict)  # its MemPool's counts as of its latest step (a heartbeat's)
-
-
 @dataclass(eq=False)
 class _Arrival:
     """A request that reached the gateway and is not routed yet (admission may hold it)."""
@@ -71,18 +61,6 @@ class _Arrival:
     session: int
     turn: int
     messages: list[tuple[str, list[int] | str]]
-
-
-@dataclass
-class _Turn:
-    """A request in flight: its record and what the session needs to go on."""
-
-    record: RequestRecord
-    session: int
-    turn: int
-    instance: int
-    messages: list[tuple[str, list[int] | str]]
-    output: list[int] = field(default_factory=list)
 
 
 class Simulation:
@@ -104,16 +82,16 @@ class Simulation:
         roles = roles or ["colocated"] * num_instances
         if len(roles) != num_instances:
             raise ValueError(f"{num_instances} instances but {len(roles)} roles")
-        self.instances: list[_Instance] = []
+        self.instances: list[SimInstance] = []
         for i, role in enumerate(roles):
             runner = SimulatedRunner(cost, engine_cfg.num_blocks, engine_cfg.block_size,
                                      engine_cfg.max_model_len or 1 << 30, self.clock, num_disk_blocks)
             caching = engine_cfg.enable_prefix_caching and role_caches(role, pd_mode)
             engine = Engine(replace(engine_cfg, enable_prefix_caching=caching), runner, set(), i, self.clock)
-            self.instances.append(_Instance(engine, runner, PromptTreeMirror(i, engine_cfg.block_size), role))
+            self.instances.append(SimInstance(engine, runner, PromptTreeMirror(i, engine_cfg.block_size), role))
         self._events: list[tuple[float, int, str, tuple]] = []
         self._seq = itertools.count()
-        self.in_flight: dict[str, _Turn] = {}
+        self.in_flight: dict[str, InFlight] = {}
         self.records: list[RequestRecord] = []
         self.num_steps = 0
         self.pd = SimPDFlow(self, pd_mode) if is_disaggregated(roles) else None
@@ -208,13 +186,13 @@ class Simulation:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         add = AddRequest(rid, prompt, params, request.session_id, 0.0, 0, slo.get("ttft_ms"), slo.get("tbt_ms"),
                          predicted_output_tokens=self.predict(rid, max_tokens) if self.predict else None)
-        turn = _Turn(record, arrival.session, arrival.turn, decision.instance, arrival.messages)
+        turn = InFlight(record, arrival.session, arrival.turn, decision.instance, arrival.messages)
         if decision.pull_from is None:
             self._admit(add, turn)
         else:
             self._push(self.now + self._pull(decision.pull_from, decision.instance, prompt), "admit", (add, turn))
 
-    def _admit(self, add: AddRequest, turn: _Turn) -> None:
+    def _admit(self, add: AddRequest, turn: InFlight) -> None:
         refused = (self.pd.admit(add, turn.instance) if self.pd is not None
                    else self.instances[turn.instance].engine.add_request(add, self.now))
         if refused is not None:
@@ -310,7 +288,7 @@ class Simulation:
             self.instances[i].mirror.apply(KVEvents(i, events))
             self.router.kv_events_applied(self.instances[i].mirror)
 
-    def finish(self, rid: str, turn: _Turn, at: float, error: str | None) -> None:
+    def finish(self, rid: str, turn: InFlight, at: float, error: str | None) -> None:
         del self.in_flight[rid]
         self.router.release(rid)
         if self.pd is not None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from memserve.kvcache.address import Tier, addr_block, addr_tier
 from memserve.kvcache.mempool import KVFlags, MemPool
@@ -31,8 +31,18 @@ from memserve.workers.engine.kv_connector import ComputedPrefix, KVConnector
 from memserve.workers.engine.sequence import Sequence
 from memserve.workers.engine.step_plan import BlockCopy, KVLoad
 
-if TYPE_CHECKING:
-    from memserve.workers.engine.policies import KVGate
+
+class KVGate(Protocol):
+    """A scheduling policy's say over KV growth (``policies.SchedulePolicy.attach``),
+    consulted only when a request needs new blocks (so a policy without one costs nothing)."""
+
+    def grant(self, seq: Sequence, held: int, need: int) -> bool:
+        """May ``seq``, holding ``held`` device blocks, take ``need`` more now?"""
+        ...
+
+    def release(self, seq: Sequence) -> None:
+        """``seq`` gave up all its blocks (finished, aborted or preempted)."""
+        ...
 
 
 @dataclass(slots=True)
@@ -60,7 +70,7 @@ class KVCacheManager:
         # when the copy is done, never earlier (the blocks could be reused mid-copy).
         self._abandoned: dict[str, _RequestBlocks] = {}
         self.num_loaded_blocks = 0  # cached blocks brought back from slower tiers
-        self.gate: KVGate | None = None  # the schedule policy's say over growth (policies.KVGate)
+        self.gate: KVGate | None = None  # the schedule policy's say over growth
 
     # ----------------------------------------------------------------- prefix
     def get_computed_blocks(self, seq: Sequence) -> ComputedPrefix:

@@ -12,11 +12,11 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
+from memserve.workers.engine.kv_manager import KVCacheManager, KVGate
 from memserve.workers.engine.sequence import Sequence
 
 if TYPE_CHECKING:
     from memserve.costmodel.model import CostModel
-    from memserve.workers.engine.kv_manager import KVCacheManager
 
 
 class PreemptKind(enum.Enum):
@@ -27,19 +27,6 @@ class PreemptKind(enum.Enum):
 
     RECOMPUTE = "recompute"
     SWAP = "swap"
-
-
-class KVGate(Protocol):
-    """A policy's say over KV growth, consulted by the KV cache manager only when a
-    request needs new blocks (so a policy without one costs nothing)."""
-
-    def grant(self, seq: Sequence, held: int, need: int) -> bool:
-        """May ``seq``, holding ``held`` device blocks, take ``need`` more now?"""
-        ...
-
-    def release(self, seq: Sequence) -> None:
-        """``seq`` gave up all its blocks (finished, aborted or preempted)."""
-        ...
 
 
 class SchedulePolicy(Protocol):
