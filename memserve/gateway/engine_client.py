@@ -96,8 +96,9 @@ class ZmqEngineClient:
                 raise WorkerStartError(self._start_error)
             exited = self.cluster.exited_before_ready()
             if exited:
+                process = exited[0].process
                 raise WorkerStartError(f"worker {exited[0].instance_id} exited with code "
-                                       f"{exited[0].process.returncode} before it was ready")
+                                       f"{process.returncode if process else None} before it was ready")
             if time.monotonic() > deadline:
                 raise WorkerStartError(f"workers not ready after {timeout_s:.0f} s")
             await asyncio.sleep(0.05)
@@ -143,7 +144,9 @@ class ZmqEngineClient:
         if instance is None:
             await self.admit(route)
         decision = self.pick_worker(route) if instance is None else None
-        stream = RequestStream(instance if decision is None else decision.instance, pinned=instance is not None)
+        worker = decision.instance if decision is not None else instance
+        assert worker is not None  # pinned to ``instance``, else routed
+        stream = RequestStream(worker, pinned=instance is not None)
         self.streams[request_id] = stream
         finished = False
         unfinished = params.n

@@ -21,6 +21,7 @@ take no simulated time; the transfers do."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections import Counter
@@ -115,7 +116,7 @@ class SimPDFlow:
                 h.cached = out.num_cached_tokens
                 if not out.finished and out.new_token_ids:
                     h.phase, h.first = "handoff", list(out.new_token_ids)
-                    self.sim.schedule(done_at, lambda rid=out.request_id: self._start(rid))
+                    self.sim.schedule(done_at, functools.partial(self._start, out.request_id))
             else:
                 out.num_cached_tokens = h.cached
         return outputs
@@ -210,7 +211,7 @@ class SimPDFlow:
 
     def stats(self) -> dict:
         """Handoffs and returns, summed over the instances (what moved over the links)."""
-        sent = Counter()
+        sent: Counter[str] = Counter()
         for s in self.senders:
             sent.update({k: v for k, v in s.counts.items() if k != "transfer_s"})
         mover = self.sim.instances[0].engine.mempool.mover

@@ -13,10 +13,13 @@ lengths do (ignore_eos)."""
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from memserve.costmodel.model import CostModel
 from memserve.kvcache.address import Tier
+from memserve.kvcache.disk_store import DiskStore
+from memserve.kvcache.mover import BlockMover, Buffer
+from memserve.kvcache.saver import Saver
 from memserve.workers.engine.layer_hooks import LayerHooks
 from memserve.workers.engine.step_plan import KVLoad, StepPlan, StepResult
 
@@ -42,10 +45,10 @@ class NullMover:
     def copy_blocks(self, src_tier: Tier, src_blocks: list[int], dst_tier: Tier, dst_blocks: list[int]) -> None:
         pass
 
-    def read_blocks(self, tier: Tier, blocks: list[int]) -> list[bytes]:
+    def read_blocks(self, tier: Tier, blocks: list[int]) -> list[Buffer]:
         return [bytes(self.block_nbytes * len(blocks))]
 
-    def write_blocks(self, tier: Tier, blocks: list[int], buffers: list[bytes]) -> None:
+    def write_blocks(self, tier: Tier, blocks: list[int], buffers: Sequence[Buffer]) -> None:
         pass
 
 
@@ -55,13 +58,13 @@ class SimulatedRunner:
         self.cost = cost
         self.num_blocks = num_blocks
         self.num_disk_blocks = num_disk_blocks
-        self.saver = None  # saves are bookkeeping here: synchronous and exact
-        self.disk = None
+        self.saver: Saver | None = None  # saves are bookkeeping here: synchronous and exact
+        self.disk: DiskStore | None = None
         self.num_layers = 1  # a step is timed whole, not layer by layer
         self.block_size = block_size
         self.vocab_size = SIM_VOCAB
         self.max_position_embeddings = max_model_len
-        self.mover = NullMover(cost.kv_bytes_per_token * block_size)
+        self.mover: BlockMover = NullMover(cost.kv_bytes_per_token * block_size)
         self.clock = clock
         self.last_step_s = 0.0  # duration of the latest execute()
         self._loads: dict[str, float] = {}  # request id -> virtual time its load is done

@@ -83,6 +83,8 @@ class Simulation:
         if len(roles) != num_instances:
             raise ValueError(f"{num_instances} instances but {len(roles)} roles")
         self.instances: list[SimInstance] = []
+        if engine_cfg.num_blocks is None:
+            raise ValueError("the simulator needs the KV blocks of an instance (num_blocks)")
         for i, role in enumerate(roles):
             runner = SimulatedRunner(cost, engine_cfg.num_blocks, engine_cfg.block_size,
                                      engine_cfg.max_model_len or 1 << 30, self.clock, num_disk_blocks)
@@ -171,7 +173,11 @@ class Simulation:
             self._held.append(arrival)
             self.admission.held += 1
         # Judged again by then at the latest (when it would become hopeless), sooner on news.
-        self.schedule(self.now + outcome, lambda: arrival in self._held and self._judge(arrival, held=True))
+        def judge_again() -> None:
+            if arrival in self._held:
+                self._judge(arrival, held=True)
+
+        self.schedule(self.now + outcome, judge_again)
 
     def _notify_admission(self) -> None:
         """Queued work left the ledger: every held request is judged again, oldest first."""
@@ -183,6 +189,7 @@ class Simulation:
         request, record = arrival.request, arrival.record
         decision = self.router.route(request, self.views())
         rid, prompt, slo, max_tokens = request.request_id, request.prompt_token_ids, request.slo, request.max_tokens
+        assert max_tokens is not None  # every simulated request has its output length
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         add = AddRequest(rid, prompt, params, request.session_id, 0.0, 0, slo.get("ttft_ms"), slo.get("tbt_ms"),
                          predicted_output_tokens=self.predict(rid, max_tokens) if self.predict else None)
