@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import orjson
 from aiohttp import web
+from prometheus_client import Histogram
 
 from memserve.gateway.metrics import GatewayMetrics
 
@@ -71,12 +72,12 @@ def _instance(worker: dict, node: str) -> dict:
     }
 
 
-def _histogram(hist: object) -> dict:
+def _histogram(hist: Histogram) -> dict:
     """Cumulative bucket counts (``le`` → count, as on /metrics), count and sum of a
     prometheus_client ``Histogram``."""
     buckets: list[list] = []
     count, total = 0.0, 0.0
-    for family in hist.collect():  # type: ignore[attr-defined]
+    for family in hist.collect():
         for sample in family.samples:
             if sample.name.endswith("_bucket"):
                 le = float(sample.labels["le"])

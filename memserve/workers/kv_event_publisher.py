@@ -155,9 +155,11 @@ class VllmEventTranslator:
         """One ``BlockStored`` for a chain of blocks in one tier (each the parent of the next)."""
         blocks = [self.blocks[h] for h in chain]
         tokens: list[int] = []
-        if all(b.tokens is not None for b in blocks):
-            for b in blocks:
-                tokens.extend(b.tokens)  # type: ignore[arg-type]
+        for b in blocks:
+            if b.tokens is None:  # one block's tokens are unknown: send none (see the module docstring)
+                tokens = []
+                break
+            tokens.extend(b.tokens)
         return ["BlockStored", list(chain), blocks[0].parent, tokens, self.block_size, None, MEDIUM[blocks[0].tier]]
 
     def _removed(self, hashes: list[int], out: list[list[Any]]) -> None:

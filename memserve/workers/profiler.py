@@ -237,7 +237,7 @@ class CopyProbe:
     are cold, and cached sources made small copies look several times faster."""
 
     def __init__(self, runner: ModelRunner, cfg: EngineConfig, max_blocks: int, sync: Callable[[], None]) -> None:
-        n = max(2 * max_blocks, COPY_POOL_BYTES // runner.pools.block_nbytes)
+        n = max(2 * max_blocks, COPY_POOL_BYTES // runner.mover.block_nbytes)
         pool_cfg = EngineConfig(**{**vars(cfg), "num_blocks": n, "num_host_blocks": n})
         self.pools = KVPools.create(runner.model_config, pool_cfg, runner.dtype, runner.device)
         self.num_blocks = n
@@ -337,7 +337,7 @@ def profile(model: str | None, dtype: str, device: str, grid: Grid, repeats: int
     meta = {"source": "profiled", "grid": grid.name, "repeats": repeats,
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "environment": {"torch": torch.__version__, "threads": torch.get_num_threads(), "device": str(device)}}
-    return fit_cost_model(key, cfg.block_size, runner.pools.block_nbytes // cfg.block_size, Samples(**samples), meta)
+    return fit_cost_model(key, cfg.block_size, runner.mover.block_nbytes // cfg.block_size, Samples(**samples), meta)
 
 
 def num_runs(grid: Grid, repeats: int) -> int:

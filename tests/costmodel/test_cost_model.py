@@ -201,6 +201,7 @@ def _median_prefill_s(engine, rng: random.Random, x: int, cached: int, repeats: 
     return statistics.median(times)
 
 
+@pytest.mark.slow  # over 10 s; `make test-all` runs it
 def test_profile_quick_end_to_end(tmp_path: Path, monkeypatch):
     """`memserve profile --quick` writes a profile that the default lookup finds and that
     predicts prefills measured here, off its grid.

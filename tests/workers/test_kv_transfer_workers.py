@@ -11,6 +11,8 @@ import random
 import signal
 import time
 
+import pytest
+
 from memserve.config import EngineConfig
 from memserve.gateway.cluster import Cluster, plan_workers
 from memserve.gateway.engine_client import ZmqEngineClient
@@ -94,6 +96,7 @@ async def slow_peer_scenario(model_dir) -> None:
         await client.close()
 
 
+@pytest.mark.slow  # over 10 s; `make test-all` runs it
 def test_a_slow_peer_does_not_stall_the_senders_other_requests():
     asyncio.run(slow_peer_scenario(ensure_model_dir(None)))
 
@@ -126,5 +129,6 @@ async def busy_receiver_scenario(model_dir) -> None:
         await client.close()
 
 
+@pytest.mark.slow  # over 10 s; `make test-all` runs it
 def test_a_transfer_into_a_busy_worker_is_answered_within_its_step():
     asyncio.run(busy_receiver_scenario(ensure_model_dir(None)))

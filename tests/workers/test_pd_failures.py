@@ -86,7 +86,8 @@ async def decode_failures(transfer_mode: str) -> None:
         assert not any(v for i, v in left.items() if i != 2), left
 
 
-@pytest.mark.parametrize("transfer_mode", ["by-request-agg", "by-layer"])
+# by-layer is the slower variant of the same failure paths: `make test-all` runs it.
+@pytest.mark.parametrize("transfer_mode", ["by-request-agg", pytest.param("by-layer", marks=pytest.mark.slow)])
 def test_decode_instance_failures(transfer_mode):
     asyncio.run(decode_failures(transfer_mode))
 

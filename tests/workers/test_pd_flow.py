@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import math
 
+import pytest
 from helpers.pd_harness import (
     BLOCK,
     collect,
@@ -131,5 +132,6 @@ async def handoff_during_a_long_prefill() -> None:
         assert await settled(client) == {PREFILL: 0, DECODE: 0}
 
 
+@pytest.mark.slow  # over 10 s; `make test-all` runs it
 def test_the_handoff_does_not_wait_for_the_next_prefill_step():
     asyncio.run(handoff_during_a_long_prefill())

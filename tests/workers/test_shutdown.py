@@ -30,7 +30,8 @@ def _alive(pid: int) -> bool:
     return stat.exists() and stat.read_text().split(")")[-1].split()[0] != "Z"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+# SIGINT takes the same path as SIGTERM: `make test-all` runs it.
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
 def test_signal_stops_gateway_and_workers(tmp_path, sig):
     server = start_server(["--num-blocks", "64", "--cpu-workers", "2"], tmp_path / "memserve.log", cwd=REPO)
     workers = _children(server.process.pid)

@@ -97,6 +97,7 @@ async def _at_least(events: list[asyncio.Event], n: int) -> None:
         await asyncio.sleep(0.05)
 
 
+@pytest.mark.slow  # over 10 s; `make test-all` runs it
 def test_frozen_worker_is_degraded_then_replaced(server):
     wait_until(lambda: all_ok(server), 120, "both workers healthy")
     victim = workers(server)[1]
