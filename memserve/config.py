@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from memserve.model_files.hub_cache import is_repo_id
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -121,5 +123,7 @@ def served_model_name(cfg: ServeConfig) -> str:
         return cfg.served_model_name
     if cfg.engine.model is None:
         return DEFAULT_MODEL_NAME
+    if is_repo_id(cfg.engine.model):
+        return cfg.engine.model  # a Hugging Face repo id is served under its own name, as vLLM does
     path = Path(cfg.engine.model)
     return path.stem.split(".")[0] if path.suffix == ".gguf" else path.name

@@ -30,6 +30,7 @@ from gguf.quants import dequantize
 from safetensors.numpy import save_file
 
 from memserve.model_files.default_model import default_gguf_path
+from memserve.model_files.hub_cache import cached_snapshot, is_repo_id
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +58,12 @@ _SKIPPED_TENSORS = {"rope_freqs.weight"}
 
 def ensure_model_dir(model: str | Path | None) -> Path:
     """A Hugging Face folder for ``model``: None -> the embedded default GGUF; a .gguf
-    file -> its converted folder in the cache (converted on first use); a folder -> itself."""
+    file -> its converted folder in the cache (converted on first use); a folder -> itself;
+    a repo id (``org/name``) -> its snapshot in the local Hugging Face cache."""
     if model is None:
         gguf_path = default_gguf_path()
     else:
-        path = Path(model).expanduser()
+        path = cached_snapshot(str(model)) if is_repo_id(str(model)) else Path(model).expanduser()
         if path.is_dir():
             if not (path / "config.json").is_file():
                 raise FileNotFoundError(f"{path} is not a Hugging Face model folder (no config.json)")

@@ -1,0 +1,53 @@
+"""``--model org/name`` is served from the local Hugging Face cache, as ``vllm serve``
+finds it, and a repo id that is not cached is a clear error at once (never a download)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from memserve.config import EngineConfig, ServeConfig, served_model_name
+from memserve.model_files.gguf_convert import ensure_model_dir
+from memserve.model_files.hub_cache import is_repo_id
+
+REPO = "memserve-test/SmolLM2-135M"
+
+
+def cache_with(hub: Path, repo: str, folder: Path) -> Path:
+    """Lay ``folder``'s files out as the Hugging Face cache keeps a downloaded repo."""
+    org, name = repo.split("/")
+    root = hub / f"models--{org}--{name}"
+    snapshot = root / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    for f in folder.iterdir():
+        if f.is_file():
+            (snapshot / f.name).symlink_to(f)
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text("0" * 40)
+    return snapshot
+
+
+def test_a_cached_repo_id_resolves_to_its_snapshot(tmp_path, monkeypatch, model_dir):
+    snapshot = cache_with(tmp_path / "hub", REPO, model_dir)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert ensure_model_dir(REPO) == snapshot
+    assert (snapshot / "config.json").is_file()
+    assert served_model_name(ServeConfig(engine=EngineConfig(model=REPO))) == REPO
+
+
+def test_a_repo_id_not_cached_is_a_clear_error_at_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # online or not, nothing is downloaded
+    start = time.monotonic()
+    with pytest.raises(FileNotFoundError, match="not in the local Hugging Face cache"):
+        ensure_model_dir("memserve-test/not-cached")
+    assert time.monotonic() - start < 5
+
+
+def test_paths_are_not_repo_ids(tmp_path):
+    assert is_repo_id("Qwen/Qwen3-0.6B")
+    assert not is_repo_id(str(tmp_path))  # an existing folder
+    assert not is_repo_id("model.gguf") and not is_repo_id("/abs/path/x") and not is_repo_id("a/b/c")
