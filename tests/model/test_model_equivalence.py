@@ -196,6 +196,8 @@ LLAMA3_ROPE = {
         ("LlamaConfig", {"tie_word_embeddings": False, "attention_bias": True, "mlp_bias": True, "rope_parameters": LLAMA3_ROPE}),
         ("LlamaConfig", {"tie_word_embeddings": True, "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}),
         ("Qwen2Config", {"tie_word_embeddings": False}),
+        ("Qwen3Config", {"tie_word_embeddings": False, "head_dim": 16}),
+        ("Qwen3Config", {"tie_word_embeddings": True, "head_dim": 32}),
     ],
 )
 def test_tiny_random_variants_match_transformers_logits(tmp_path, architecture, options):

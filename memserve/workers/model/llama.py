@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) in plain torch, over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM) in plain torch, over a paged KV cache.
 
 The batch is flattened: T new tokens of several sequences back to back, each with its
 position; ``AttentionMetadata`` says where each sequence starts and where its K/V lives.
@@ -47,6 +47,8 @@ class Attention(nn.Module):
         self.scale = config.head_dim**-0.5
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self,
@@ -59,7 +61,10 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         # q and k heads are adjacent: one rotation for both (fewer, larger kernels).
-        qk = apply_rotary(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)
+        qk = qkv[:, : self.num_heads + self.num_kv_heads]
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: each head normalised first
+            qk = torch.cat([self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1)
+        qk = apply_rotary(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.num_heads + self.num_kv_heads :]
         k_cache, v_cache = layer_kv(kv_cache, self.layer, plan.layout)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class ModelConfig:
     qkv_bias: bool = False
     o_proj_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head before the rotation
     # Always holds "rope_type" and "rope_theta", plus the type's own keys (factor, ...).
     rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     bos_token_id: int | None = None
@@ -43,6 +44,8 @@ class ModelConfig:
         model_type = d.get("model_type", "llama")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})")
+        if d.get("use_sliding_window"):
+            raise ValueError("sliding-window attention is not supported yet")
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported; Llama-family models use silu")
         num_heads = d["num_attention_heads"]
@@ -65,6 +68,7 @@ class ModelConfig:
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_proj_bias=attention_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
             rope_parameters=normalize_rope_parameters(d),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
