@@ -29,9 +29,18 @@ def cache_with(hub: Path, repo: str, folder: Path) -> Path:
     return snapshot
 
 
+def use_hub_cache(monkeypatch: pytest.MonkeyPatch, hub: Path) -> None:
+    """Point huggingface_hub at ``hub``: it reads $HF_HUB_CACHE when first imported, which
+    in a test session is long before this test (transformers imports it)."""
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
+
+
 def test_a_cached_repo_id_resolves_to_its_snapshot(tmp_path, monkeypatch, model_dir):
     snapshot = cache_with(tmp_path / "hub", REPO, model_dir)
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    use_hub_cache(monkeypatch, tmp_path / "hub")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert ensure_model_dir(REPO) == snapshot
     assert (snapshot / "config.json").is_file()
@@ -39,7 +48,7 @@ def test_a_cached_repo_id_resolves_to_its_snapshot(tmp_path, monkeypatch, model_
 
 
 def test_a_repo_id_not_cached_is_a_clear_error_at_once(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))
+    use_hub_cache(monkeypatch, tmp_path / "empty-hub")
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # online or not, nothing is downloaded
     start = time.monotonic()
     with pytest.raises(FileNotFoundError, match="not in the local Hugging Face cache"):

@@ -69,6 +69,7 @@ async def scenario(model_dir) -> None:
         await client.close()
 
 
+@pytest.mark.slow  # over 10 s; pd-caching-2 handoffs (tests/workers/test_pd_modes.py) insert by transfer too
 def test_transfer_with_insert_between_worker_processes():
     asyncio.run(scenario(ensure_model_dir(None)))
 
