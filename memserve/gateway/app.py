@@ -60,7 +60,7 @@ from memserve.gateway.responses import (
     ResponseFormat,
     Usage,
 )
-from memserve.gateway.stats import add_stats_routes
+from memserve.gateway.stats import add_stats_routes, health_status
 from memserve.gateway.tokenize_api import (
     parse_detokenize_request,
     parse_tokenize_request,
@@ -512,14 +512,10 @@ class _OpenAIServer:
         stats = self._engine.stats()
         workers = [{**w, "alive": bool(w.get("alive"))} for w in stats.get("workers", [])]
         body = {"workers": workers, "spare_workers": stats.get("spare_workers", [])}
-        dead = [w["instance_id"] for w in workers if not w["alive"]]
-        if not workers or dead:
-            detail = f"workers not alive: {dead}" if dead else "no workers"
-            return _json({"status": "unhealthy", "detail": detail, **body}, status=503)
-        degraded = [w["instance_id"] for w in workers if w.get("state") == "degraded"]
-        if degraded:
-            return _json({"status": "degraded", "detail": f"workers degraded: {degraded}", **body})
-        return _json({"status": "ok", **body})
+        status, detail = health_status(workers)
+        if detail is None:
+            return _json({"status": status, **body})
+        return _json({"status": status, "detail": detail, **body}, status=503 if status == "unhealthy" else 200)
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self._metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})

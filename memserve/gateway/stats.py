@@ -30,13 +30,17 @@ STREAM_INTERVAL_S = 1.0
 _SHARED_MAX_AGE_S = 0.5
 
 
-def _health_status(workers: list[dict]) -> str:
-    """The same rule as ``/health``."""
-    if not workers or any(not w.get("alive") for w in workers):
-        return "unhealthy"
-    if any(w.get("state") == "degraded" for w in workers):
-        return "degraded"
-    return "ok"
+def health_status(workers: list[dict]) -> tuple[str, str | None]:
+    """``/health``'s verdict on the workers, and why when it is not ``ok``: unhealthy when
+    none is there or one is not alive, degraded when one's heartbeats are late or its step
+    is stuck."""
+    dead = [w.get("instance_id") for w in workers if not w.get("alive")]
+    if not workers or dead:
+        return "unhealthy", f"workers not alive: {dead}" if dead else "no workers"
+    degraded = [w.get("instance_id") for w in workers if w.get("state") == "degraded"]
+    if degraded:
+        return "degraded", f"workers degraded: {degraded}"
+    return "ok", None
 
 
 def _instance(worker: dict, node: str) -> dict:
@@ -111,7 +115,7 @@ def build_snapshot(stats: dict, metrics: GatewayMetrics, node: str | None = None
     instances = [_instance(w, node) for w in workers]
     return {
         "time": time.time(),
-        "status": _health_status(workers),
+        "status": health_status(workers)[0],
         "instances": instances,
         "spare_workers": len(stats.get("spare_workers", [])),
         "requests_in_flight": stats.get("num_requests_in_flight", 0),
