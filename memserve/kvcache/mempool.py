@@ -236,7 +236,9 @@ class MemPool(TierMoves, TransferAPI):
             start = self.index.known_prefix(hashes[:n])
             if start < n:
                 newly = self._index_chain(hashes[start - 1] if start else None, hashes[start:n], addrs[start:n])
-                if newly and self.event_tokens is not None:
+                # Callers that pass names alone (a truncated prompt's shifted copies) give
+                # no tokens: those blocks are published without them.
+                if newly and self.event_tokens is not None and len(tokens) >= n * self.block_size:
                     bs = self.block_size
                     for i in range(start, n):
                         self.event_tokens[hashes[i]] = tokens[i * bs:(i + 1) * bs]
