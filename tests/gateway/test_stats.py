@@ -106,13 +106,22 @@ def _metrics(base_url: str) -> dict[tuple[str, tuple], float]:
     return samples
 
 
-def _wait_idle(base_url: str, timeout_s: float = 20.0) -> None:
-    """Until the workers' heartbeats say nothing runs or waits (they lag a request by ≤ 1 s)."""
+def _wait_idle(base_url: str, timeout_s: float = 30.0, settle_s: float = 3.0) -> None:
+    """Until the workers' heartbeats have said nothing runs or waits for ``settle_s`` in a row.
+
+    A heartbeat carries stats the worker published up to one interval (1 s) before the
+    heartbeat thread sends them, so an idle reading can predate a request's own stats:
+    only idle readings held for several intervals mean the figures have settled."""
     deadline = time.monotonic() + timeout_s
+    idle_since = None
     while time.monotonic() < deadline:
         health = json.loads(_get(base_url, "/health"))
-        if all(w["num_running"] == 0 and w["num_waiting"] == 0 for w in health["workers"]):
-            time.sleep(1.2)  # one more heartbeat, so the figures settle
+        snap = json.loads(_get(base_url, "/v1/stats"))
+        idle = all(w["num_running"] == 0 and w["num_waiting"] == 0 for w in health["workers"]) and \
+            all(i["running"] == 0 and i["waiting"] == 0 for i in snap["instances"])
+        now = time.monotonic()
+        idle_since = (idle_since or now) if idle else None
+        if idle_since is not None and now - idle_since >= settle_s:
             return
         time.sleep(0.2)
     raise AssertionError("server not idle")
