@@ -36,6 +36,13 @@ def _buffer_layers(text: str) -> int:
     return -1 if text == "auto" else _non_negative_int(text)
 
 
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError("must be in [0, 1]")
+    return value
+
+
 def _add_up(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="serve a model over the OpenAI API")
     p.add_argument("--model", default=None,
@@ -111,6 +118,10 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-ttl", type=float, default=None, metavar="SECONDS",
                    help="drop cached conversations unused for this long from every tier (default: kept until "
                         "capacity evicts them); a request may ask for longer with the body field cache_ttl_s")
+    p.add_argument("--max-pinned-fraction", type=_fraction, default=0.25, metavar="F",
+                   help="at most this fraction of each KV tier may be pinned by requests' cache_control "
+                        "(a message's {\"type\": \"ephemeral\", \"ttl\": \"5m\"|\"1h\"}); a pin past it gets 429; "
+                        "0 turns pinning off")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--router", default="least-load", choices=sorted(ROUTING_POLICIES),
                    help="how the gateway picks a worker for each request")
@@ -225,6 +236,7 @@ def _run_up(args: argparse.Namespace) -> int:
         layerwise_preload=args.layerwise_preload == "on",
         preload_buffer_layers=args.preload_buffer_layers,
         cache_ttl_s=args.cache_ttl,
+        max_pinned_fraction=args.max_pinned_fraction,
         seed=args.seed,
     )
     cfg = ServeConfig(

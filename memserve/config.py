@@ -45,6 +45,7 @@ class EngineConfig:
     cost_model: str | None = None  # JSON or preset: cacheopt weighs swap against recompute by it
     eviction_policy: str = "lru"  # kvcache/eviction.py
     cache_ttl_s: float | None = None  # cached blocks unused this long are dropped (kvcache/retention.py)
+    max_pinned_fraction: float = 0.25  # of each tier, at most, pinned by cache_control (kvcache/pinning.py); 0: off
     seed: int = 0
 
     @property

@@ -192,6 +192,8 @@ class _Generation:
             try:
                 async for out in outputs:
                     engine_done = out.finished
+                    if out.error_status is not None:  # the engine refused the request as such (4xx)
+                        raise APIError(out.error_status, out.error or "refused")
                     if out.error is not None or out.finish_reason == "error":
                         raise APIError(500, f"engine error: {out.error or 'unknown'}")
                     self.usage.cached_tokens = max(self.usage.cached_tokens, out.num_cached_tokens)
@@ -369,6 +371,10 @@ class _OpenAIServer:
         except ChatTemplateError as e:
             raise bad_request(str(e), "messages") from None
         prompt_ids = await self._fit_window(req, messages, tools, prompt_ids)
+        if req.cache_pin is not None:
+            head = await self._encoder.encode_chat(messages[: req.cache_pin.message_index + 1],
+                                                   self._engine.max_model_len, tools, add_generation_prompt=False)
+            req.pin_tokens, req.pin_ttl_s = common_prefix(head, prompt_ids), req.cache_pin.ttl_s
         return await self._generate(request, chat_format(req.tool_choice), req, [prompt_ids], "messages", arrival)
 
     async def _fit_window(self, req: GenerationRequest, messages: list[dict], tools: list[dict] | None,
@@ -486,7 +492,8 @@ class _OpenAIServer:
             if req.prompt is not None:
                 tokens = await self._encoder.encode(req.prompt, self._engine.max_model_len, req.add_special_tokens)
             else:
-                tokens = await self._encoder.encode_chat(req.messages, self._engine.max_model_len)
+                tokens = await self._encoder.encode_chat(req.messages, self._engine.max_model_len,
+                                                         add_generation_prompt=req.add_generation_prompt)
         except ChatTemplateError as e:
             raise bad_request(str(e), "messages") from None
         body = {"count": len(tokens), "max_model_len": self._engine.max_model_len, "tokens": tokens}

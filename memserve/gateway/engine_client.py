@@ -305,6 +305,8 @@ class ZmqEngineClient:
                 "free_blocks": {t: v["free"] + v["evictable"] for t, v in mp.items() if t in TIER_NAMES},
                 # Blocks the worker's index holds per tier (what its KV events describe).
                 "cached_blocks": {t: v["cached"] for t, v in mp.items() if t in TIER_NAMES},
+                # Blocks pinned by requests' cache_control per tier (kvcache/pinning.py).
+                "pinned_blocks": {t: v.get("pinned", 0) for t, v in mp.items() if t in TIER_NAMES},
                 # Per tier: bytes used, blocks matched, bytes read and written, blocks being saved down.
                 "kv_tiers": mp.get("tier_io", {}),
                 "kv_save_queue": mp.get("save_queue", 0),

@@ -92,8 +92,13 @@ class EngineStatsCollector(Collector):
                                  labels=["instance", "role"])
         handoff = CounterMetricFamily("memserve_pd_handoff", "Disaggregated KV handoffs sent by a prefill worker: "
                                       "handoffs, blocks, bytes, messages", labels=["instance", "what"])
+        pinned = GaugeMetricFamily("memserve_kv_pinned_blocks", "Cached KV blocks per tier that requests pinned "
+                                   "with cache_control (at most --max-pinned-fraction of each tier)",
+                                   labels=["instance", "tier"])
         for worker in workers:
             instance = str(worker.get("instance_id"))
+            for tier, count in worker.get("pinned_blocks", {}).items():
+                pinned.add_metric([instance, tier], count)
             role.add_metric([instance, worker.get("role", "colocated")], 1.0)
             for what in ("handoffs", "blocks_sent", "bytes_sent", "messages"):
                 handoff.add_metric([instance, what], worker.get("pd", {}).get(what, 0))
@@ -124,7 +129,7 @@ class EngineStatsCollector(Collector):
                 unheld.add_metric([instance], allocation["unheld_blocks"])
         yield from (alive, running, waiting, free_blocks, hit_rate, cached, held, tier_bytes, tier_hits, tier_read,
                     tier_write, tier_saving, save_queue, tier_queue, prefetched, prefetch_hits, role, handoff,
-                    reserve, unheld, cached_blocks)
+                    reserve, unheld, cached_blocks, pinned)
 
 
 class GatewayMetrics:

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from memserve.gateway.cache_control import CachePin, parse_cache_control
 from memserve.gateway.errors import APIError, bad_request
 from memserve.gateway.structured_output import response_format_grammar
 from memserve.gateway.tool_calls import ToolChoice, parse_tool_choice
@@ -160,6 +161,10 @@ class GenerationRequest:
     # vLLM's ``cache_salt``: folded into the first KV block's name, so this prompt shares
     # cached blocks only with requests of the same salt (kvcache/hashing.py).
     cache_salt: str | None = field(default=None, kw_only=True)
+    # cache_control (gateway/cache_control.py): keep the prompt's first ``pin_tokens``
+    # tokens cached for ``pin_ttl_s`` seconds; the gateway counts the tokens once encoded.
+    pin_tokens: int = field(default=0, kw_only=True)
+    pin_ttl_s: float = field(default=0.0, kw_only=True)
 
     def sampling_params(self, max_tokens: int, eos_token_ids: list[int]) -> SamplingParams:
         """The model's end-of-sequence ids join the stop ids unless ``ignore_eos``, as
@@ -174,7 +179,8 @@ class GenerationRequest:
                               min_tokens=self.min_tokens, n=self.n, logprobs=self.logprobs,
                               prompt_logprobs=self.prompt_logprobs, grammar=self.grammar,
                               cache_ttl_s=self.cache_ttl_s, dropped_at=self.dropped_at,
-                              dropped_token_ids=self.dropped_token_ids, cache_salt=self.cache_salt)
+                              dropped_token_ids=self.dropped_token_ids, cache_salt=self.cache_salt,
+                              pin_tokens=self.pin_tokens, pin_ttl_s=self.pin_ttl_s)
 
 
 def _parse_common(body: dict, max_tokens_names: tuple[str, ...], max_tokens_default: int | None,
@@ -268,6 +274,7 @@ class CompletionRequest(GenerationRequest):
 class ChatCompletionRequest(GenerationRequest):
     messages: list[dict]
     tool_choice: ToolChoice | None  # None: no tools
+    cache_pin: CachePin | None = None  # the last cache_control marker of the messages
 
 
 def _prompts(body: dict) -> list[str | list[int]]:
@@ -387,7 +394,8 @@ def parse_chat_request(body: dict) -> ChatCompletionRequest:
                               "response_format")
         common["grammar"] = _constrained(body, tool_choice.grammar, "tool_choice")
     return ChatCompletionRequest(**common, logprobs=(top_logprobs or 0) if logprobs else None, prompt_logprobs=None,
-                                 messages=cleaned, tool_choice=tool_choice)
+                                 messages=cleaned, tool_choice=tool_choice,
+                                 cache_pin=parse_cache_control(body["messages"]))
 
 
 # The SLO headers (as the Gateway API Inference Extension names them) and the keys of

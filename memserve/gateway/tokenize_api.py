@@ -1,9 +1,9 @@
 """vLLM's ``/tokenize`` and ``/detokenize`` requests, for clients that count tokens.
 
 ``POST /tokenize`` takes ``{"model"?, "prompt": str, "add_special_tokens"?: true}`` or
-``{"model"?, "messages": [...]}`` (rendered with the chat template and a generation
-prompt, and tokenized exactly as a chat request is: ``add_special_tokens`` applies to a
-``prompt`` only) and answers ``{"count", "max_model_len", "tokens"}``,
+``{"model"?, "messages": [...], "add_generation_prompt"?: true}`` (rendered with the chat
+template, and tokenized exactly as a chat request is: ``add_special_tokens`` applies to a
+``prompt`` only, ``add_generation_prompt`` to ``messages`` only, as in vLLM) and answers ``{"count", "max_model_len", "tokens"}``,
 plus ``token_strs`` when ``return_token_strs`` is true. ``POST /detokenize`` takes
 ``{"model"?, "tokens": [int]}`` and answers ``{"prompt": str}``, special tokens
 included, as vLLM decodes them."""
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from memserve.gateway.errors import bad_request
 from memserve.gateway.protocol import check_prompt_ids, parse_messages
 
-_TYPE_ERRORS = {"add_special_tokens": bool, "return_token_strs": bool, "model": str}
+_TYPE_ERRORS = {"add_special_tokens": bool, "add_generation_prompt": bool, "return_token_strs": bool, "model": str}
 
 
 @dataclass
@@ -24,6 +24,7 @@ class TokenizeRequest:
     prompt: str | None  # exactly one of prompt and messages
     messages: list[dict] | None
     add_special_tokens: bool
+    add_generation_prompt: bool
     return_token_strs: bool
 
 
@@ -52,6 +53,7 @@ def parse_tokenize_request(body: dict) -> TokenizeRequest:
         prompt=body["prompt"] if has_prompt else None,
         messages=parse_messages(body) if has_messages else None,
         add_special_tokens=body.get("add_special_tokens") is not False,
+        add_generation_prompt=body.get("add_generation_prompt") is not False,
         return_token_strs=bool(body.get("return_token_strs")),
     )
 

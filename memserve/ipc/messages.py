@@ -66,6 +66,10 @@ class SamplingParams:
     # request shares cached blocks only with requests of the same salt. Last: new fields
     # go at the end (fields travel by position).
     cache_salt: str | None = None
+    # cache_control (kvcache/pinning.py): keep the blocks of the prompt's first
+    # ``pin_tokens`` tokens cached for ``pin_ttl_s`` seconds. 0: no pin.
+    pin_tokens: int = 0
+    pin_ttl_s: float = 0.0
 
     @property
     def greedy(self) -> bool:
@@ -242,6 +246,9 @@ class RequestOutput:
     # One TokenLogprobs per new token / per prompt token after the first (when asked).
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # With ``error``: the HTTP status the gateway answers with (429: the pinned-block cap);
+    # None: a server error.
+    error_status: int | None = None
 
 
 @dataclass

@@ -59,6 +59,7 @@ from memserve.kvcache.events import REMOVED, STORED, KVEvent
 from memserve.kvcache.eviction import EvictionPolicy
 from memserve.kvcache.hashing import block_hashes
 from memserve.kvcache.mover import BlockMover
+from memserve.kvcache.pinning import Pins
 from memserve.kvcache.pool_state import Held
 from memserve.kvcache.radix import RadixIndex, RadixNode
 from memserve.kvcache.saver import InlineSaver, Saver
@@ -94,6 +95,7 @@ class MemPool(TierMoves, TransferAPI):
         disk: DiskStore | None = None,
         save_watermark: float = 0.1,
         step_blocks: int = 0,
+        max_pinned_fraction: float = 0.0,
     ) -> None:
         self.instance_id = instance_id
         self.block_size = block_size
@@ -109,6 +111,8 @@ class MemPool(TierMoves, TransferAPI):
             raise ValueError("a MemPool needs blocks in at least one tier")
         self._node_of: list[list[RadixNode | None]] = [[None] * (p.num_blocks if p else 0) for p in self._pools]
         self.index = RadixIndex(block_size, self._clock, eviction)
+        self.pins = (Pins(self.index, [p.num_blocks for p in self._pools if p is not None], max_pinned_fraction,
+                          self._clock) if max_pinned_fraction > 0 else None)
         self._events: list[KVEvent] = []
         # Set to a dict by a consumer that needs the tokens of stored blocks (the worker's
         # vLLM-format KV event publisher): insert records hash -> the block's tokens there,
@@ -326,7 +330,7 @@ class MemPool(TierMoves, TransferAPI):
 
     def stats(self) -> dict[str, Any]:
         """Hit rate; per tier (``device``, ...) its block counts (``used``: held by
-        requests); under ``tier_io`` per tier: bytes in use, blocks matched there, bytes
+        requests; ``pinned``, with pinning on: blocks pinned there); under ``tier_io`` per tier: bytes in use, blocks matched there, bytes
         read from and written to it, blocks being saved out of it; ``save_queue``: save
         jobs not yet committed."""
         out: dict[str, Any] = {
@@ -358,6 +362,10 @@ class MemPool(TierMoves, TransferAPI):
                 # blocks queued or in flight between this tier and another (saves, prefetches)
                 "queue_depth": self._saving[tier] + self._incoming[tier],
             }
+        if self.pins is not None:
+            for tier, n in self.pins.per_tier().items():
+                if tier in self.tiers:
+                    out[tier.name.lower()]["pinned"] = n
         if Tier.HOST in self.tiers and Tier.DISK in self.tiers:
             io["host"]["prefetched"] = self._prefetch_blocks
             io["host"]["prefetch_hits"] = self._prefetch_hits

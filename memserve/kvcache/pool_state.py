@@ -18,6 +18,7 @@ from memserve.kvcache.blocks import BlockPool
 from memserve.kvcache.disk_store import DiskStore
 from memserve.kvcache.events import KVEvent
 from memserve.kvcache.mover import BlockMover, TransferEndpoint
+from memserve.kvcache.pinning import Pins
 from memserve.kvcache.radix import RadixIndex, RadixNode
 from memserve.kvcache.saver import Saver
 
@@ -40,6 +41,7 @@ class PoolState:
     index: RadixIndex
     saver: Saver
     disk: DiskStore | None  # the DISK tier's files, when there is one
+    pins: Pins | None  # blocks requests pinned (cache_control); None: pinning is off
     _clock: Callable[[], float]
     _pools: list[BlockPool | None]  # per tier (indexed by Tier); None: no such tier here
     _node_of: list[list[RadixNode | None]]  # per tier and block: the node indexing it

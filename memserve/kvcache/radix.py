@@ -339,6 +339,17 @@ class RadixIndex:
             self._left_tier(parent, tier)
         return removed
 
+    @property
+    def eviction(self) -> EvictionPolicy:
+        return self._eviction
+
+    def set_eviction(self, policy: EvictionPolicy) -> None:
+        """Order eviction by ``policy`` from now on (``pinning.Pins`` wraps the policy at
+        its first pin): every tier's frontier is listed again under the new priorities."""
+        self._eviction = policy
+        for tier in range(_NUM_TIERS):
+            self._rebuild_heap(tier)
+
     def requeue(self, nodes: Iterable[RadixNode]) -> None:
         """The eviction policy changed these nodes' priorities (a dynamic policy, e.g. the
         scheduler's look-ahead window moved): list the idle frontier ones again under

@@ -5,7 +5,8 @@ bounds how long idle KV (and its disk files) outlive their conversation.
 
 A request may ask for its own conversation to be kept longer (``cache_ttl_s`` in the
 body): its blocks then expire after the longer of the two. Expiry never shortens the
-server's TTL and never touches blocks in use.
+server's TTL and never touches blocks in use, nor blocks a request pinned
+(``pinning.py``: they expire with their pin, then age from their last use).
 
 Expired blocks leave whole subtrees at a time (a child never outlives its parent in the
 index), through ``MemPool.drop``: the gateway's mirrors get REMOVED events and disk
@@ -50,7 +51,9 @@ class Retention:
             return 0
         self._next_sweep = now + self.ttl_s / 16
         index = self.mempool.index
-        expired = {n for n in index.nodes() if n.idle and now - n.last_access > self.ttl_of(n)}
+        pins = self.mempool.pins
+        expired = {n for n in index.nodes()
+                   if n.idle and now - n.last_access > self.ttl_of(n) and (pins is None or n.hash not in pins)}
         dropped = 0
         for node in expired:
             if node.parent in expired or node.parent is None:

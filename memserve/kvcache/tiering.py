@@ -114,8 +114,11 @@ class TierMoves(PoolState):
         victims = self.index.select_evictable(tier, n)
         nxt = self._next_tier(tier)
         keep = 0
-        if nxt is not None and self.saver.inline:
-            keep = min(len(victims), self._pool(nxt, "evict").num_free + self.index.idle_count(nxt))
+        if nxt is not None:
+            # Pinned blocks (pinning.py) come last and are demoted even by an asynchronous
+            # saver, which then waits for them: a pin keeps its block on some tier.
+            wanted = len(victims) if self.saver.inline else self._pinned_tail(victims)
+            keep = min(wanted, self._pool(nxt, "evict").num_free + self.index.idle_count(nxt))
         # Drop the oldest: victims come deepest first, so none of them is an ancestor of a
         # demoted one. A dropped block's slower descendants go with it.
         dropped = victims[: len(victims) - keep]
@@ -124,7 +127,16 @@ class TierMoves(PoolState):
         if keep:
             assert nxt is not None  # only a slower tier keeps any
             self._save(victims[len(victims) - keep :], nxt)
+            if not self.saver.inline:
+                self.saver.wait()
             self._finish_saves()
+
+    def _pinned_tail(self, victims: list[RadixNode]) -> int:
+        """How many of the last victims are pinned (they are chosen last, so they end the list)."""
+        pins = self.pins
+        if pins is None:
+            return 0
+        return next((i for i, v in enumerate(reversed(victims)) if v.hash not in pins), len(victims))
 
     def _room(self, tier: Tier) -> int:
         """Blocks a save into ``tier`` can get without waiting: free ones, plus idle ones

@@ -40,7 +40,7 @@ class SlowMover:
 
 
 def tiered_pool(tmp_path, device=4, host=4, disk_blocks=8, watermark=1.0, slow: Tier | None = None,
-                instance=0) -> tuple[MemPool, NumpyBlockMover]:
+                instance=0, max_pinned_fraction=0.0) -> tuple[MemPool, NumpyBlockMover]:
     """A MemPool with numpy device/host tiers, a real disk store and a background saver."""
     memory = NumpyBlockMover({Tier.DEVICE: device, Tier.HOST: host}, BLOCK_NBYTES)
     store = DiskStore(tmp_path, disk_blocks * (BLOCK_NBYTES + HEADER_NBYTES), BLOCK_NBYTES, fingerprint=1234)
@@ -48,7 +48,7 @@ def tiered_pool(tmp_path, device=4, host=4, disk_blocks=8, watermark=1.0, slow: 
     saver_mover = SlowMover(mover, slow) if slow is not None else mover
     tiers = {Tier.DEVICE: device, Tier.HOST: host, Tier.DISK: store.num_blocks}
     pool = MemPool(instance, tiers, BS, mover=mover, saver=ThreadSaver(saver_mover), disk=store,
-                   save_watermark=watermark)
+                   save_watermark=watermark, max_pinned_fraction=max_pinned_fraction)
     pool.slow = saver_mover  # type: ignore[attr-defined]
     return pool, memory
 

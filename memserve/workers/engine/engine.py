@@ -33,6 +33,8 @@ from memserve.workers.engine.truncated_prefix import reuse_truncated
 
 log = logging.getLogger("memserve.worker")
 
+PIN_CAP_STATUS = 429  # a pin past --max-pinned-fraction: too many requests pinning, try later
+
 
 class Engine:
     def __init__(self, cfg: EngineConfig, runner: Runner, eos_token_ids: set[int], instance_id: int = 0,
@@ -62,7 +64,8 @@ class Engine:
         self.mempool = MemPool(instance_id, tiers, cfg.block_size, enable_caching=cfg.enable_prefix_caching,
                                mover=runner.mover, clock=clock, eviction=eviction,
                                saver=runner.saver, disk=disk, save_watermark=cfg.save_watermark,
-                               step_blocks=-(-cfg.max_num_batched_tokens // cfg.block_size))
+                               step_blocks=-(-cfg.max_num_batched_tokens // cfg.block_size),
+                               max_pinned_fraction=cfg.max_pinned_fraction)
         # Scheduler-aware eviction ranks by the waiting queue, which also drives prefetching.
         self.lookahead = LookAhead(self.mempool, eviction) if isinstance(eviction, SchedulerAware) else None
         self.retention = Retention(self.mempool, cfg.cache_ttl_s, clock) if cfg.cache_ttl_s else None
@@ -91,11 +94,30 @@ class Engine:
                        predicted_output_tokens=req.predicted_output_tokens,
                        output_token_ids=list(req.output_token_ids))
         name_first_choice(seq)
+        if req.params.pin_tokens and not self._pin(seq):
+            return self.scheduler.reject(seq, self._pin_refusal(seq), PIN_CAP_STATUS)
         if req.params.dropped_token_ids:
             reuse_truncated(self.mempool, seq.prompt_token_ids, req.params.dropped_at, req.params.dropped_token_ids,
                             self.runner.shift_blocks, req.params.cache_salt)
         self._arrivals += 1
         return self.scheduler.add(seq)
+
+    def _pin(self, seq: Sequence) -> bool:
+        """Pin the prompt's blocks up to ``pin_tokens`` (``cache_control``) for its TTL;
+        False when pinning is off or the pinned cap would be passed."""
+        pins = self.mempool.pins
+        num_blocks = min(seq.params.pin_tokens, seq.num_prompt_tokens) // self.cfg.block_size
+        return pins is not None and pins.pin(seq.full_block_hashes(self.cfg.block_size, num_blocks),
+                                             seq.params.pin_ttl_s)
+
+    def _pin_refusal(self, seq: Sequence) -> str:
+        pins = self.mempool.pins
+        if pins is None:
+            return "cache_control pinning is off on this server (--max-pinned-fraction 0)"
+        num_blocks = min(seq.params.pin_tokens, seq.num_prompt_tokens) // self.cfg.block_size
+        wanted = pins.new_blocks(seq.full_block_hashes(self.cfg.block_size, num_blocks))
+        return (f"cache_control would pin {wanted} more KV blocks; {len(pins)} of the cap of {pins.cap} are pinned "
+                f"(--max-pinned-fraction {pins.fraction} of the smallest KV tier)")
 
     def abort(self, request_id: str) -> RequestOutput | None:
         seq = self.scheduler.abort(request_id)
@@ -168,6 +190,8 @@ class Engine:
     def sweep_expired(self) -> int:
         """Drop the cached conversations past their TTL (``--cache-ttl``) when a sweep is
         due; the worker also calls it while idle. Returns how many blocks went."""
+        if self.mempool.pins is not None:
+            self.mempool.pins.sweep()
         return self.retention.sweep() if self.retention is not None else 0
 
     def _isolate_failures(self, plan: StepPlan) -> tuple[StepPlan, StepResult, list[RequestOutput]]:

@@ -81,7 +81,7 @@ class Scheduler:
         engine caps the context by the pool, so a request that fits it fits the pool)."""
         max_len = self.config.max_model_len
         if seq.num_prompt_tokens == 0 or seq.num_prompt_tokens >= max_len:
-            return self._reject(seq, f"prompt of {seq.num_prompt_tokens} tokens does not fit the context window "
+            return self.reject(seq, f"prompt of {seq.num_prompt_tokens} tokens does not fit the context window "
                                      f"of {max_len} tokens")
         self._requests[seq.request_id] = seq
         self.policy.push(seq)
@@ -329,11 +329,13 @@ class Scheduler:
         self._unseen.discard(seq.request_id)
         self._finished_ids.append(seq.request_id)
 
-    def _reject(self, seq: Sequence, message: str) -> RequestOutput:
+    def reject(self, seq: Sequence, message: str, status: int | None = None) -> RequestOutput:
+        """End a request before it is queued: an error output (``status``: the HTTP status
+        the gateway answers with; None: a server error)."""
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "error"
         out = self._output(seq, [])
-        out.error = message
+        out.error, out.error_status = message, status
         return out
 
     @staticmethod
