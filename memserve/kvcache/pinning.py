@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable
 
 from memserve.kvcache.address import Tier
 from memserve.kvcache.eviction import CachedBlock, EvictionPolicy, Priority
-from memserve.kvcache.radix import RadixIndex, RadixNode
+from memserve.kvcache.radix import RadixIndex
 
 DEFAULT_MAX_PINNED_FRACTION = 0.25
 
@@ -113,6 +113,3 @@ class Pins:
         nodes = [n for n in map(self.index.get, hashes) if n is not None]
         self.index.requeue(nodes)
 
-
-def pinned(pins: Pins | None, node: RadixNode) -> bool:
-    return pins is not None and node.hash in pins
