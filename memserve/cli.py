@@ -9,9 +9,12 @@ import os
 import sys
 
 from memserve.config import EngineConfig, ServeConfig
+from memserve.gateway.reasoning import PARSERS as REASONING_PARSERS
 from memserve.gateway.routing.admission import MODES as ADMISSION_MODES
 from memserve.gateway.routing.pd_topology import PD_MODES, parse_instances
 from memserve.gateway.routing.router import ROUTING_POLICIES
+from memserve.gateway.tool_parsers import AUTO as TOOL_PARSER_AUTO
+from memserve.gateway.tool_parsers import PARSERS as TOOL_PARSERS
 from memserve.kvcache.eviction import EVICTION_POLICIES
 from memserve.text.truncation import DEFAULT_TRUNCATION, TRUNCATION_MODES
 from memserve.workers.engine.policies import SCHEDULE_POLICIES, make_schedule_policy
@@ -166,6 +169,13 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
                    help="a chat over the context window: drop whole blocks of its oldest turns (keeping the "
                         "system prompt) and reuse their successors' cached KV shifted (kv-shift) or recompute "
                         "it (recompute); or refuse it with 400 (error)")
+    p.add_argument("--tool-call-parser", default=TOOL_PARSER_AUTO, choices=[TOOL_PARSER_AUTO, *TOOL_PARSERS],
+                   help="how the model writes tool calls for tool_choice auto: hermes (<tool_call> tags), "
+                        "llama3_json (Llama 3.1's JSON), mistral ([TOOL_CALLS]); auto: the one the chat template "
+                        "writes, else hermes")
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="put the model's <think>...</think> text in the message's reasoning_content instead of "
+                        "its content: qwen3 (the model opens <think>), deepseek_r1 (the template opens it)")
     p.add_argument("--no-web-ui", action="store_true",
                    help="do not serve the chat page (/) and the cache dashboard (/dashboard); the stats API "
                         "(/v1/stats, /v1/stats/stream) stays")
@@ -255,6 +265,8 @@ def _run_up(args: argparse.Namespace) -> int:
         body_timeout_s=args.body_timeout,
         max_connections=args.max_connections,
         truncation=args.truncation,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         web_ui=not args.no_web_ui,
         router=args.router,
         cost_model=args.cost_model,

@@ -108,6 +108,8 @@ class ServeConfig:
     body_timeout_s: float = 10.0  # a request body must arrive within this
     max_connections: int = 1024  # open HTTP connections; past it a new one is answered 503
     truncation: str = "kv-shift"  # a chat over the context window: kv-shift | recompute | error (text/truncation.py)
+    tool_call_parser: str = "auto"  # how tool calls are read from the text (gateway/tool_parsers.py)
+    reasoning_parser: str | None = None  # <think> text to reasoning_content (gateway/reasoning.py)
     # API keys (gateway/auth.py): --api-key (repeatable) and MEMSERVE_API_KEY; empty: the API is
     # open. --metrics-api-key protects /metrics; --cache-salt-from-key salts unsalted requests
     # with their key's id. Kept out of repr: the keys must never reach a log.

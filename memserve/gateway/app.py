@@ -46,6 +46,7 @@ from memserve.gateway.metrics import GatewayMetrics
 from memserve.gateway.parallel_choices import choice_engines
 from memserve.gateway.prompt_encoder import DEFAULT_PROCESSES, PromptEncoder
 from memserve.gateway.protocol import (
+    ChatCompletionRequest,
     GenerationRequest,
     check_logit_bias,
     check_prompt_ids,
@@ -54,6 +55,8 @@ from memserve.gateway.protocol import (
     resolve_max_tokens,
     resolve_slo,
 )
+from memserve.gateway.reasoning import PARSERS as REASONING_PARSERS
+from memserve.gateway.reasoning import ReasoningParser
 from memserve.gateway.responses import (
     CompletionFormat,
     LogprobsRenderer,
@@ -66,6 +69,9 @@ from memserve.gateway.tokenize_api import (
     parse_tokenize_request,
 )
 from memserve.gateway.tool_calls import chat_format, template_inputs
+from memserve.gateway.tool_parsers import AUTO as TOOL_PARSER_AUTO
+from memserve.gateway.tool_parsers import ToolCallParser
+from memserve.gateway.tool_parsers import tool_call_parser as tool_parser
 from memserve.gateway.web_ui import add_web_routes
 from memserve.ipc.messages import RequestOutput
 from memserve.text.detokenizer import IncrementalDetokenizer
@@ -323,11 +329,22 @@ async def _send_event(response: web.StreamResponse, obj: object) -> None:
     await response.write(b"data: " + orjson.dumps(obj) + b"\n\n")
 
 
+@dataclass(frozen=True)
+class ChatParsers:
+    """How chat output text is read: tool calls (``--tool-call-parser``) and reasoning
+    (``--reasoning-parser``; None: the text is all content)."""
+
+    tools: ToolCallParser
+    reasoning: ReasoningParser | None
+
+
 class _OpenAIServer:
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, encoder: PromptEncoder, model_name: str,
                  metrics: GatewayMetrics, body_timeout_s: float, slo_defaults: dict[str, float],
-                 truncation: str = DEFAULT_TRUNCATION, block_size: int = 16) -> None:
+                 truncation: str = DEFAULT_TRUNCATION, block_size: int = 16,
+                 parsers: ChatParsers | None = None) -> None:
         self._engine = engine
+        self._parsers = parsers or ChatParsers(tool_parser(TOOL_PARSER_AUTO, tokenizer.chat_template), None)
         self._truncation = truncation
         self._block_size = block_size
         self._slo_defaults = slo_defaults
@@ -367,17 +384,21 @@ class _OpenAIServer:
         self._check_model(req.model)
         messages, tools = template_inputs(req.messages, req.tool_choice, self._tokenizer.supports_tools)
         try:
-            prompt_ids = await self._encoder.encode_chat(messages, self._engine.max_model_len, tools)
+            prompt_ids = await self._encoder.encode_chat(messages, self._engine.max_model_len, tools,
+                                                         template_kwargs=req.template_kwargs)
         except ChatTemplateError as e:
             raise bad_request(str(e), "messages") from None
         prompt_ids = await self._fit_window(req, messages, tools, prompt_ids)
         if req.cache_pin is not None:
             head = await self._encoder.encode_chat(messages[: req.cache_pin.message_index + 1],
-                                                   self._engine.max_model_len, tools, add_generation_prompt=False)
+                                                   self._engine.max_model_len, tools, add_generation_prompt=False,
+                                                   template_kwargs=req.template_kwargs)
             req.pin_tokens, req.pin_ttl_s = common_prefix(head, prompt_ids), req.cache_pin.ttl_s
-        return await self._generate(request, chat_format(req.tool_choice), req, [prompt_ids], "messages", arrival)
+        fmt = chat_format(req.tool_choice, self._parsers.tools, self._parsers.reasoning)
+        return await self._generate(request, fmt, req, [prompt_ids], "messages", arrival)
 
-    async def _fit_window(self, req: GenerationRequest, messages: list[dict], tools: list[dict] | None,
+    async def _fit_window(self, req: ChatCompletionRequest, messages: list[dict], tools: list[dict] | None,
+
                           prompt_ids: list[int]) -> list[int]:
         """A conversation over the context window loses whole blocks of its oldest turns
         (``--truncation``, text/truncation.py); with ``error`` it gets the usual 400."""
@@ -385,11 +406,13 @@ class _OpenAIServer:
         if self._truncation == "error" or not overflows(len(prompt_ids), max_model_len, req.max_tokens):
             return prompt_ids
         try:
-            head = await self._encoder.encode_chat(head_messages(messages), max_model_len, tools)
+            head = await self._encoder.encode_chat(head_messages(messages), max_model_len, tools,
+                                                   template_kwargs=req.template_kwargs)
         except ChatTemplateError:
             head = []  # a template that refuses an empty turn: keep no head
         try:
-            tail = await self._encoder.encode_chat(tail_messages(messages), max_model_len, tools)
+            tail = await self._encoder.encode_chat(tail_messages(messages), max_model_len, tools,
+                                                   template_kwargs=req.template_kwargs)
         except ChatTemplateError:
             tail = prompt_ids  # the last message cannot be told apart: nothing may be dropped
         try:
@@ -566,13 +589,15 @@ def create_app(engine: EngineClient, tokenizer: Tokenizer, model_name: str, max_
                body_timeout_s: float = 10.0, tokenizer_processes: int = DEFAULT_PROCESSES,
                slo_defaults: dict[str, float] | None = None, truncation: str = DEFAULT_TRUNCATION,
                block_size: int = 16, web_ui: bool = True,
-               auth: AuthConfig | None = None) -> web.Application:
+               auth: AuthConfig | None = None, tool_call_parser: str = TOOL_PARSER_AUTO,
+               reasoning_parser: str | None = None) -> web.Application:
     """The OpenAI API over ``engine``. Serve it with ``connection.GatewayRunner(app,
     handler_cancellation=True)`` so that a client disconnect cancels its handler at once
     and malformed HTTP gets error objects too. ``slo_defaults``: the SLOs (``ttft_ms``,
     ``tbt_ms``) of requests that set none. ``truncation``: what becomes of a chat over the
     context window (text/truncation.py); ``block_size``: the workers' KV block size;
-    ``web_ui``: serve the chat page (/) and the dashboard (/dashboard)."""
+    ``web_ui``: serve the chat page (/) and the dashboard (/dashboard); ``tool_call_parser``
+    and ``reasoning_parser``: how chat text is read (gateway/tool_parsers.py, reasoning.py)."""
     metrics = GatewayMetrics(engine.stats)
     middlewares = [_error_middleware(metrics)]
     # API keys (gateway/auth.py): ``auth`` with keys protects /v1/*, /tokenize, /detokenize
@@ -587,7 +612,9 @@ def create_app(engine: EngineClient, tokenizer: Tokenizer, model_name: str, max_
 
     app.on_cleanup.append(close_encoder)
     server = _OpenAIServer(engine, tokenizer, encoder, model_name, metrics, body_timeout_s, slo_defaults or {},
-                           truncation, block_size)
+                           truncation, block_size,
+                           ChatParsers(tool_parser(tool_call_parser, tokenizer.chat_template),
+                                       REASONING_PARSERS[reasoning_parser] if reasoning_parser else None))
     app.add_routes([
         web.post("/v1/completions", server.completions),
         web.post("/v1/chat/completions", server.chat_completions),

@@ -49,9 +49,9 @@ def _encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool = True) ->
 
 
 def _encode_chat(tokenizer: Tokenizer, messages: list[dict], max_chars: int, tools: list[dict] | None,
-                 add_generation_prompt: bool) -> list[int]:
+                 add_generation_prompt: bool, template_kwargs: dict | None) -> list[int]:
     """The rendered conversation is bounded like a completion prompt, before tokenising."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt, tools)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs)
     if len(text) > max_chars:
         raise PromptTooLong(len(text))
     return tokenizer.encode(text, add_special_tokens=False)
@@ -102,13 +102,14 @@ class PromptEncoder:
             raise self._too_long(e, max_model_len, "prompt") from None
 
     async def encode_chat(self, messages: list[dict], max_model_len: int, tools: list[dict] | None = None,
-                          add_generation_prompt: bool = True) -> list[int]:
+                          add_generation_prompt: bool = True, template_kwargs: dict | None = None) -> list[int]:
         """Raises ``ChatTemplateError`` when the template refuses the conversation.
-        ``tools`` (function definitions) are rendered too, and cost as their JSON does."""
+        ``tools`` (function definitions) are rendered too, and cost as their JSON does;
+        ``template_kwargs``: the request's ``chat_template_kwargs``."""
         cost = sum(len(m["content"]) + MESSAGE_COST_CHARS for m in messages) + (len(orjson.dumps(tools)) if tools else 0)
         try:
             return await self._run(cost, _encode_chat, messages, self.max_prompt_chars(max_model_len), tools,
-                                   add_generation_prompt)
+                                   add_generation_prompt, template_kwargs)
         except PromptTooLong as e:
             raise self._too_long(e, max_model_len, "messages") from None
 

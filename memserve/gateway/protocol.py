@@ -275,6 +275,7 @@ class ChatCompletionRequest(GenerationRequest):
     messages: list[dict]
     tool_choice: ToolChoice | None  # None: no tools
     cache_pin: CachePin | None = None  # the last cache_control marker of the messages
+    template_kwargs: dict | None = None  # chat_template_kwargs: more variables for the chat template
 
 
 def _prompts(body: dict) -> list[str | list[int]]:
@@ -395,7 +396,28 @@ def parse_chat_request(body: dict) -> ChatCompletionRequest:
         common["grammar"] = _constrained(body, tool_choice.grammar, "tool_choice")
     return ChatCompletionRequest(**common, logprobs=(top_logprobs or 0) if logprobs else None, prompt_logprobs=None,
                                  messages=cleaned, tool_choice=tool_choice,
-                                 cache_pin=parse_cache_control(body["messages"]))
+                                 cache_pin=parse_cache_control(body["messages"]),
+                                 template_kwargs=_template_kwargs(body))
+
+
+# Variables the chat template gets from the server, which a request cannot set.
+_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+MAX_TEMPLATE_KWARGS = 16
+
+
+def _template_kwargs(body: dict) -> dict | None:
+    """vLLM's ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}`` for Qwen3): up to
+    16 variables of scalar values; none may replace what the server passes."""
+    kwargs = _get(body, "chat_template_kwargs", dict)
+    if kwargs is None:
+        return None
+    param = "chat_template_kwargs"
+    if len(kwargs) > MAX_TEMPLATE_KWARGS or not all(
+            isinstance(k, str) and k.isidentifier() and not k.endswith("_token") and k not in _TEMPLATE_VARIABLES
+            and (v is None or isinstance(v, (bool, int, float, str))) for k, v in kwargs.items()):
+        raise bad_request(f"'{param}' must map at most {MAX_TEMPLATE_KWARGS} names (not messages, tools, documents, "
+                          "add_generation_prompt or special tokens) to strings, numbers, booleans or null", param)
+    return kwargs
 
 
 # The SLO headers (as the Gateway API Inference Extension names them) and the keys of

@@ -93,7 +93,8 @@ async def serve(cfg: ServeConfig) -> None:
         slo_defaults = {k: v for k, v in (("ttft_ms", cfg.slo_ttft_ms), ("tbt_ms", cfg.slo_tbt_ms)) if v is not None}
         app = create_app(client, tokenizer, name, cfg.max_body_bytes, cfg.body_timeout_s, slo_defaults=slo_defaults,
                          truncation=cfg.truncation, block_size=cfg.engine.block_size,
-                         web_ui=cfg.web_ui,
+                         web_ui=cfg.web_ui, tool_call_parser=cfg.tool_call_parser,
+                         reasoning_parser=cfg.reasoning_parser,
                          auth=AuthConfig(tuple(cfg.api_keys), cfg.metrics_api_key, cfg.cache_salt_from_key))
         runner = GatewayRunner(app, header_timeout_s=cfg.header_timeout_s, body_timeout_s=cfg.body_timeout_s,
                                max_connections=cfg.max_connections, access_log=None, handler_cancellation=True)

@@ -4,9 +4,10 @@
 grammar (``structured_output.py``) to, respectively, a JSON array of
 ``{"name", "parameters"}`` objects (as vLLM does) and the named function's arguments.
 ``auto`` lets the model decide, which only a model whose chat template describes the
-tools can: the tools go to the template and calls come back in Hermes' form,
-``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (vLLM's
-``--tool-call-parser hermes``). A template without tool support gets a 400 for ``auto``.
+tools can: the tools go to the template and calls come back in the model family's form,
+read by ``--tool-call-parser`` (``tool_parsers.py``: Hermes' ``<tool_call>`` tags,
+Llama 3.1's JSON, Mistral's ``[TOOL_CALLS]``). A template without tool support gets a
+400 for ``auto``.
 ``none`` leaves the tools out of the prompt and the output as text.
 
 Whatever the mode, a choice that called tools has ``content: null`` (unless the model
@@ -25,13 +26,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memserve.gateway.errors import bad_request
+from memserve.gateway.reasoning import ReasoningChatFormat, ReasoningParser
 from memserve.gateway.responses import ChatFormat
 from memserve.gateway.structured_output import json_schema_grammar
+from memserve.gateway.tool_parsers import ToolCallParser
 
 MAX_TOOLS = 128  # OpenAI's cap
 _FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
-_HERMES_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 # The arguments of a function declared without parameters.
 NO_PARAMETERS: dict = {"type": "object", "properties": {}, "additionalProperties": False}
 
@@ -181,15 +183,14 @@ def _required_calls(text: str) -> list[dict] | None:
         return None
 
 
-def _hermes_calls(text: str) -> tuple[str, list[dict]] | None:
+def _auto_calls(parser: ToolCallParser, text: str) -> tuple[str, list[dict]] | None:
     """(content before the calls, calls), or None when the text holds no valid call."""
-    start = text.find(TOOL_CALL_START)
+    start = parser.start(text)
     if start < 0:
         return None
     try:
-        found = [json.loads(body) for body in _HERMES_CALL.findall(text[start:])]
-        calls = [_call(item["name"], _arguments(item.get("arguments", {}))) for item in found]
-    except (ValueError, TypeError, KeyError):
+        calls = [_call(name, _arguments(arguments)) for name, arguments in parser.calls(text[start:])]
+    except ValueError:
         return None
     return text[:start].strip(), calls
 
@@ -203,8 +204,10 @@ class _ChoiceStream:
     """One streamed choice's text, turned into content and tool-call deltas."""
 
     choice: ToolChoice
+    parser: ToolCallParser
     held: str = ""  # text not sent yet
-    in_calls: bool = False  # auto mode: a <tool_call> began
+    in_calls: bool = False  # auto mode: the calls began
+    sent_text: bool = False  # content went out: a parser whose calls open the output finds none now
     call: dict | None = None  # function mode: the call whose arguments stream
     calls: list[dict] = field(default_factory=list)
 
@@ -220,14 +223,17 @@ class _ChoiceStream:
         self.held += text
         if mode == "required" or self.in_calls:
             return {}
-        start = self.held.find(TOOL_CALL_START)
+        if self.sent_text and self.parser.at_start_only:
+            content, self.held = self.held, ""
+            return {"content": content} if content else {}
+        start = self.parser.start(self.held)
         if start >= 0:
             self.in_calls = True
             content, self.held = self.held[:start], self.held[start:]
-        else:  # keep back what may be the beginning of a tag
-            keep = next((n for n in range(min(len(self.held), len(TOOL_CALL_START) - 1), 0, -1)
-                         if TOOL_CALL_START.startswith(self.held[-n:])), 0)
+        else:  # keep back what may be the beginning of the calls
+            keep = self.parser.may_start(self.held)
             content, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+        self.sent_text = self.sent_text or bool(content)
         return {"content": content} if content else {}
 
     def finish(self, reason: str | None) -> tuple[dict, str | None]:
@@ -236,13 +242,14 @@ class _ChoiceStream:
             delta = {} if self.call is not None else {"tool_calls": [{"index": 0, **_call(self.choice.function or "",
                                                                                            "")}]}
             return delta, _finish_reason(reason, True)
-        calls = _required_calls(held) if mode == "required" else (_hermes_calls(held) or ("", None))[1]
+        calls = _required_calls(held) if mode == "required" else (_auto_calls(self.parser, held) or ("", None))[1]
         if not calls:
             return ({"content": held} if held else {}), reason
         return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, _finish_reason(reason, True)
 
 
-def parse_message(choice: ToolChoice, text: str, reason: str | None) -> tuple[dict, str | None]:
+def parse_message(choice: ToolChoice, parser: ToolCallParser, text: str,
+                  reason: str | None) -> tuple[dict, str | None]:
     """The message fields (content, tool_calls) of one whole generated text, and its
     finish reason."""
     calls: list[dict] | None = None
@@ -253,7 +260,7 @@ def parse_message(choice: ToolChoice, text: str, reason: str | None) -> tuple[di
         calls = _required_calls(text)
         content = None if calls else text
     elif choice.mode == "auto":
-        parsed = _hermes_calls(text)
+        parsed = _auto_calls(parser, text)
         if parsed is not None:
             content, calls = parsed[0] or None, parsed[1]
     if not calls:
@@ -266,6 +273,7 @@ class ToolCallChatFormat(ChatFormat):
     becomes content and tool calls as the request's ``tool_choice`` has them."""
 
     tool_choice: ToolChoice
+    tool_parser: ToolCallParser
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -274,7 +282,7 @@ class ToolCallChatFormat(ChatFormat):
     def choice(self, *args: Any, **kwargs: Any) -> dict:
         choice = super().choice(*args, **kwargs)
         message = choice["message"]
-        fields, choice["finish_reason"] = parse_message(self.tool_choice, message["content"] or "",
+        fields, choice["finish_reason"] = parse_message(self.tool_choice, self.tool_parser, message["content"] or "",
                                                         choice["finish_reason"])
         message.update(fields)
         return choice
@@ -282,7 +290,7 @@ class ToolCallChatFormat(ChatFormat):
     def chunk(self, *args: Any, **kwargs: Any) -> dict:
         chunk = super().chunk(*args, **kwargs)
         for choice in chunk["choices"]:
-            stream = self._streams.setdefault(choice["index"], _ChoiceStream(self.tool_choice))
+            stream = self._streams.setdefault(choice["index"], _ChoiceStream(self.tool_choice, self.tool_parser))
             delta = choice["delta"]
             delta.update(stream.feed(delta.pop("content", None) or ""))
             if choice["finish_reason"] is not None:
@@ -292,9 +300,16 @@ class ToolCallChatFormat(ChatFormat):
         return chunk
 
 
-def chat_format(choice: ToolChoice | None) -> type[ChatFormat]:
-    """The response format of a chat request: plain, or one that parses tool calls
-    (a subclass that knows the request's ``tool_choice``)."""
-    if choice is None or choice.mode == "none":
+def chat_format(choice: ToolChoice | None, parser: ToolCallParser,
+                reasoning: ReasoningParser | None = None) -> type[ChatFormat]:
+    """The response format of a chat request: plain, or one that first splits the
+    model's reasoning off (``reasoning``) and then parses tool calls from the rest (a
+    subclass that knows the request's ``tool_choice`` and the server's parsers)."""
+    bases: tuple[type[ChatFormat], ...] = ()
+    if choice is not None and choice.mode != "none":
+        bases += (ToolCallChatFormat,)
+    if reasoning is not None:
+        bases += (ReasoningChatFormat,)
+    if not bases:
         return ChatFormat
-    return type("ToolCallChatFormat", (ToolCallChatFormat,), {"tool_choice": choice})
+    return type("ParsedChatFormat", bases, {"tool_choice": choice, "tool_parser": parser, "reasoning": reasoning})

@@ -23,7 +23,7 @@ from typing import Protocol
 from memserve.registry import make
 
 #: Lower goes first; one policy's priorities must compare with each other.
-Priority = float | tuple[float, float]
+Priority = float | tuple[float, float] | tuple[bool, "Priority"]  # the last: pinning.PinnedLast's
 
 
 class CachedBlock(Protocol):

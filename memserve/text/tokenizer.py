@@ -209,16 +209,17 @@ class Tokenizer:
             self.chat_template))
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
         """Render like HF: keys whose value is None are dropped from each message, and
-        the named special tokens are template variables."""
+        the named special tokens are template variables, as are ``template_kwargs`` (a
+        request's ``chat_template_kwargs``, e.g. Qwen3's ``enable_thinking``)."""
         if self._compiled_template is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         cleaned = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
             return self._compiled_template.render(
-                messages=cleaned, tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
-                **self.special_tokens,
+                **(template_kwargs or {}), messages=cleaned, tools=tools, documents=None,
+                add_generation_prompt=add_generation_prompt, **self.special_tokens,
             )
         except jinja2.exceptions.TemplateError as e:
             raise ChatTemplateError(f"chat template error: {e}") from e

@@ -223,3 +223,63 @@ async def test_auto_without_a_call_is_text(hermes_tokenizer: Tokenizer, stream: 
     else:
         assert body["choices"][0]["message"]["content"] == reply and body["choices"][0]["finish_reason"] == "stop"
         assert "tool_calls" not in body["choices"][0]["message"]
+
+
+# ----------------------------------------------------------------------------- auto, other families
+
+# Each family's marker in its template picks its parser (--tool-call-parser auto).
+FAMILY_REPLIES = {
+    "llama3_json": ("", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
+                        '{"name": "get_time", "parameters": {"city": "Paris"}}'),
+    "mistral": ("Let me check.", 'Let me check.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", '
+                                 '"unit": "celsius"}}, {"name": "get_time", "arguments": {"city": "Paris"}}]'),
+}
+FAMILY_MARKERS = {"llama3_json": "<|python_tag|>", "mistral": "[TOOL_CALLS]"}
+
+
+def family_tokenizer(folder: Path, tmp: Path, family: str) -> Tokenizer:
+    shutil.copytree(folder, tmp, dirs_exist_ok=True)
+    (tmp / "chat_template.jinja").write_text(HERMES_TEMPLATE.replace("You may call", FAMILY_MARKERS[family] + " call"))
+    return Tokenizer.from_folder(tmp)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("family", sorted(FAMILY_REPLIES))
+@async_test
+async def test_auto_parses_each_familys_tool_calls(tokenizer_folder: Path, tmp_path: Path, family: str,
+                                                   stream: bool) -> None:
+    tokenizer = family_tokenizer(tokenizer_folder, tmp_path, family)
+    want_content, reply = FAMILY_REPLIES[family]
+    async with serve(scripted(tokenizer, reply), tokenizer) as client:
+        status, body = await post(client, "/v1/chat/completions", {
+            "messages": QUESTION, "tools": [WEATHER, TIME], "stream": stream})
+    assert status == 200, body
+    if stream:
+        chunks = body[:-1]
+        content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        calls, reason = streamed_calls(chunks), chunks[-1]["choices"][0]["finish_reason"]
+    else:
+        assert_valid(body, "CreateChatCompletionResponse")
+        message = body["choices"][0]["message"]
+        content, calls, reason = message["content"] or "", message["tool_calls"], body["choices"][0]["finish_reason"]
+    assert content.strip() == want_content and reason == "tool_calls"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"city": "Paris"})]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@async_test
+async def test_llama3_text_that_is_not_a_call_stays_text(tokenizer_folder: Path, tmp_path: Path,
+                                                          stream: bool) -> None:
+    """Llama 3.1's calls can only open the output: JSON later in the text is content."""
+    tokenizer = family_tokenizer(tokenizer_folder, tmp_path, "llama3_json")
+    reply = 'It is sunny. {"name": "get_weather"}'
+    async with serve(scripted(tokenizer, reply), tokenizer) as client:
+        status, body = await post(client, "/v1/chat/completions", {
+            "messages": QUESTION, "tools": [WEATHER], "stream": stream})
+    assert status == 200, body
+    if stream:
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in body[:-1] if c["choices"])
+    else:
+        text = body["choices"][0]["message"]["content"]
+    assert text == reply
