@@ -130,7 +130,11 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
                    help="how the gateway picks a worker for each request")
     p.add_argument("--cost-model", default=None,
                    help="cost model for routing and TTFT predictions: a `memserve profile` JSON or a preset "
-                        "(default: this model's profile, if one was made)")
+                        "(default: this model's profile; without one, one is made in the background)")
+    p.add_argument("--no-auto-profile", action="store_true",
+                   help="without a cost model, do not profile one in the background (`memserve profile --quick`, "
+                        "about 30 s of CPU, written where `memserve profile` writes); cost routing then stays on "
+                        "its prompt-tree fallback and SLO admission stays off")
     p.add_argument("--router-balance-abs", type=int, default=16,
                    help="prompt-tree/cost: requests in flight beyond the least loaded worker after which the "
                         "least loaded one is chosen instead (with --router-balance-rel)")
@@ -145,7 +149,8 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--admission", default="reject", choices=ADMISSION_MODES,
                    help="requests the cost model predicts to miss their TTFT SLO on every worker: reject "
                         "(429 with Retry-After), queue (hold them until they fit), off (admit all); "
-                        "needs a cost model (--cost-model or `memserve profile`)")
+                        "judges once there is a cost model (--cost-model, `memserve profile`, or the background "
+                        "profile of a first start)")
     p.add_argument("--admission-queue-size", type=_non_negative_int, default=256,
                    help="--admission queue: requests held at most; one more is answered 429")
     p.add_argument("--predictor", default="on", choices=["on", "off"],
@@ -270,6 +275,7 @@ def _run_up(args: argparse.Namespace) -> int:
         web_ui=not args.no_web_ui,
         router=args.router,
         cost_model=args.cost_model,
+        auto_profile=not args.no_auto_profile,
         router_balance_abs=args.router_balance_abs,
         router_balance_rel=args.router_balance_rel,
         router_cache_threshold=args.router_cache_threshold,
@@ -358,7 +364,9 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
                         "(default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="cpu, cuda:N, or auto (cuda:0 when there is a GPU)")
-    p.add_argument("--quick", action="store_true", help="a small grid (about a minute on 2 cores), for tests")
+    p.add_argument("--quick", action="store_true",
+                   help="a small grid (about 30 s on 2 cores): what `memserve up` runs in the background when "
+                        "there is no profile")
     p.add_argument("--repeats", type=int, default=3, help="runs per grid point (the median is kept)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads of the engine, part of the hardware key (default: torch's, as a lone worker)")

@@ -92,6 +92,7 @@ class ServeConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     router: str = "least-load"  # gateway/routing/router.py
     cost_model: str | None = None  # a cost-model JSON or preset; default: this model's `memserve profile`
+    auto_profile: bool = True  # without a cost model, profile one in the background (gateway/auto_profile.py)
     router_balance_abs: int = 16  # load-imbalance guard (gateway/route_types.Balance)
     router_balance_rel: float = 1.5
     router_cache_threshold: float = 0.5  # prompt-tree follows prefixes covering at least this share

@@ -55,17 +55,21 @@ def _log_tail(log_path: Path) -> str:
 
 
 def start_server(flags: Sequence[str], log_path: Path, *, threads: int | None = None, timeout_s: float = 300.0,
-                 cwd: Path | str | None = None) -> ServerHandle:
+                 cwd: Path | str | None = None, auto_profile: bool = False) -> ServerHandle:
     """`memserve up` on a free port of 127.0.0.1, in float32 unless ``flags`` say
     otherwise (``--dtype float32`` comes before them, so a later ``--dtype`` wins), its
     output in ``log_path``. ``threads`` sets OMP_NUM_THREADS for it and its workers, so
-    that several workers share a small machine fairly (None: torch's default). Returns
+    that several workers share a small machine fairly (None: torch's default).
+    ``auto_profile`` lets a server without a cost model profile one in the background;
+    off by default (``--no-auto-profile``), so that what is measured or tested shares
+    the CPU with nothing and no profile is written into the user's cache. Returns
     once /health answers 200; raises RuntimeError with the log's tail if the server
     exits first or is not healthy within ``timeout_s`` (then it is stopped)."""
     port = free_port()
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "memserve.cli", "up", "--port", str(port), "--dtype", "float32", *flags]
+    cmd = [sys.executable, "-m", "memserve.cli", "up", "--port", str(port), "--dtype", "float32",
+           *([] if auto_profile else ["--no-auto-profile"]), *flags]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads)) if threads else None
     with log_path.open("w") as log:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
@@ -100,9 +104,9 @@ def stop_server(handle: ServerHandle, timeout_s: float = 30.0) -> int:
 
 @contextmanager
 def serving(flags: Sequence[str], log_path: Path, *, threads: int | None = None, timeout_s: float = 300.0,
-            cwd: Path | str | None = None) -> Iterator[ServerHandle]:
+            cwd: Path | str | None = None, auto_profile: bool = False) -> Iterator[ServerHandle]:
     """``start_server`` for a ``with`` block: yields the handle, stops the server after."""
-    handle = start_server(flags, log_path, threads=threads, timeout_s=timeout_s, cwd=cwd)
+    handle = start_server(flags, log_path, threads=threads, timeout_s=timeout_s, cwd=cwd, auto_profile=auto_profile)
     try:
         yield handle
     finally:

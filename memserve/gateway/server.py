@@ -1,4 +1,5 @@
-"""`memserve up`: prepare the model folder, start the workers, serve the OpenAI API until
+"""`memserve up`: prepare the model folder, start the workers, serve the OpenAI API (and,
+without a cost model, profile one in the background: ``auto_profile.py``) until
 SIGINT/SIGTERM, then stop everything in order."""
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from aiohttp import web
 from memserve.config import ServeConfig, served_model_name
 from memserve.gateway.app import create_app
 from memserve.gateway.auth import AuthConfig
+from memserve.gateway.auto_profile import AutoProfile, report_no_profile
 from memserve.gateway.cluster import Cluster, plan_workers
 from memserve.gateway.connection import GatewayRunner
 from memserve.gateway.engine_client import ZmqEngineClient
 from memserve.gateway.router_setup import build_router
-from memserve.gateway.routing.admission import OFF, Admission
+from memserve.gateway.routing.admission import Admission
 from memserve.gateway.routing.pd_topology import apply_pd_mode
 from memserve.ipc.channel import GatewayChannel
 from memserve.ipc.curve import ENV_VAR, CurveKeys
@@ -57,7 +59,10 @@ def _internal_channel(cfg: ServeConfig) -> tuple[str, GatewayChannel]:
 
 async def serve(cfg: ServeConfig) -> None:
     name = served_model_name(cfg)
-    router = build_router(cfg, name)
+    router = build_router(cfg)
+    profile = AutoProfile(cfg, router) if router.cost is None and cfg.auto_profile else None
+    if router.cost is None and profile is None:
+        report_no_profile(cfg, router)
     model_dir = await asyncio.to_thread(ensure_model_dir, cfg.engine.model)
     cfg.engine.model = str(model_dir)  # workers load the prepared folder directly
     tokenizer = Tokenizer.from_folder(model_dir)
@@ -70,10 +75,7 @@ async def serve(cfg: ServeConfig) -> None:
                            kv_events_config=cfg.kv_events_config)
     apply_pd_mode(workers, cfg.pd_mode)
     cluster = Cluster(workers, cfg.heartbeat_timeout_s, cfg.spare_workers)
-    if cfg.admission != OFF and router.cost is None:
-        log.warning("--admission %s needs a cost model (--cost-model or `memserve profile`): requests are "
-                    "admitted without an SLO check", cfg.admission)
-    admission = Admission(cfg.admission if router.cost is not None else OFF, cfg.admission_queue_size)
+    admission = Admission(cfg.admission, cfg.admission_queue_size)  # judges once the router has a cost model
     client = ZmqEngineClient(channel, cluster, cfg.engine.block_size, router=router, admission=admission,
                              pd_mode=cfg.pd_mode)
     stop = asyncio.Event()
@@ -81,6 +83,7 @@ async def serve(cfg: ServeConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     runner: GatewayRunner | None = None
+    profiling: asyncio.Task | None = None
     try:
         start = asyncio.create_task(client.start())
         await asyncio.wait([start, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
@@ -88,6 +91,7 @@ async def serve(cfg: ServeConfig) -> None:
             start.cancel()
             return
         start.result()
+        profiling = asyncio.create_task(profile.run()) if profile is not None else None
         if predictor is not None:
             client.predictor = await predictor
         slo_defaults = {k: v for k, v in (("ttft_ms", cfg.slo_ttft_ms), ("tbt_ms", cfg.slo_tbt_ms)) if v is not None}
@@ -105,6 +109,9 @@ async def serve(cfg: ServeConfig) -> None:
         await stop.wait()
         log.info("shutting down")
     finally:
+        if profiling is not None:
+            profiling.cancel()
+            await asyncio.gather(profiling, return_exceptions=True)
         if runner is not None:
             await runner.cleanup()
         await client.close()

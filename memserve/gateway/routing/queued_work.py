@@ -76,13 +76,23 @@ class QueuedWork:
     def admit(self, request_id: str, instance: int, prompt_tokens: int, cached_tokens: int,
               max_tokens: int | None, n: int = 1, predicted_ttft_s: float | None = None) -> None:
         """Record a routed request (again, when it is re-routed after its worker died)."""
-        chunks = prefill_chunks_s(self.cost, prompt_tokens, cached_tokens, self.step_tokens) if self.cost else []
-        prefill, first, steps = sum(chunks), chunks[0] if chunks else 0.0, max(len(chunks), 1)
+        prefill, first, steps = self._prefill(prompt_tokens, cached_tokens)
         expected = expected_output_tokens(max_tokens, n)
         self.release(request_id)
         entry = _Entry(instance, prompt_tokens, prompt_tokens - min(cached_tokens, prompt_tokens), prefill, first, steps,
                        expected, max_tokens * max(n, 1) if max_tokens else None, self.clock(), predicted_ttft_s)
         self._entries[request_id] = self._on.setdefault(instance, {})[request_id] = entry
+
+    def _prefill(self, prompt_tokens: int, cached_tokens: int) -> tuple[float, float, int]:
+        """A prefill's predicted seconds, its first chunk's, and its steps (0 s without a cost model)."""
+        chunks = prefill_chunks_s(self.cost, prompt_tokens, cached_tokens, self.step_tokens) if self.cost else []
+        return sum(chunks), chunks[0] if chunks else 0.0, max(len(chunks), 1)
+
+    def use_cost_model(self, cost: CostModel) -> None:
+        """Price by ``cost`` from now on, the requests already here too."""
+        self.cost = cost
+        for e in self._entries.values():
+            e.prefill_s, e.first_step_s, e.steps = self._prefill(e.prompt_tokens, e.prompt_tokens - e.uncached_tokens)
 
     def observe(self, request_id: str, new_tokens: int, at: float | None = None) -> TTFTSample | None:
         """Count tokens the request produced; its first ones give a TTFT sample (when a

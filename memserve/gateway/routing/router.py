@@ -9,6 +9,11 @@ routed counts as cached on its instance until that instance's KV events show it
 (``pending_prefixes``), so a second copy arriving during the first one's prefill
 follows it instead of prefilling the same blocks elsewhere.
 
+A policy that prices by the cost model (``cost``) may be given a ``fallback`` to route
+by while there is none yet (the gateway profiles one in the background on a first
+start); ``use_cost_model`` hands it over once it exists, and from then on the queued
+work is priced and the waiting policy routes.
+
 Only workers that are ``ok`` show their trees: a worker whose heartbeats are late may
 have evicted what its mirror still shows, so its stale tree must not attract traffic
 (the gateway resets the mirror when the worker is declared dead).
@@ -50,10 +55,16 @@ RESTART_RETRY_AFTER_S = 5.0
 
 class Router:
     def __init__(self, policy: RoutingPolicy, cost: CostModel | None = None, balance: Balance | None = None,
-                 clock: Callable[[], float] = time.monotonic, step_tokens: int | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, step_tokens: int | None = None,
+                 fallback: RoutingPolicy | None = None) -> None:
+        """``fallback``: what routes while ``policy`` needs a cost model and ``cost`` is
+        None, until ``use_cost_model``; without one such a policy is refused."""
+        self.awaiting: RoutingPolicy | None = None  # the policy chosen, waiting for a cost model
         if getattr(policy, "needs_cost", False) and cost is None:
-            raise ValueError(f"the {policy.name} router needs a cost model: run `memserve profile` "
-                             "or pass --cost-model")
+            if fallback is None:
+                raise ValueError(f"the {policy.name} router needs a cost model: run `memserve profile` "
+                                 "or pass --cost-model")
+            policy, self.awaiting = fallback, policy
         self.policy = policy
         self.cost = cost
         self.balance = balance or Balance()
@@ -67,8 +78,19 @@ class Router:
 
     @classmethod
     def named(cls, name: str, cost: CostModel | None = None, balance: Balance | None = None,
-              clock: Callable[[], float] = time.monotonic, step_tokens: int | None = None) -> Router:
-        return cls(make(ROUTING_POLICIES, name, "router"), cost, balance, clock, step_tokens)
+              clock: Callable[[], float] = time.monotonic, step_tokens: int | None = None,
+              fallback: str | None = None) -> Router:
+        return cls(make(ROUTING_POLICIES, name, "router"), cost, balance, clock, step_tokens,
+                   make(ROUTING_POLICIES, fallback, "router") if fallback else None)
+
+    def use_cost_model(self, cost: CostModel) -> None:
+        """Price by ``cost`` from now on (it arrived after start-up): the queued work is
+        repriced, and the policy that waited for a cost model takes over from the fallback.
+        Admission control judges by ``self.cost``, so it starts judging too."""
+        self.cost = cost
+        self.ledger.use_cost_model(cost)
+        if self.awaiting is not None:
+            self.policy, self.awaiting = self.awaiting, None
 
     def candidates(self, request: RouteRequest, workers: list[WorkerView]) -> list[Candidate]:
         """The workers that may take ``request`` now, scored with their cached prefix
