@@ -98,7 +98,7 @@ $PY -c 'import json, sys; sys.exit(0 if json.load(open(sys.argv[1])).get("archit
 }
 
 start_server memserve "$MEMSERVE_PORT" \
-  $PY -m memserve.cli up --model "$MODEL_DIR" --port "$MEMSERVE_PORT" --dtype "$DTYPE"
+  $PY -m memserve.cli up --no-auto-profile --model "$MODEL_DIR" --port "$MEMSERVE_PORT" --dtype "$DTYPE"
 bench memserve "$MEMSERVE_PORT"
 stop_server
 

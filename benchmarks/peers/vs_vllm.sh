@@ -103,7 +103,7 @@ wait_healthy() {  # $1: base URL, $2: log file
 }
 
 start_memserve() {  # $1: dtype
-  (cd "$REPO" && exec "$PYTHON" -m memserve.cli up --model "$MODEL_DIR" --port "$MEMSERVE_PORT" --dtype "$1" \
+  (cd "$REPO" && exec "$PYTHON" -m memserve.cli up --no-auto-profile --model "$MODEL_DIR" --port "$MEMSERVE_PORT" --dtype "$1" \
      --served-model-name "$NAME" ${MEMSERVE_ARGS:-}) >"$RUN_OUT/memserve-$1.log" 2>&1 &
   SERVER_PID=$!
   wait_healthy "http://127.0.0.1:$MEMSERVE_PORT" "$RUN_OUT/memserve-$1.log"
