@@ -189,7 +189,7 @@ class _Generation:
         before the last one. Engine failures are raised as ``APIError``."""
         detokenizer = IncrementalDetokenizer(self._tokenizer, self._prompt_ids, self._request.stop)
         outputs = self._engine.generate(self._request_id, self._prompt_ids, self._params,
-                                        self._request.session_id, self._request.slo)
+                                        self._request.session_id, self._request.slo, streaming=self._request.stream)
         engine_done = False
         first_token_at: float | None = None
         last_token_at = 0.0

@@ -1,6 +1,9 @@
 """The gateway's side of the workers: sends requests over ZeroMQ, fans token deltas back
 out to per-request streams, exchanges heartbeats, keeps each worker's KV mirror, and
-fails the requests of a worker that died (then restarts it)."""
+moves the requests of a worker that died to live ones (``request_retry.py``; then
+restarts it). Outputs reach a request's stream only from its current worker, and none
+from a worker once its process has exited, so a request that moved never sees a token of
+its old run after the ones its move accounted for."""
 
 from __future__ import annotations
 
@@ -13,7 +16,9 @@ from collections import Counter
 from typing import TYPE_CHECKING, AsyncIterator
 
 from memserve.gateway.cluster import Cluster, WorkerHandle
+from memserve.gateway.engine_protocol import EngineUnavailable
 from memserve.gateway.pd_flow import HANDOFF_TIMEOUT_S, PDFlow
+from memserve.gateway.request_retry import Move, RequestProgress
 from memserve.gateway.request_stream import RETRY, RequestStream
 from memserve.gateway.routing.admission import OFF, Admission, predict
 from memserve.gateway.routing.pd_topology import is_disaggregated
@@ -77,6 +82,7 @@ class ZmqEngineClient:
         self.max_model_len = 0
         self.mirrors = {i: PromptTreeMirror(i, block_size) for i in cluster.workers}
         self.streams: dict[str, RequestStream] = {}
+        self.moves: Counter[str] = Counter()  # requests moved off a dead worker, by kind (request_retry.Move)
         self._tasks: list[asyncio.Task] = []
         self._start_error: str | None = None
         self._transfers: dict[int, asyncio.Future[TransferDone | TransferExpected]] = {}
@@ -127,12 +133,14 @@ class ZmqEngineClient:
     # ------------------------------------------------------------------ requests
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        session_id: str | None = None, slo: dict | None = None,
-                       instance: int | None = None) -> AsyncIterator[RequestOutput]:
+                       instance: int | None = None, streaming: bool = True) -> AsyncIterator[RequestOutput]:
         """Stream a request's token deltas; ``instance`` pins it to one worker. A request
-        whose worker dies before it produced a token is sent again to a live worker
-        (nothing reached the client yet, so that is safe); with none left it raises
-        ``EngineUnavailable``. With ``params.n > 1`` the outputs of all choices come here,
-        each with its ``index``, until every choice finished (or one failed)."""
+        whose worker dies moves to a live worker (``request_retry.py``): ``streaming``
+        says whether the caller passes the deltas on as they come (it resumes after them)
+        or collects the answer (it is re-run). When it cannot move it ends with an error
+        output, or raises ``EngineUnavailable`` while nothing was produced and no live
+        worker is left. With ``params.n > 1`` the outputs of all choices come here, each
+        with its ``index``, until every choice finished (or one failed)."""
         if request_id in self.streams:
             raise ValueError(f"duplicate request id {request_id}")
         if self.pd is not None and instance is None and self.pd.applies(params, len(prompt_token_ids)):
@@ -146,34 +154,58 @@ class ZmqEngineClient:
         decision = self.pick_worker(route) if instance is None else None
         worker = decision.instance if decision is not None else instance
         assert worker is not None  # pinned to ``instance``, else routed
-        stream = RequestStream(worker, pinned=instance is not None)
+        stream = RequestStream(worker)
         self.streams[request_id] = stream
+        progress = RequestProgress(request_id, params, streaming, pinned=instance is not None)
         finished = False
         unfinished = params.n
-        produced: Counter[int] = Counter()  # tokens per choice, for the predictor
         try:
-            if decision is not None and decision.pull_from is not None:
-                await self.pull_prefix(decision.pull_from, decision.instance, prompt_token_ids, params.cache_salt)
             add = self.add_request(request_id, prompt_token_ids, params, session_id, slo)
-            await self.channel.send(stream.worker, add)
+            await self._send(stream, add, decision)
             while not finished:
-                out = await stream.queue.get()
-                if out is RETRY:
-                    stream.worker = self.pick_worker(route).instance
-                    log.warning("request %s: its worker died before the first token; retrying on worker %d",
-                                request_id, stream.worker)
-                    await self.channel.send(stream.worker, add)
+                item = await stream.queue.get()
+                delta = (await self._move(stream, progress, add, route) if item is RETRY
+                         else progress.pass_on(item, stream.worker))
+                if delta is None:
                     continue
-                produced[out.index] += len(out.new_token_ids)
-                if out.finished:
+                if delta.finished:
                     unfinished -= 1
-                    self.learn(request_id, produced[out.index], out.finish_reason)
-                finished = unfinished == 0 or out.finish_reason == "error"
-                yield out
+                    self.learn(request_id, len(progress.tokens[delta.index]), delta.finish_reason)
+                finished = unfinished == 0 or delta.finish_reason == "error"
+                yield delta
         finally:
             self.release(request_id)
             if not finished:
                 await self.send_abort(stream.worker, request_id)
+
+    async def _send(self, stream: RequestStream, add: AddRequest, decision: RouteDecision | None) -> None:
+        """Send ``add`` to the stream's worker, after the prefix pull the router chose."""
+        if decision is not None and decision.pull_from is not None:
+            await self.pull_prefix(decision.pull_from, decision.instance, add.prompt_token_ids + add.output_token_ids,
+                                   add.params.cache_salt)
+        await self.channel.send(stream.worker, add)
+
+    async def _move(self, stream: RequestStream, progress: RequestProgress, add: AddRequest,
+                    route: RouteRequest) -> RequestOutput | None:
+        """Move a request whose worker died to a live one; the error output that ends it
+        when it cannot move."""
+        lost = stream.worker
+        move = progress.choose()
+        if move is Move.FAIL:
+            return progress.failed(f"worker {lost} died")
+        moved, moved_route = progress.move(move, add, route)
+        try:
+            decision = self.pick_worker(moved_route)
+        except EngineUnavailable:
+            if not progress.produced:
+                raise  # nothing reached the caller: it answers 503 with Retry-After
+            return progress.failed(f"worker {lost} died and no live worker is left")
+        stream.worker = decision.instance
+        self.moves[move.value] += 1
+        log.warning("request %s: worker %d died; %s on worker %d (%d tokens given)", add.request_id, lost,
+                    move.value, stream.worker, sum(map(len, progress.tokens)))
+        await self._send(stream, moved, decision)
+        return None
 
     async def abort(self, request_id: str) -> None:
         stream = self.streams.pop(request_id, None)
@@ -292,6 +324,7 @@ class ZmqEngineClient:
                 "alive": h.alive,
                 "state": states[h.instance_id],
                 "pid": h.process.pid if h.process is not None else None,
+                "node": h.node,  # where it runs: this machine's hostname, or its Ray node's IP
                 "heartbeat_age_s": round(time.monotonic() - h.last_heartbeat, 3) if h.ready else None,
                 "restarts": h.restarts,
                 "num_running": s.get("num_running", 0),
@@ -323,7 +356,8 @@ class ZmqEngineClient:
                 "pd": s.get("pd", {}),  # KV handoffs sent (prefill) and received (decode)
             })
         return {"workers": workers, "spare_workers": self.cluster.spare_states(),
-                "num_requests_in_flight": len(self.streams), "router": self.router.stats(),
+                "num_requests_in_flight": len(self.streams), "moved_requests": dict(self.moves),
+                "router": self.router.stats(),
                 "admission": self.admission.stats(), **({"pd": self.pd.stats()} if self.pd else {}),
                 **({"predictor": self.predictor.stats()} if self.predictor else {})}
 
@@ -340,6 +374,8 @@ class ZmqEngineClient:
 
     def _dispatch(self, instance_id: int, msg) -> None:
         if isinstance(msg, StepOutputs):
+            if not self.cluster.workers[instance_id].alive:
+                return  # a dead worker's last outputs: its requests move on without them
             for out in msg.outputs:
                 stream = self.streams.get(out.request_id)
                 if stream is not None and stream.worker == instance_id:
@@ -387,12 +423,10 @@ class ZmqEngineClient:
             self.cluster.refill_spares()
 
     def _fail_worker(self, h: WorkerHandle) -> None:
-        log.error("worker %d died (exit code %s); failing its requests and restarting it", h.instance_id,
+        log.error("worker %d died (exit code %s); moving its requests and restarting it", h.instance_id,
                   h.process.poll() if h.process else None)
-        for rid, stream in list(self.streams.items()):
+        for stream in self.streams.values():
             if h.instance_id in (stream.worker, stream.peer):
-                retry = (not stream.started or stream.resumable) and not stream.pinned
-                stream.queue.put_nowait(RETRY if retry else
-                                        RequestOutput(rid, [], True, "error", error=f"worker {stream.worker} died"))
+                stream.queue.put_nowait(RETRY)  # the request's own loop moves or fails it
         self.mirrors[h.instance_id].reset()
         self.cluster.restart(h)

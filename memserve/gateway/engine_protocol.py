@@ -20,8 +20,12 @@ class EngineClient(Protocol):
         params: SamplingParams,
         session_id: str | None = None,
         slo: dict | None = None,
+        streaming: bool = True,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield ``RequestOutput`` deltas until one has ``finished`` set."""
+        """Yield ``RequestOutput`` deltas until one has ``finished`` set. ``streaming``:
+        the caller passes them on as they come (a client's stream) rather than collecting
+        the answer; an engine that moves requests off a failed worker may re-run a
+        collected answer, but must resume a streamed one after the deltas it yielded."""
         ...
 
     async def abort(self, request_id: str) -> None:

@@ -37,10 +37,10 @@ class _SharedRequest:
         self._pump: asyncio.Task | None = None
 
     def start(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, session_id: str | None,
-              slo: dict | None) -> None:
+              slo: dict | None, streaming: bool) -> None:
         if self._pump is None:
             self._request_id = request_id
-            outputs = self._engine.generate(request_id, prompt_token_ids, params, session_id, slo)
+            outputs = self._engine.generate(request_id, prompt_token_ids, params, session_id, slo, streaming=streaming)
             self._pump = asyncio.create_task(self._fan_out(outputs))
 
     async def _fan_out(self, outputs: AsyncIterator[RequestOutput]) -> None:
@@ -97,8 +97,9 @@ class _ChoiceEngine:
         self.max_model_len = max_model_len
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       session_id: str | None = None, slo: dict | None = None) -> AsyncIterator[RequestOutput]:
-        self._shared.start(request_id, prompt_token_ids, params, session_id, slo)
+                       session_id: str | None = None, slo: dict | None = None,
+                       streaming: bool = True) -> AsyncIterator[RequestOutput]:
+        self._shared.start(request_id, prompt_token_ids, params, session_id, slo, streaming)
         try:
             while (out := await self._shared.next(self._index)) is not None:
                 if self._index:  # usage counts the shared prompt (and its cached part) once

@@ -26,11 +26,15 @@ token as usual. This costs a round trip to D ahead of the prefill; when it fails
 request hands off after its first token as in the other modes.
 
 Failures: a prefill instance that dies before the first token means a retry on another
-one (nothing was streamed); once tokens were streamed, a handoff that fails, stalls (P or
-D dead or its heartbeats late at a check every ``handoff_timeout_s``, or ``HANDOFF_MAX_S``
-passed) or loses P or D resumes the request on a live decode instance without the KV (it
-recomputes from its own cache), with every token so far; when none is left, the stream
-ends with an error. Aborts reach both instances; each frees what it holds for the request (``workers/engine/pd_sender.py``, ``workers/engine/pd_receiver.py``)."""
+one (nothing was streamed), or with none live, the request runs wholly on a decode
+instance; once tokens were streamed, a handoff that fails, stalls (P or D dead or its
+heartbeats late at a check every ``handoff_timeout_s``, or ``HANDOFF_MAX_S`` passed) or
+loses P or D resumes the request on a live decode instance without the KV (it recomputes
+the prompt and every token so far, from its own cache where it has them, and samples on),
+or with none live, on a live prefill instance, which decodes the rest itself; when no
+instance is left, the stream ends with an error. The client sees one stream either way.
+Aborts reach both instances; each frees what it holds for the request
+(``workers/engine/pd_sender.py``, ``workers/engine/pd_receiver.py``)."""
 
 from __future__ import annotations
 
@@ -136,12 +140,12 @@ class PDFlow:
         route = RouteRequest(request_id, prompt, session_id, slo, params.max_tokens, params.n, params.cache_salt)
         await c.admit(route)
         decision = c.pick_worker(route)
-        stream = RequestStream(decision.instance, resumable=True)
+        stream = RequestStream(decision.instance)
         c.streams[request_id] = stream
         add = c.add_request(request_id, prompt, params, session_id, slo, handoff=True)
         prefill, phase = decision.instance, "prefill"
         tokens: list[int] = []
-        cached = 0
+        cached: int | None = None  # the prompt tokens the request found cached, from its first output
         resumes = 0
         finished = False
         handoff: asyncio.Task | None = None
@@ -169,7 +173,14 @@ class PDFlow:
                         if stream.peer is not None:
                             await c.send_abort(stream.peer, request_id)
                         stream.peer, done_early = None, None
-                    stream.worker = prefill = c.pick_worker(route).instance
+                    try:
+                        stream.worker = prefill = c.pick_worker(route).instance
+                    except EngineUnavailable:  # no prefill instance is live: a decode instance runs it all
+                        await self._resume(stream, add, tokens, "", fresh=True)
+                        log.warning("request %s: its prefill instance died; running it on decode instance %d",
+                                    request_id, stream.worker)
+                        phase = "decode"
+                        continue
                     log.warning("request %s: its prefill instance died; retrying on instance %d", request_id, prefill)
                     early, naming = await self._send_prefill(stream, add, prefill)
                     continue
@@ -205,8 +216,11 @@ class PDFlow:
                 if out.error is not None or out.finished:
                     finished = True
                 tokens += out.new_token_ids
-                if phase == "prefill":
+                if cached is None or phase == "prefill":
                     cached = out.num_cached_tokens
+                else:
+                    out.num_cached_tokens = cached  # what the prefill found cached is the request's
+                if phase == "prefill":
                     if not out.finished and out.new_token_ids:
                         phase, handoff_since = "handoff", time.monotonic()
                         if naming is not None:  # P was told where to send unless naming failed
@@ -216,11 +230,10 @@ class PDFlow:
                                                                         salt=params.cache_salt))
                         elif done_early is not None:
                             stream.queue.put_nowait(done_early)
-                else:
-                    out.num_cached_tokens = cached  # what the prefill found cached is the request's
                 if out.finished:
                     c.learn(request_id, len(tokens), out.finish_reason)
-                if finished and phase == "decode" and out.finish_reason in COMPLETE and self.pd_mode == "pd-caching-3":
+                if (finished and phase == "decode" and out.finish_reason in COMPLETE and self.pd_mode == "pd-caching-3"
+                        and stream.worker != prefill and c.cluster.workers[prefill].alive):
                     self._return_kv(stream.worker, prefill, prompt + tokens, params.cache_salt)
                 yield out
         finally:
@@ -258,6 +271,17 @@ class PDFlow:
         await self.client.channel.send(prefill, add)
         return False, asyncio.get_running_loop().create_task(self._handoff(stream, rid, prefill, prompt, early=True,
                                                                            salt=add.params.cache_salt))
+
+    def _pick_fresh(self, add: AddRequest, tokens: list[int], exclude: int | None) -> int:
+        """Where a request goes on without its KV: a live decode instance, else a live
+        prefill instance, which runs the rest of it itself (``EngineUnavailable`` when no
+        instance is live)."""
+        try:
+            return self._pick_decode(add.prompt_token_ids, exclude=exclude, salt=add.params.cache_salt)
+        except EngineUnavailable:
+            route = RouteRequest(add.request_id, add.prompt_token_ids + tokens, add.session_id, {},
+                                 add.params.max_tokens - len(tokens), 1, add.params.cache_salt)
+            return self.client.pick_worker(route).instance
 
     def _by_layer(self, prefill: int) -> bool:
         return self.client.cluster.workers[prefill].config.engine.transfer_mode == "by-layer"
@@ -299,16 +323,16 @@ class PDFlow:
 
     async def _resume(self, stream: RequestStream, add: AddRequest, tokens: list[int], ticket: str, fresh: bool) -> None:
         """Continue the request on a decode instance: the one that has its KV (``ticket``),
-        else (``fresh``) another live one, which recomputes it."""
+        else (``fresh``) another live one (``_pick_fresh``), which recomputes it."""
         c = self.client
         old = stream.peer
-        decode = old if not fresh and old is not None else self._pick_decode(add.prompt_token_ids, exclude=old,
-                                                                             salt=add.params.cache_salt)
+        decode = old if not fresh and old is not None else self._pick_fresh(add, tokens, exclude=old)
         if fresh and old is not None:
             await c.send_abort(old, add.request_id)  # frees what it holds for the request
         stream.peer = stream.worker = decode
         self.counts["handoffs" if ticket else "resumed_without_kv"] += 1
-        params = dataclasses.replace(add.params, prompt_logprobs=None)  # P sent them with the first token
+        # P sent the prompt logprobs with the first token (none came without one).
+        params = dataclasses.replace(add.params, prompt_logprobs=None) if tokens else add.params
         await c.channel.send(decode, dataclasses.replace(add, params=params, handoff=False,
                                                          output_token_ids=list(tokens), kv_ticket=ticket))
 

@@ -11,17 +11,15 @@ from memserve.ipc.messages import RequestOutput
 
 @dataclass
 class RequestStream:
-    """A request in flight: where it runs and whether a token reached the caller yet."""
+    """A request in flight: where it runs and whether it produced a token yet."""
 
     worker: int
-    pinned: bool = False
     started: bool = False
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    # Disaggregated (gateway/pd_flow.py): the decode instance taking it over, and whether
-    # it can resume elsewhere after tokens were streamed (a death then means a retry).
+    # Disaggregated (gateway/pd_flow.py): the decode instance taking it over.
     peer: int | None = None
-    resumable: bool = False
 
 
-# Put on a stream's queue when its worker died before the first token: send it again.
+# Put on a stream's queue when its worker (or peer) died: the request's own loop moves it
+# to a live worker or fails it (gateway/request_retry.py, gateway/pd_flow.py).
 RETRY = RequestOutput("", [], False, "retry")

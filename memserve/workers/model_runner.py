@@ -113,7 +113,7 @@ class ModelRunner:
             self._histories.start(new.request_id, new.params, new.prompt_token_ids)
             if new.output_token_ids:
                 self._histories.observe(new.request_id, len(new.prompt_token_ids), new.output_token_ids)
-            self._grammars.start(new.request_id, new.params.grammar)
+            self._grammars.start(new.request_id, new.params.grammar, new.output_token_ids)
             if new.params.seed is not None and new.request_id not in self._generators:
                 generator = self._generators[new.request_id] = torch.Generator(self.device).manual_seed(new.params.seed)
                 for _ in range(0 if new.params.greedy else len(new.output_token_ids)):

@@ -76,7 +76,8 @@ class RecordingEngine:
         self.requests: list[tuple[list[int], SamplingParams]] = []
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       session_id: str | None = None, slo: dict | None = None) -> AsyncIterator[RequestOutput]:
+                       session_id: str | None = None, slo: dict | None = None,
+                       streaming: bool = True) -> AsyncIterator[RequestOutput]:
         self.requests.append((prompt_token_ids, params))
         yield RequestOutput(request_id, self.eos, True, "stop", len(prompt_token_ids))
 
@@ -95,7 +96,8 @@ class InProcessEngine(RecordingEngine):
         self.engine = engine
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       session_id: str | None = None, slo: dict | None = None) -> AsyncIterator[RequestOutput]:
+                       session_id: str | None = None, slo: dict | None = None,
+                       streaming: bool = True) -> AsyncIterator[RequestOutput]:
         self.requests.append((prompt_token_ids, params))
         self.engine.add_request(AddRequest(request_id, prompt_token_ids, params))
         while True:

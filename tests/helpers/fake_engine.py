@@ -42,9 +42,10 @@ class FakeEngine:
         ]
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       session_id: str | None = None, slo: dict | None = None) -> AsyncIterator[RequestOutput]:
+                       session_id: str | None = None, slo: dict | None = None,
+                       streaming: bool = True) -> AsyncIterator[RequestOutput]:
         self.requests.append({"request_id": request_id, "prompt_token_ids": prompt_token_ids, "params": params,
-                              "session_id": session_id, "slo": slo})
+                              "session_id": session_id, "slo": slo, "streaming": streaming})
         if self.exception is not None:
             raise self.exception
         for i, token_ids in enumerate(self.outputs):

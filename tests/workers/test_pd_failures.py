@@ -3,14 +3,16 @@ while decoding (the request resumes on the other one with every token so far, an
 client sees the tokens it would have seen anyway); a decode instance that stops
 answering during the handoff (the request goes to the other one within the handoff
 timeout); a prefill instance killed mid-prefill (the request is retried on the other
-prefill instance). Afterwards no worker holds a block for any of them. Each runs with
-by-request-agg and with by-layer transfers (where the decode instance is named, and
-receives KV, before the prefill ends)."""
+prefill instance). With one instance of each role, the survivor of either takes the
+other's requests over. Afterwards no worker holds a block for any of them. The first
+three run with by-request-agg and with by-layer transfers (where the decode instance is
+named, and receives KV, before the prefill ends)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import time
@@ -113,3 +115,42 @@ async def prefill_failure(transfer_mode: str) -> None:
 @pytest.mark.parametrize("transfer_mode", ["by-request-agg", "by-layer"])
 def test_prefill_instance_killed_mid_prefill(transfer_mode):
     asyncio.run(prefill_failure(transfer_mode))
+
+
+async def lone_instance_failures() -> None:
+    async with pd_cluster(["prefill", "decode"], "pd-caching-3") as (client, tok):
+        prompt = tok.encode_chat([{"role": "user", "content": user_turns(1, 1)[0][0]}])
+        reference, _, _, _ = await collect(client.generate("ref", prompt, long_answer(40), instance=0))
+
+        # The decode instance is killed after 12 tokens: the prefill instance decodes the rest.
+        tokens: list[int] = []
+        async for out in client.generate("killed-decode", prompt, long_answer(40)):
+            assert out.error is None
+            tokens += out.new_token_ids
+            if len(tokens) >= 12 and client.cluster.workers[1].alive:
+                assert client.streams["killed-decode"].worker == 1
+                os.kill(client.cluster.workers[1].process.pid, signal.SIGKILL)
+        assert tokens == reference and client.pd.counts["decode_lost"] == 1
+        await wait_ready(client, 1)
+
+        # The prefill instance is killed while it prefills: the decode instance runs it all.
+        text = " ".join(users[0] for users in user_turns(6, 1))
+        long_prompt = tok.encode_chat([{"role": "user", "content": text}])
+        reference, _, _, _ = await collect(client.generate("ref-long", long_prompt, long_answer(8), instance=1))
+        request = asyncio.create_task(collect(client.generate("killed-prefill", long_prompt, long_answer(8))))
+        await asyncio.sleep(0.05)
+        os.kill(client.cluster.workers[0].process.pid, signal.SIGKILL)
+        tokens, _, reason, error = await request
+        assert error is None and reason == "length" and tokens == reference
+        await wait_ready(client, 0)
+        assert await settled(client) == {0: 0, 1: 0}
+
+
+@pytest.mark.slow  # two worker restarts: about a minute on 2 busy cores
+def test_a_lone_instance_of_either_role_takes_over_the_requests_of_the_other(caplog):
+    """One prefill and one decode instance: a request whose decode instance dies mid-decode
+    finishes on the prefill instance, one whose prefill instance dies mid-prefill runs on
+    the decode instance; neither gets an error, both the tokens they would have got."""
+    with caplog.at_level(logging.WARNING, "memserve.gateway"):
+        asyncio.run(lone_instance_failures())
+    assert "its prefill instance died; running it on decode instance 1" in caplog.text

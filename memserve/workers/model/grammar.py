@@ -69,11 +69,13 @@ class GrammarMatchers:
             self._compiled.popitem(last=False)
         return matcher
 
-    def start(self, request_id: str, grammar: str | None) -> None:
-        """A request's first plan; a preempted request keeps its matcher (its output
-        tokens are recomputed, not re-sampled)."""
+    def start(self, request_id: str, grammar: str | None, output_token_ids: list[int]) -> None:
+        """A request's first plan; ``output_token_ids``: what it produced elsewhere before
+        it resumed here (the matcher starts past them). A preempted request keeps its
+        matcher (its output tokens are recomputed, not re-sampled)."""
         if grammar is not None and request_id not in self._matchers:
             self._matchers[request_id] = self.compiled(grammar).deep_copy()
+            self.accept([request_id] * len(output_token_ids), output_token_ids)
 
     def forget(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
