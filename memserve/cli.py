@@ -70,6 +70,9 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
                    help="CPU decode attention: a compiled kernel reading the KV blocks in place (default; built "
                         "on first use with g++, falls back to torch where it cannot be) or torch's SDPA over "
                         "gathered blocks")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="on a GPU, run every step eagerly: no CUDA graphs, which otherwise replay decode steps "
+                        "(captured at start-up per batch size and context width)")
     p.add_argument("--gpus", default=None, help="comma-separated GPU ids, one worker each (e.g. 0,1)")
     p.add_argument("--instances", default=None,
                    help="one role per worker, colocated|prefill|decode: 'prefill,decode' (CPU workers) or "
@@ -230,6 +233,7 @@ def _run_up(args: argparse.Namespace) -> int:
         cpu_threads_bind=args.cpu_threads_bind,
         cpu_gemm=args.cpu_gemm,
         cpu_attention=args.cpu_attention,
+        enforce_eager=args.enforce_eager,
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         kv_cache_gb=args.kv_cache_gb,

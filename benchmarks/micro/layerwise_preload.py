@@ -18,6 +18,7 @@ does not depend on run-to-run noise, the share of the load time the step did not
 waiting in ``before_layer``.
 
     python benchmarks/micro/layerwise_preload.py [--history 1024] [--new 100] [--reps 9] [--buffers 0,4,30]
+        [--model DIR] [--device cuda] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ def pure_load_s(engine: Engine, history: list[int]) -> float:
     start = time.perf_counter()
     engine.runner.mover.copy_blocks(Tier.HOST, [addr_block(a) for a in addrs], Tier.DEVICE,
                                     [addr_block(a) for a in dst])
+    if engine.cfg.device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()  # the copy into the device is asynchronous
     took = time.perf_counter() - start
     engine.mempool.free_mem(dst + addrs)
     return took
@@ -78,12 +83,15 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--buffers", default="0,4,30", help="read buffer depths (layers) to measure, and auto")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default=None, help="HF folder or .gguf (default: the embedded SmolLM2)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
 
     history_blocks = -(-(args.history + args.new + 1) // 16)
-    cfg = EngineConfig(dtype="float32", num_blocks=history_blocks + 8, num_host_blocks=history_blocks * (args.reps + 2) * 4,
+    cfg = EngineConfig(dtype=args.dtype, device=args.device, num_blocks=history_blocks + 8, num_host_blocks=history_blocks * (args.reps + 2) * 4,
                        max_num_batched_tokens=args.history + args.new + 16, max_model_len=args.history + args.new + 16)
-    engine = build_engine(cfg, ensure_model_dir(None))
+    engine = build_engine(cfg, ensure_model_dir(args.model))
     pre = engine.runner.preloader
     num_layers = pre.num_layers
     rng = random.Random(args.seed)
@@ -124,6 +132,9 @@ def main() -> None:
         by_wait = "" if name == "NO-PL" else f"{100 * (1 - w / load):.0f}%"
         print(f"{name:<10}{t * 1e3:>10.1f}{t / no_pl:>10.2f}{hidden:>15}{w * 1e3:>11.2f}{by_wait:>18}")
     print(f"PL-auto's buffer (per load: §3.2's formula and the measured hand-off costs): {autos} layers")
+    best = min((statistics.median(times[name]), name) for name, _, _ in modes[1:])
+    print(f"summary: TTFT NO-PL {no_pl * 1e3:.1f} ms, best {best[1]} {best[0] * 1e3:.1f} ms, "
+          f"load {load * 1e3:.1f} ms, compute {compute * 1e3:.1f} ms")
 
 
 if __name__ == "__main__":

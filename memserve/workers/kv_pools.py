@@ -23,9 +23,12 @@ class KVPools:
     pools: dict[Tier, torch.Tensor]
     layout: str
     block_nbytes: int  # one block: every layer's K and V for block_size tokens
+    num_device_blocks: int  # the device blocks the MemPool hands out: 0 .. num_device_blocks - 1
+    scratch_block: int | None = None  # a device block past those, written by CUDA graphs' padding rows
 
     @classmethod
-    def create(cls, model_config, cfg: EngineConfig, dtype: torch.dtype, device: torch.device) -> "KVPools":
+    def create(cls, model_config, cfg: EngineConfig, dtype: torch.dtype, device: torch.device,
+               scratch_block: bool = False) -> "KVPools":
         shape = (model_config.num_layers, cfg.block_size, model_config.num_kv_heads, model_config.head_dim)
         block_bytes = 2 * shape[0] * shape[1] * shape[2] * shape[3] * torch.finfo(dtype).bits // 8
         num_blocks = cfg.num_blocks or max(1, int(cfg.kv_cache_gb * 2**30) // block_bytes)
@@ -33,22 +36,15 @@ class KVPools:
         def pool(n: int, dev: torch.device) -> torch.Tensor:
             return allocate_kv_cache(n, shape[0], cfg.block_size, shape[2], shape[3], dtype, dev, cfg.kv_layout)
 
-        pools = {Tier.DEVICE: pool(num_blocks, device)}
+        pools = {Tier.DEVICE: pool(num_blocks + int(scratch_block), device)}
         if cfg.num_host_blocks:
             host = pool(cfg.num_host_blocks, torch.device("cpu"))
             pools[Tier.HOST] = host.pin_memory() if device.type == "cuda" else host
-        return cls(pools, cfg.kv_layout, block_bytes)
+        return cls(pools, cfg.kv_layout, block_bytes, num_blocks, num_blocks if scratch_block else None)
 
     @property
     def device(self) -> torch.Tensor:
         return self.pools[Tier.DEVICE]
-
-    @property
-    def num_device_blocks(self) -> int:
-        return self._num_blocks(self.device)
-
-    def _num_blocks(self, pool: torch.Tensor) -> int:
-        return pool.shape[0] if self.layout == "aggregated" else pool.shape[2]
 
     def _blocks(self, pool: torch.Tensor, start: int, length: int) -> torch.Tensor:
         if self.layout == "aggregated":

@@ -16,6 +16,12 @@ buffer" (the copy starts with the step, one layer ahead); the default sizes it p
 §3.2's formula from the copy and compute rates measured on earlier loads and steps, plus
 the layers of compute that the copy thread's measured wake-up latency lasts.
 
+Asynchronous copies (CUDA, ``copy_stream.py``): a layer's copy may return a ``CopyDone``
+instead of completing. ``before_layer(i)`` then waits on the host until layer i's copy is
+issued, and makes the compute wait for it on the device (``CopyDone.wait``), not for the
+whole load; the load is reported finished once its last copy is complete. The copy and
+compute rates are then those of issuing the work, which is what the read buffer bounds.
+
 Thread safety: one condition variable guards every load's progress; the copier thread
 and the step's thread only meet there."""
 
@@ -28,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from queue import SimpleQueue
 from threading import Condition, Thread
+from typing import Protocol
 
 from memserve.kvcache.address import Tier
 from memserve.workers.engine.step_plan import KVLoad, StepPlan
@@ -64,6 +71,16 @@ class _Rates:
         return new if old is None else 0.7 * old + 0.3 * new
 
 
+class CopyDone(Protocol):
+    """The end of a copy issued asynchronously (a CUDA event)."""
+
+    def wait(self) -> None:
+        """Make the compute issued after this call wait for the copy (the caller goes on)."""
+
+    def synchronize(self) -> None:
+        """Return once the copy is complete."""
+
+
 class LoadFailed(RuntimeError):
     """A load's copy raised: the request computing on it fails (the engine isolates it)."""
 
@@ -76,7 +93,8 @@ class _Load:
     ahead: int
     num_layers: int
     layerwise: bool  # False: copied whole, like a load before preloading
-    loaded: int = 0  # layers of ``streamed`` copied
+    loaded: int = 0  # layers of ``streamed`` copied (issued, where copies are asynchronous)
+    copied: list[CopyDone | None] = field(default_factory=list)  # per layer issued: what marks its copy's end
     computing: int | None = None  # the layer its step computes; None before its first step
     wake_at: int | None = None  # the copier waits until ``limit()`` reaches this (None: not waiting)
     woken_at: float = 0.0  # when the step let it go on (its wake-up latency is timed from it)
@@ -108,11 +126,11 @@ class LayerwisePreloader:
     """Copies ``KVLoad``s on one thread, layer by layer when ``layerwise``; is the forward
     pass's ``LayerHooks`` for the loads of the step in progress."""
 
-    def __init__(self, num_layers: int, copy_layer: Callable[[Tier, list[int], list[int], int], None],
+    def __init__(self, num_layers: int, copy_layer: Callable[[Tier, list[int], list[int], int], CopyDone | None],
                  copy_whole: Callable[[Tier, list[int], list[int]], None], disk_misses: Callable[[list[int]], bool],
                  layerwise: bool = True, ahead: int = AUTO, clock: Callable[[], float] = time.perf_counter) -> None:
         self.num_layers = num_layers
-        self._copy_layer = copy_layer  # (source tier, source blocks, device blocks, layer)
+        self._copy_layer = copy_layer  # (source tier, source blocks, device blocks, layer); None: copied
         self._copy_whole = copy_whole  # every layer of the blocks, into the device tier
         self._disk_misses = disk_misses  # whether reading these disk slots lost a block
         self.layerwise = layerwise
@@ -237,15 +255,20 @@ class LayerwisePreloader:
                     if not ld.released:
                         self.rates.wake_s = _Rates._ewma(self.rates.wake_s, self.clock() - ld.woken_at)
             start = self.clock()
+            done = None
             for tier, src, dst in ld.streamed:
-                self._copy_layer(tier, src, dst, layer)
+                done = self._copy_layer(tier, src, dst, layer)  # the last one's end is the layer's: one stream
             took = self.clock() - start
             with self._cond:
+                ld.copied.append(done)
                 ld.loaded = layer + 1
                 self.stats.copy_s += took
                 if blocks:
                     self.rates.copy_s_per_block_layer = _Rates._ewma(self.rates.copy_s_per_block_layer, took / blocks)
                 self._cond.notify_all()
+        last = ld.copied[-1] if ld.copied else None
+        if last is not None:
+            last.synchronize()  # finished means copied: a step may read the blocks without waiting
 
     # ------------------------------------------------------------------ the step
     def hooks_for(self, plan: StepPlan) -> LayerwisePreloader | None:
@@ -276,6 +299,9 @@ class LayerwisePreloader:
                         self._cond.wait()
                     if ld.error is not None:
                         raise LoadFailed(f"loading the cached KV of {ld.request_id} failed: {ld.error!r}")
+                    done = ld.copied[layer] if layer < len(ld.copied) else None
+                    if done is not None:
+                        done.wait()
             if wake:
                 self.rates.handoff_s = _Rates._ewma(self.rates.handoff_s, self.clock() - start)
             waited = self.clock() - start

@@ -10,7 +10,14 @@ With layer-wise preloading (``layer_preload.py``) the copy goes layer by layer a
 request's own prefill may run meanwhile, waiting per layer in the forward pass's hooks;
 otherwise the scheduler schedules it once its load is done. No block being copied into is
 handed to any other request, so steps and loads touch disjoint blocks. Saves of cached
-KV down the tiers run on another thread (``saver``); the MemPool pins what they read."""
+KV down the tiers run on another thread (``saver``); the MemPool pins what they read. On
+CUDA each of the two threads copies on a stream of its own (``copy_stream.py``), and a
+streamed load's layer is waited for on the device, by its event.
+
+On CUDA, pure decode steps replay CUDA graphs captured when the runner starts
+(``model/decode_graphs.py``; ``--enforce-eager`` turns them off, and a model that cannot be
+captured, ``capturable`` false, runs without); prefills and mixed steps run eagerly. On
+CPU every step runs eagerly."""
 
 from __future__ import annotations
 
@@ -29,11 +36,13 @@ from memserve.kvcache.tiered_mover import TieredMover
 from memserve.model_files.generation import eos_token_ids
 from memserve.workers.engine.layer_hooks import NO_HOOKS, ChainedHooks, LayerHooks
 from memserve.workers.engine.step_plan import KVLoad, StepPlan, StepResult
+from memserve.workers.copy_stream import CopyStream, StreamMover
 from memserve.workers.kv_disk import open_disk_store
 from memserve.workers.kv_pools import KVPools
 from memserve.workers.layer_preload import LayerwisePreloader
 from memserve.workers.model import cpu_kernels
 from memserve.workers.model.attention import CPU_ATTENTIONS, AttentionMetadata
+from memserve.workers.model.decode_graphs import DecodeGraphs
 from memserve.workers.model.dtype import resolve_dtype
 from memserve.workers.model.grammar import GrammarMatchers
 from memserve.workers.model.kv_shift import shift_blocks
@@ -64,16 +73,18 @@ class ModelRunner:
         if self.device.type == "cpu" and self.cpu_attention == "kernel":
             cpu_kernels.available()  # built (once per machine) or loaded now, not in the first step
         self.num_layers = self.model_config.num_layers
-        self.pools = KVPools.create(self.model_config, cfg, self.dtype, self.device)
+        use_graphs = self.device.type == "cuda" and not cfg.enforce_eager and self.model.capturable
+        self.pools = KVPools.create(self.model_config, cfg, self.dtype, self.device, scratch_block=use_graphs)
         self.mover: BlockMover = self.pools
         self.disk: DiskStore | None = None
         self.num_disk_blocks = 0  # the disk tier, when there is one, is ``disk``'s
         if cfg.disk_cache_dir:
             self.disk = open_disk_store(cfg, model_dir, self.dtype, self.pools.block_nbytes)
             self.mover = TieredMover(self.pools, self.disk)
-        # Saves down the tiers run on their own thread, like loads, unless asked inline. On
-        # CUDA, a saver whose thread copies on a stream of its own plugs in here.
-        self.saver: Saver = ThreadSaver(self.mover) if cfg.async_save else InlineSaver(self.mover)
+        # Saves down the tiers run on their own thread, like loads, unless asked inline; on
+        # CUDA that thread copies on a stream of its own.
+        save_mover = StreamMover(self.mover, CopyStream(self.device)) if self.device.type == "cuda" else self.mover
+        self.saver: Saver = ThreadSaver(save_mover) if cfg.async_save else InlineSaver(self.mover)
         self.hooks = hooks
         # Hooks that depend on the step's plan (by-layer KV transfer), asked for each step.
         self._step_hooks: list[Callable[[StepPlan], LayerHooks | None]] = []
@@ -85,14 +96,25 @@ class ModelRunner:
         self._histories = TokenHistories(eos)
         self._grammars = GrammarMatchers(model_dir, self.vocab_size, eos)
         disk = self.disk
+        loads = CopyStream(self.device)
         self.preloader = LayerwisePreloader(
             self.model_config.num_layers,
-            lambda tier, src, dst, layer: self.pools.copy_layer(tier, src, Tier.DEVICE, dst, layer),
-            lambda tier, src, dst: self.mover.copy_blocks(tier, src, Tier.DEVICE, dst),
+            # A load's first layer waits for the steps before it; the rest overlap the compute.
+            lambda tier, src, dst, layer: loads.run(lambda: self.pools.copy_layer(tier, src, Tier.DEVICE, dst, layer),
+                                                    after_compute=layer == 0),
+            lambda tier, src, dst: loads.run_sync(lambda: self.mover.copy_blocks(tier, src, Tier.DEVICE, dst)),
             (lambda slots: bool(disk.failed(slots))) if disk is not None else (lambda slots: False),
             layerwise=cfg.layerwise_preload, ahead=cfg.preload_buffer_layers)
         self.add_step_hooks(self.preloader.hooks_for)
         self._failed_loads: dict[str, BaseException] = {}
+        self.graphs: DecodeGraphs | None = None
+        if use_graphs:
+            assert self.pools.scratch_block is not None
+            max_len = min(cfg.max_model_len or self.max_position_embeddings, self.max_position_embeddings,
+                          self.num_blocks * self.block_size)
+            self.graphs = DecodeGraphs(self.model, self.pools.device, self.layout, self.block_size,
+                                       self.pools.scratch_block, cfg.max_num_seqs, -(-max_len // self.block_size))
+            self.graphs.capture()
 
     @property
     def num_blocks(self) -> int:
@@ -145,23 +167,29 @@ class ModelRunner:
             if chunk.sample:
                 sample_rows.append(query_start_loc[-1] - 1)
                 sample_ids.append(chunk.request_id)
-        width = max(len(t) for t in tables)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            query_start_loc=query_start_loc,
-            context_lens=context_lens,
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=self.device),
-            block_size=bs,
-            layout=self.layout,
-            cpu_attention=self.cpu_attention,
-        )
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
-            self.pools.device,
-            meta,
-            self._hooks_for(plan),
-        )
+        hooks = self._hooks_for(plan)
+        hidden = None
+        if self.graphs is not None and len(input_ids) == len(plan.chunks):  # one new token each: pure decode
+            hidden = self.graphs.run(input_ids, positions, slots, context_lens, tables, hooks)
+        if hidden is None:
+            width = max(len(t) for t in tables)
+            meta = AttentionMetadata(
+                slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+                query_start_loc=query_start_loc,
+                context_lens=context_lens,
+                block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long,
+                                          device=self.device),
+                block_size=bs,
+                layout=self.layout,
+                cpu_attention=self.cpu_attention,
+            )
+            hidden = self.model(
+                torch.tensor(input_ids, dtype=torch.long, device=self.device),
+                torch.tensor(positions, dtype=torch.long, device=self.device),
+                self.pools.device,
+                meta,
+                hooks,
+            )
         prompt_logprobs = self.prompt_logprobs.step(plan.chunks, query_start_loc, hidden, self._params)
         if not sample_ids:
             return StepResult()

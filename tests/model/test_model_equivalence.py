@@ -1,7 +1,8 @@
 """Our Llama model over the paged KV cache must decode greedily exactly like Hugging Face
 transformers, loaded independently from the same GGUF: a batch of plain and chat prompts,
 chunked prefill, mixed prefill/decode batches and both KV layouts; plus tiny random
-models for the variants SmolLM2 does not use (biases, untied head, rope scalings)."""
+models for the variants SmolLM2 does not use (biases, untied head, rope scalings, sparse
+mixture-of-experts MLPs)."""
 
 from __future__ import annotations
 
@@ -198,12 +199,19 @@ LLAMA3_ROPE = {
         ("Qwen2Config", {"tie_word_embeddings": False}),
         ("Qwen3Config", {"tie_word_embeddings": False, "head_dim": 16}),
         ("Qwen3Config", {"tie_word_embeddings": True, "head_dim": 32}),
+        ("Qwen3MoeConfig", {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
+                            "norm_topk_prob": False, "decoder_sparse_step": 2}),
+        ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "tie_word_embeddings": True}),
+        ("Phi3Config", {"partial_rotary_factor": 0.5, "pad_token_id": 0}),
+        ("Phi3Config", {"tie_word_embeddings": True, "pad_token_id": 0}),
     ],
 )
 def test_tiny_random_variants_match_transformers_logits(tmp_path, architecture, options):
-    """Biases, untied heads and rotary scalings the default model does not exercise: a tiny
-    random model saved by transformers must give the same logits through our loader,
-    prefilled in two chunks (the second attends to the cached first)."""
+    """Biases, untied heads, rotary scalings, Phi-3's fused weights and partial rotary, and
+    MoE routing (Qwen3-MoE with a dense layer between sparse ones, top-3 unnormalised;
+    Mixtral) the default model does not exercise:
+    a tiny random model saved by transformers must give the same logits through our
+    loader, prefilled in two chunks (the second attends to the cached first)."""
     import transformers
 
     torch.manual_seed(0)

@@ -1,7 +1,8 @@
 """The compiled CPU decode-attention kernel against plain float64 attention: ragged
 contexts over shuffled blocks (partial last blocks, contexts spanning several partitions),
 GQA and one KV head per query head, both KV layouts' per-layer views (the aggregated one
-strided), float32 and bf16, and batches of 1 and 33 rows."""
+strided), float32 and bf16, batches of 1 and 33 rows, and sliding windows (starting
+inside a block, spanning partitions, longer than the context)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def reference(q, k_cache, v_cache, table, length, scale):
     return torch.einsum("ht,thd->hd", weights, values)
 
 
-def run_case(lengths, heads, kv_heads, block_size, dtype, layout, gen):
+def run_case(lengths, heads, kv_heads, block_size, dtype, layout, gen, window=0):
     blocks_per = [-(-n // block_size) for n in lengths]
     num_blocks = 1 + sum(blocks_per) + 3
     cache = allocate_kv_cache(num_blocks, 2, block_size, kv_heads, DIM, dtype, "cpu", layout)
@@ -41,7 +42,7 @@ def run_case(lengths, heads, kv_heads, block_size, dtype, layout, gen):
     q = torch.randn(len(lengths), heads, DIM, generator=gen).to(dtype)
     out = torch.empty_like(q)
     lens = torch.tensor(lengths, dtype=torch.long)
-    cpu_kernels.paged_decode_attention(out, q, k_cache, v_cache, tables, lens, DIM**-0.5)
+    cpu_kernels.paged_decode_attention(out, q, k_cache, v_cache, tables, lens, DIM**-0.5, window)
     return out, q, k_cache, v_cache, tables
 
 
@@ -58,6 +59,20 @@ def test_kernel_matches_plain_attention(dtype, layout, heads, kv_heads, block_si
     for i, n in enumerate(lengths):
         expected = reference(q[i], k_cache, v_cache, tables[i, : -(-n // block_size)], n, DIM**-0.5)
         torch.testing.assert_close(out[i].double(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("window", [40, 600])
+def test_window_attends_only_the_last_keys(window):
+    """Row i attends to its last ``window`` tokens: the window starts inside a block, may
+    span two partitions (600 > 512), or cover the whole context (short rows)."""
+    gen = torch.Generator().manual_seed(2)
+    lengths = [1, 39, 40, 41, 300, 2100, 613, 1024]
+    out, q, k_cache, v_cache, tables = run_case(lengths, 9, 3, 16, torch.float32, "aggregated", gen, window)
+    for i, n in enumerate(lengths):
+        keys = k_cache[tables[i, : -(-n // 16)]].flatten(0, 1)[max(0, n - window) : n]
+        values = v_cache[tables[i, : -(-n // 16)]].flatten(0, 1)[max(0, n - window) : n]
+        expected = reference(q[i], keys[None], values[None], [0], len(keys), DIM**-0.5)
+        torch.testing.assert_close(out[i].double(), expected, atol=2e-5, rtol=2e-5)
 
 
 def test_single_row_reads_only_its_own_blocks():

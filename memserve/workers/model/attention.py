@@ -53,6 +53,19 @@ On CUDA with xformers installed, the whole batch instead goes through one
 memory-efficient-attention call with a block-diagonal, bottom-right-causal mask over
 per-sequence padded keys. That path cannot run in the CPU test suite; the SDPA path is the
 tested reference.
+
+A decode batch replayed from a CUDA graph (``decode_graphs.py``) has a plan of its own,
+``AttentionPlan.static``: built from device tensors by device ops alone (a graph cannot
+read host data), every row attends its whole fixed-width block table, masked past its
+context length. The CPU tests run it eagerly against the other paths.
+
+A sliding window W (Mistral's ``sliding_window``; ``AttentionPlan.window``) limits each
+query at position p to the keys at positions p - W < j <= p: the kernel starts each row
+at its window, the SDPA paths mask keys before it (decode groups are then attended in one
+call, not chunked) and the blocked prefill skips and masks them; xformers and the static
+plan know no window, so a windowed batch takes the SDPA path on CUDA and a windowed model
+is not captured in CUDA graphs. The cache still holds every token (prefix reuse is by
+position, as without a window).
 """
 
 from __future__ import annotations
@@ -181,6 +194,15 @@ class XformersBatch:
 
 
 @dataclass
+class StaticDecode:
+    """A decode batch of fixed shape (one new token per row), every row attending its
+    whole block table: what a CUDA graph captures."""
+
+    block_tables: torch.Tensor  # [B, W] long
+    key_mask: torch.Tensor  # [B, 1, 1, W * block_size] bool, True = attend
+
+
+@dataclass
 class AttentionPlan:
     """Everything the layers need, derived once per forward from AttentionMetadata."""
 
@@ -192,10 +214,22 @@ class AttentionPlan:
     xformers: XformersBatch | None
     blocked_prefill: bool = False  # prefills through _blocked_prefill (CPU with oneDNN)
     kernel_decodes: KernelDecodes | None = None  # decode rows for the CPU kernel (then ``decodes`` is empty)
+    static_decode: StaticDecode | None = None  # the whole batch, when the plan is ``static``
+    window: int = 0  # sliding window: each query sees its last ``window`` keys; 0: all of them
     _buffers: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def build(cls, meta: AttentionMetadata, device: torch.device) -> AttentionPlan:
+    def static(cls, slots: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+               layout: str) -> AttentionPlan:
+        """The plan of a decode batch held in device tensors (slots and context_lens [B],
+        block_tables [B, W]), built by device ops alone so that a CUDA graph captures it."""
+        key_pos = torch.arange(block_tables.shape[1] * block_size, device=slots.device)
+        key_mask = (key_pos[None, :] < context_lens[:, None])[:, None, None, :]
+        return cls(layout, slots // block_size, slots % block_size, [], [], None,
+                   static_decode=StaticDecode(block_tables, key_mask))
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata, device: torch.device, window: int = 0) -> AttentionPlan:
         if meta.layout not in KV_LAYOUTS:
             raise ValueError(f"unknown KV layout {meta.layout!r}; expected one of {KV_LAYOUTS}")
         bs = meta.block_size
@@ -203,7 +237,7 @@ class AttentionPlan:
         block_tables = meta.block_tables.to(device, non_blocking=True)
         starts, ctx = meta.query_start_loc, meta.context_lens
         query_lens = [starts[i + 1] - starts[i] for i in range(len(ctx))]
-        if device.type == "cuda" and _xformers_attention is not None:
+        if device.type == "cuda" and _xformers_attention is not None and not window:
             max_blocks = _blocks_for(max(ctx), bs)
             bias = BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens(
                 q_seqlen=query_lens, kv_padding=max_blocks * bs, kv_seqlen=ctx, device=device
@@ -214,7 +248,7 @@ class AttentionPlan:
         decode_seqs = [i for i, q in enumerate(query_lens) if q == 1]
         blocked = device.type == "cpu" and torch.backends.mkldnn.is_available()
         prefills = [
-            _plan_prefill(slice(starts[i], starts[i + 1]), block_tables[i], ctx[i], bs, device, blocked)
+            _plan_prefill(slice(starts[i], starts[i + 1]), block_tables[i], ctx[i], bs, device, blocked, window)
             for i, q in enumerate(query_lens)
             if q > 1
         ]
@@ -223,10 +257,10 @@ class AttentionPlan:
             kernel = KernelDecodes(_as_index([starts[i] for i in decode_seqs], device),
                                    block_tables[_as_index(decode_seqs, device), : _blocks_for(max(lens), bs)],
                                    torch.tensor(lens, dtype=torch.long))
-            return cls(meta.layout, slots // bs, slots % bs, [], prefills, None, blocked, kernel)
-        decodes = [_plan_decode(group, starts, ctx, block_tables, bs, device)
+            return cls(meta.layout, slots // bs, slots % bs, [], prefills, None, blocked, kernel, window=window)
+        decodes = [_plan_decode(group, starts, ctx, block_tables, bs, device, window)
                    for group in decode_groups(decode_seqs, ctx)]
-        return cls(meta.layout, slots // bs, slots % bs, decodes, prefills, None, blocked)
+        return cls(meta.layout, slots // bs, slots % bs, decodes, prefills, None, blocked, window=window)
 
     def gather(self, cache: torch.Tensor, block_tables: torch.Tensor, buffer: str) -> torch.Tensor:
         """[..., blocks] block ids -> [..., heads, blocks * block_size, dim] keys or values.
@@ -285,15 +319,20 @@ def decode_groups(seqs: list[int], context_lens: list[int]) -> list[list[int]]:
 
 
 def _plan_decode(
-    seqs: list[int], starts: list[int], ctx: list[int], block_tables: torch.Tensor, bs: int, device: torch.device
+    seqs: list[int], starts: list[int], ctx: list[int], block_tables: torch.Tensor, bs: int, device: torch.device,
+    window: int = 0,
 ) -> DecodeGroup:
     lens = [ctx[i] for i in seqs]
     max_blocks = _blocks_for(max(lens), bs)
     tables = block_tables[_as_index(seqs, device), :max_blocks]
     key_pos = torch.arange(max_blocks * bs, device=device)
-    key_mask = key_pos[None, :] < torch.tensor(lens, device=device)[:, None]
+    row_lens = torch.tensor(lens, device=device)[:, None]
+    key_mask = key_pos[None, :] < row_lens
+    if window:
+        key_mask &= key_pos[None, :] >= row_lens - window
     chunks = []
-    if device.type == "cpu" and max_blocks > DECODE_CHUNK_BLOCKS and len(seqs) * max_blocks * bs >= DECODE_CHUNK_MIN_TOKENS:
+    if (device.type == "cpu" and not window and max_blocks > DECODE_CHUNK_BLOCKS
+            and len(seqs) * max_blocks * bs >= DECODE_CHUNK_MIN_TOKENS):
         for start in range(0, max_blocks * bs, DECODE_CHUNK_BLOCKS * bs):
             empty = [n <= start for n in lens]
             empty_rows = None
@@ -304,18 +343,21 @@ def _plan_decode(
 
 
 def _plan_prefill(
-    tokens: slice, block_table: torch.Tensor, context_len: int, bs: int, device: torch.device, blocked: bool
+    tokens: slice, block_table: torch.Tensor, context_len: int, bs: int, device: torch.device, blocked: bool,
+    window: int = 0,
 ) -> PrefillSequence:
     query_len = tokens.stop - tokens.start
-    if context_len == query_len:  # nothing cached before this chunk: attend to its own K/V
-        return PrefillSequence(tokens, None, context_len, None)
-    if blocked:  # masks its own causal triangle
-        return PrefillSequence(tokens, block_table[: _blocks_for(context_len, bs)], context_len, None)
+    # None: nothing cached before this chunk, it attends to its own K/V.
+    blocks = block_table[: _blocks_for(context_len, bs)] if context_len > query_len else None
+    if blocked or (blocks is None and not 0 < window < context_len):  # blocked: masks its own triangle (and window)
+        return PrefillSequence(tokens, blocks, context_len, None)
     first_query_pos = context_len - query_len
     query_pos = torch.arange(first_query_pos, context_len, device=device)
     key_pos = torch.arange(context_len, device=device)
     mask = key_pos[None, :] <= query_pos[:, None]
-    return PrefillSequence(tokens, block_table[: _blocks_for(context_len, bs)], context_len, mask[None, None])
+    if window:
+        mask &= key_pos[None, :] > query_pos[:, None] - window
+    return PrefillSequence(tokens, blocks, context_len, mask[None, None])
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> None:
@@ -336,6 +378,8 @@ def paged_attention(
     """Write k/v [T, kv_heads, dim] into the cache, then attend q [T, heads, dim] to each
     sequence's context. Returns [T, heads, dim]."""
     write_kv(k_cache, v_cache, k, v, plan)
+    if plan.static_decode is not None:
+        return _static_decode_attention(q, k_cache, v_cache, plan, plan.static_decode, scale)
     if plan.xformers is not None:
         return _xformers_paged_attention(q, k_cache, v_cache, plan, scale)
     out = q.new_empty(q.shape)  # contiguous even where q is a view into the fused projection
@@ -346,7 +390,7 @@ def paged_attention(
         queries = q[rows.tokens].contiguous()
         attended = torch.empty_like(queries)
         cpu_kernels.paged_decode_attention(attended, queries, k_cache, v_cache, rows.block_tables, rows.context_lens,
-                                           scale)
+                                           scale, plan.window)
         out[rows.tokens] = attended
     for i, group in enumerate(plan.decodes):
         # GQA folded into the query length: the heads sharing a KV head are that head's
@@ -374,7 +418,7 @@ def paged_attention(
             keys = plan.gather(k_cache, seq.block_ids, f"prefill-{i}-k")[:, : seq.context_len]
             values = plan.gather(v_cache, seq.block_ids, f"prefill-{i}-v")[:, : seq.context_len]
         if plan.blocked_prefill:
-            out[seq.tokens] = _blocked_prefill(q[seq.tokens], keys, values, scale)
+            out[seq.tokens] = _blocked_prefill(q[seq.tokens], keys, values, scale, plan.window)
             continue
         attended = F.scaled_dot_product_attention(
             q[seq.tokens].transpose(0, 1)[None],  # [1, heads, q, dim]
@@ -389,10 +433,13 @@ def paged_attention(
     return out
 
 
-def _blocked_prefill(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+def _blocked_prefill(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                     window: int = 0) -> torch.Tensor:
     """Causal attention of a prefill chunk's queries [n, heads, dim] to its context's keys
     and values [kv_heads, context, dim] (the chunk's own tokens last), PREFILL_QUERY_BLOCK
-    queries at a time, both products through oneDNN (see the module docstring).
+    queries at a time, both products through oneDNN (see the module docstring). With a
+    sliding ``window``, a block's keys start at its first query's window, and its mask
+    covers both the future and what fell out of each query's window.
 
     Per KV head, the query heads sharing it are stacked into one [group * block, dim]
     matrix; its scores against the keys up to the block's last position are one GEMM
@@ -417,12 +464,27 @@ def _blocked_prefill(queries: torch.Tensor, keys: torch.Tensor, values: torch.Te
     for start in range(0, n, block):
         stop = min(start + block, n)
         rows, end = stop - start, prefix + stop
+        first = max(0, prefix + start - window + 1) if window else 0
+        window_mask = _window_mask(prefix + start, rows, first, end, window, queries) if window else None
         for h in range(kv_heads):
-            scores = _onednn_linear(heads_first[h, :, start:stop].reshape(group * rows, head_dim), keys[h, :end])
-            scores.view(group, rows, end)[..., end - rows :].add_(future[:rows, :rows])
+            scores = _onednn_linear(heads_first[h, :, start:stop].reshape(group * rows, head_dim), keys[h, first:end])
+            if window_mask is None:
+                scores.view(group, rows, end)[..., end - rows :].add_(future[:rows, :rows])
+            else:
+                scores.view(group, rows, end - first).add_(window_mask)
             probs = torch.softmax(scores, -1)
-            out[h, :, start:stop] = _onednn_linear(values_t[h, :, :end], probs).t().view(group, rows, head_dim)
+            out[h, :, start:stop] = _onednn_linear(values_t[h, :, first:end], probs).t().view(group, rows, head_dim)
     return out.permute(2, 0, 1, 3).reshape(n, num_heads, head_dim).to(dtype)
+
+
+def _window_mask(first_query: int, rows: int, first_key: int, end: int, window: int,
+                 like: torch.Tensor) -> torch.Tensor:
+    """[rows, end - first_key] 0 / -inf: query ``first_query + r`` sees key j when
+    0 <= (first_query + r) - j < window."""
+    query_pos = torch.arange(first_query, first_query + rows, device=like.device)[:, None]
+    key_pos = torch.arange(first_key, end, device=like.device)[None, :]
+    seen = (key_pos <= query_pos) & (key_pos > query_pos - window)
+    return torch.zeros(seen.shape, dtype=like.dtype, device=like.device).masked_fill_(~seen, float("-inf"))
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -467,6 +529,20 @@ def _chunked_decode(
         out = out * (lse - merged).exp_() + part * (part_lse - merged).exp_()
         lse = merged
     return out.to(queries.dtype)
+
+
+def _static_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan, rows: StaticDecode, scale: float
+) -> torch.Tensor:
+    """Every row's query [T, heads, dim] against its gathered block table, masked past its
+    context; GQA folded into the query length as for decode groups."""
+    num_tokens, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[-2]
+    queries = q.reshape(num_tokens, kv_heads, num_heads // kv_heads, head_dim)
+    keys = plan.gather(k_cache, rows.block_tables, "static-k")
+    values = plan.gather(v_cache, rows.block_tables, "static-v")
+    attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=rows.key_mask, scale=scale)
+    return attended.reshape(num_tokens, num_heads, head_dim)
 
 
 def _xformers_paged_attention(

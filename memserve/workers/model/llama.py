@@ -1,9 +1,13 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM) in plain torch, over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM, Phi-3/4; Qwen3-MoE and
+Mixtral) in plain torch, over a paged KV cache.
 
 The batch is flattened: T new tokens of several sequences back to back, each with its
 position; ``AttentionMetadata`` says where each sequence starts and where its K/V lives.
 Q/K/V and gate/up projections are fused into one matmul each (fewer, larger GEMMs); the
-loader concatenates the Hugging Face weights accordingly.
+loader concatenates the Hugging Face weights accordingly (Phi-3's come fused). The
+families differ only by ``ModelConfig`` options (biases, q/k norms, partial rotary, a
+sliding window); a layer listed in ``sparse_layers`` has a sparse mixture-of-experts MLP
+(``moe.py``) in place of the dense one.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from memserve.workers.model.attention import (
     paged_attention,
 )
 from memserve.workers.model.model_config import ModelConfig
+from memserve.workers.model.moe import SparseMoE
 from memserve.workers.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -91,7 +96,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp: MLP | SparseMoE = SparseMoE(config) if layer in config.sparse_layers else MLP(config)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan
@@ -117,7 +122,11 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(config.rope_parameters, config.head_dim)
+        self.rotary = RotaryEmbedding(config.rope_parameters, config.rotary_dim)
+        # Whether CUDA graphs may capture the decode step: not a sparse MLP, whose grouped
+        # GEMM may read its per-expert offsets on the host (moe.py), nor a sliding window,
+        # which the static decode plan a graph replays does not apply.
+        self.capturable = not config.sparse_layers and config.sliding_window is None
 
     @torch.inference_mode()
     def forward(
@@ -131,7 +140,19 @@ class LlamaForCausalLM(nn.Module):
         """Run T flattened new tokens through the decoder, writing their K/V into
         ``kv_cache``; returns the final-norm hidden states [T, hidden]. ``hooks`` are
         called around every layer (KV loads and saves overlap the compute)."""
-        plan = AttentionPlan.build(meta, input_ids.device)
+        plan = AttentionPlan.build(meta, input_ids.device, self.config.sliding_window or 0)
+        return self.forward_planned(input_ids, positions, kv_cache, plan, hooks)
+
+    @torch.inference_mode()
+    def forward_planned(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: AttentionPlan,
+        hooks: LayerHooks = NO_HOOKS,
+    ) -> torch.Tensor:
+        """``forward`` over an attention plan already built (a CUDA graph's static one)."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):

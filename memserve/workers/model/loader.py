@@ -1,11 +1,16 @@
 """Build a ``LlamaForCausalLM`` from a Hugging Face folder (``config.json`` + ``*.safetensors``).
 
 The model is created on the meta device and the loaded tensors are assigned in place, so
-no time is spent on random initialisation and no second copy of the weights is made."""
+no time is spent on random initialisation and no second copy of the weights is made.
+Checkpoint tensors are renamed and concatenated into the model's fused parameters (q/k/v,
+gate/up) and, for mixture-of-experts models, each layer's per-expert tensors are stacked
+into one tensor per projection (``moe.py``)."""
 
 from __future__ import annotations
 
+import re
 import weakref
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -24,6 +29,10 @@ _FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
+# Mixtral's names for the sparse MLP and its experts' projections -> Qwen3-MoE's (ours).
+_MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
+                  (".w2.", ".down_proj."))
+_EXPERT_WEIGHT = re.compile(r"(?P<experts>.+\.mlp\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
 # Checkpoint entries that are derived buffers, not weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # Models held by this process, by (folder, dtype, device, CPU GEMM): see ``load_model``.
@@ -62,6 +71,41 @@ def fuse_hf_weights(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def stack_expert_weights(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename Mixtral's sparse-MLP weights to Qwen3-MoE's, then stack every layer's
+    ``experts.{i}.{gate,up,down}_proj.weight`` into ``experts.gate_up_proj`` [E, 2I, H]
+    and ``experts.down_proj`` [E, H, I]. Consumes ``hf``: each expert's tensors are freed
+    once copied, so the experts (most of a MoE model) are never held twice."""
+    out: dict[str, torch.Tensor] = {}
+    by_layer: dict[str, dict[tuple[str, int], torch.Tensor]] = defaultdict(dict)
+    while hf:
+        name, tensor = hf.popitem()
+        if ".block_sparse_moe." in name:
+            for old, new in _MIXTRAL_NAMES:
+                name = name.replace(old, new)
+        match = _EXPERT_WEIGHT.fullmatch(name)
+        if match is None:
+            out[name] = tensor
+        else:
+            by_layer[match["experts"]][(match["proj"], int(match["index"]))] = tensor
+    while by_layer:
+        experts, parts = by_layer.popitem()
+        count = 1 + max(index for _, index in parts)
+        try:
+            gate, down = parts[("gate_proj", 0)], parts[("down_proj", 0)]
+            width = gate.shape[0]
+            gate_up = gate.new_empty(count, 2 * width, gate.shape[1])
+            down_proj = down.new_empty(count, *down.shape)
+            for i in range(count):
+                gate_up[i, :width] = parts.pop(("gate_proj", i))
+                gate_up[i, width:] = parts.pop(("up_proj", i))
+                down_proj[i] = parts.pop(("down_proj", i))
+        except KeyError as missing:
+            raise ValueError(f"{experts}: expert weight {missing} is missing") from None
+        out[f"{experts}.gate_up_proj"], out[f"{experts}.down_proj"] = gate_up, down_proj
+    return out
+
+
 def load_model(
     folder: str | Path, dtype: torch.dtype, device: str | torch.device, cpu_gemm: str = "onednn"
 ) -> LlamaForCausalLM:
@@ -84,7 +128,7 @@ def load_model(
 
 def _load(folder: Path, dtype: torch.dtype, device: str | torch.device, cpu_gemm: str) -> LlamaForCausalLM:
     config = ModelConfig.from_folder(folder)
-    weights = fuse_hf_weights(read_safetensors(folder, dtype, device))
+    weights = fuse_hf_weights(stack_expert_weights(read_safetensors(folder, dtype, device)))
     tie = config.tie_word_embeddings or "lm_head.weight" not in weights
     if tie:
         weights.pop("lm_head.weight", None)

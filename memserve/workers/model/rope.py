@@ -12,16 +12,16 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+from memserve.workers.model.model_config import SUPPORTED_ROPE_TYPES
 
 
-def inverse_frequencies(rope_parameters: dict[str, Any], head_dim: int) -> torch.Tensor:
-    """float32 inverse frequencies [head_dim // 2] for ``rope_parameters`` (see model_config)."""
+def inverse_frequencies(rope_parameters: dict[str, Any], rotary_dim: int) -> torch.Tensor:
+    """float32 inverse frequencies [rotary_dim // 2] for ``rope_parameters`` (see model_config)."""
     rope_type = rope_parameters["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope_type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})")
     base = rope_parameters["rope_theta"]
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim
     inv_freq = 1.0 / (base**exponents)
     if rope_type == "linear":
         return inv_freq / rope_parameters["factor"]
@@ -49,12 +49,12 @@ class RotaryEmbedding:
     Not an ``nn.Module``: the frequencies are derived from the config, not weights, and
     are copied to each device on first use."""
 
-    def __init__(self, rope_parameters: dict[str, Any], head_dim: int):
-        self._inv_freq = inverse_frequencies(rope_parameters, head_dim)
+    def __init__(self, rope_parameters: dict[str, Any], rotary_dim: int):
+        self._inv_freq = inverse_frequencies(rope_parameters, rotary_dim)
         self._by_device: dict[torch.device, torch.Tensor] = {}
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [T, 1, head_dim] for positions [T], broadcastable over heads."""
+        """cos, sin of shape [T, 1, rotary_dim] for positions [T], broadcastable over heads."""
         inv_freq = self._by_device.get(positions.device)
         if inv_freq is None:
             inv_freq = self._by_device.setdefault(positions.device, self._inv_freq.to(positions.device))
@@ -64,7 +64,12 @@ class RotaryEmbedding:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, head_dim] (rotate-half convention, as in Hugging Face weights)."""
-    half = x.shape[-1] // 2
+    """Rotate x [T, heads, head_dim] (rotate-half convention, as in Hugging Face weights).
+    With cos/sin narrower than the head (partial rotary, Phi-3/4), only its leading
+    ``cos.shape[-1]`` dimensions are rotated; the rest pass through unchanged."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
+    half = rotary_dim // 2
     rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated_half * sin

@@ -1,7 +1,9 @@
 // Decode attention over the paged KV cache, read in place.
 //
 // Each query row (one new token of a sequence) attends to its sequence's first
-// context_lens[row] tokens, held in the cache blocks its block table names. Nothing is
+// context_lens[row] tokens, held in the cache blocks its block table names; with a
+// sliding window W > 0, to the last W of them only (Mistral's window: the key at
+// position j is seen by the query at position p when p - j < W). Nothing is
 // gathered: every K and V vector is read once, where it lies, for all the query heads
 // that share its KV head (GQA). Work items are (row, KV head, partition of up to
 // PARTITION tokens) so that one long sequence still keeps every thread busy; each item
@@ -36,7 +38,8 @@ constexpr int64_t MAX_DIM = 256;
 // DIM: the head dim when known at compile time (64, 128: fully unrolled loops), else 0.
 template <typename T, int64_t DIM>
 void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                      const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+                      const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                      int64_t window) {
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t D = DIM > 0 ? DIM : dim;
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), group = heads / kv_heads;
@@ -50,9 +53,11 @@ void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
 
+  std::vector<int64_t> first_key(rows);  // row r attends to positions [first_key[r], lens[r])
   std::vector<int64_t> first_part(rows + 1, 0);  // partitions of row r: [first_part[r], first_part[r + 1])
   for (int64_t r = 0; r < rows; ++r) {
-    first_part[r + 1] = first_part[r] + std::max<int64_t>(1, (lens[r] + PARTITION - 1) / PARTITION);
+    first_key[r] = window > 0 ? std::max<int64_t>(0, lens[r] - window) : 0;
+    first_part[r + 1] = first_part[r] + std::max<int64_t>(1, (lens[r] - first_key[r] + PARTITION - 1) / PARTITION);
   }
   const int64_t parts = first_part[rows];
   std::vector<float> part_max(parts * kv_heads * group), part_sum(parts * kv_heads * group);
@@ -64,7 +69,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
     for (int64_t item = begin; item < end; ++item) {
       const int64_t part = item / kv_heads, h = item % kv_heads;
       const int64_t row = std::upper_bound(first_part.begin(), first_part.end(), part) - first_part.begin() - 1;
-      const int64_t start = (part - first_part[row]) * PARTITION;
+      const int64_t start = first_key[row] + (part - first_part[row]) * PARTITION;
       const int64_t count = std::min(PARTITION, lens[row] - start);
       const int64_t* table = tables + row * table_stride;
       float* maxes = &part_max[item * group];
@@ -80,17 +85,15 @@ void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
         const T* src = qp + (row * heads + h * group + g) * dim;
         for (int64_t d = 0; d < dim; ++d) query[g * dim + d] = widen(src[d]) * fscale;
       }
-      // Block by block (one table lookup and no division per token; PARTITION is a
-      // multiple of every block size in use, so a partition starts at a block boundary).
-      // Block by block (one table lookup and no division per token; PARTITION is a
-      // multiple of every block size in use, so a partition starts at a block boundary),
+      // Block by block (one table lookup and no division per token; a partition starts
+      // at a block boundary, or inside its first block where a window starts there),
       // one query head at a time so that its query and accumulator stay in registers.
       for (int64_t g = 0; g < group; ++g) {
         const float* qg = &query[g * dim];
         float* sg = &scores[g * PARTITION];
-        for (int64_t i = 0, block = start / block_size; i < count; ++block) {
+        for (int64_t i = 0, block = start / block_size, first = start % block_size; i < count; ++block, first = 0) {
           const T* keys = kp + table[block] * kb + h * kh;
-          for (int64_t o = 0; o < block_size && i < count; ++o, ++i) {
+          for (int64_t o = first; o < block_size && i < count; ++o, ++i) {
             const T* key = keys + o * kt;
             float s = 0.0f;
 #pragma omp simd reduction(+ : s)
@@ -115,9 +118,9 @@ void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
       for (int64_t g = 0; g < group; ++g) {
         const float* sg = &scores[g * PARTITION];
         float ag[DIM > 0 ? DIM : MAX_DIM] = {};
-        for (int64_t i = 0, block = start / block_size; i < count; ++block) {
+        for (int64_t i = 0, block = start / block_size, first = start % block_size; i < count; ++block, first = 0) {
           const T* values = vp + table[block] * vb + h * vh;
-          for (int64_t o = 0; o < block_size && i < count; ++o, ++i) {
+          for (int64_t o = first; o < block_size && i < count; ++o, ++i) {
             const T* value = values + o * vt;
             const float p = sg[i];
 #pragma omp simd
@@ -162,7 +165,8 @@ void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
 }
 
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                            int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && out.is_contiguous() && out.sizes() == q.sizes(),
               "q and out: contiguous [rows, heads, dim]");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
@@ -179,11 +183,12 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
   const int64_t dim = q.size(2);
   if (q.scalar_type() == at::kFloat) {
     (dim == 64 ? decode_attention<float, 64> : dim == 128 ? decode_attention<float, 128> : decode_attention<float, 0>)(
-        out, q, k_cache, v_cache, block_tables, context_lens, scale);
+        out, q, k_cache, v_cache, block_tables, context_lens, scale, window);
   } else if (q.scalar_type() == at::kBFloat16) {
     (dim == 64    ? decode_attention<c10::BFloat16, 64>
      : dim == 128 ? decode_attention<c10::BFloat16, 128>
-                  : decode_attention<c10::BFloat16, 0>)(out, q, k_cache, v_cache, block_tables, context_lens, scale);
+                  : decode_attention<c10::BFloat16, 0>)(out, q, k_cache, v_cache, block_tables, context_lens, scale,
+                                                        window);
   } else {
     TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only");
   }
@@ -193,7 +198,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
 
 TORCH_LIBRARY(memserve, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale) -> ()");
+        "Tensor context_lens, float scale, int window=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(memserve, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
