@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import logging
 import os
 import sys
@@ -164,10 +165,23 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--spare-workers", type=int, default=0,
                    help="CPU workers kept loaded and warmed up to replace one that dies within a second "
                         "(each holds the model and a KV pool in memory)")
-    p.add_argument("--internal-transport", default="ipc", choices=["ipc", "tcp"],
+    p.add_argument("--internal-transport", default=None, choices=["ipc", "tcp"],
                    help="gateway-worker and KV transfer sockets: ipc files in a private directory (one "
-                        "machine), or TCP on --internal-host encrypted and authenticated with CurveZMQ")
-    p.add_argument("--internal-host", default="127.0.0.1", help="address of the internal TCP sockets")
+                        "machine), or TCP on --internal-host encrypted and authenticated with CurveZMQ "
+                        "(default: ipc; tcp with --ray, which needs it)")
+    p.add_argument("--internal-host", default=None,
+                   help="address of the gateway's internal TCP sockets (default: 127.0.0.1; with --ray, the IP "
+                        "Ray knows the gateway's node by; workers under Ray listen on their own node's IP)")
+    ray = p.add_argument_group("Ray")  # workers on the nodes of a Ray cluster (docs/multi-node.md)
+    ray.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                     help="place and supervise the workers with Ray, one actor per worker on the nodes of a Ray "
+                          "cluster: --ray alone joins $RAY_ADDRESS or the cluster last started on this machine, "
+                          "else starts a local one; 'auto' joins this machine's cluster; HOST:PORT or "
+                          "ray://HOST:PORT joins that one (needs pip install 'memserve[ray]')")
+    ray.add_argument("--ray-placement", default="spread", choices=["spread", "pack"],
+                     help="with --ray, one placement group holds a bundle per worker ({GPU: 1}, or {CPU: "
+                          "--cpu-threads, default 1}): spread puts them on as many nodes as it can, pack on as "
+                          "few")
     p.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds a connection has to send a complete request head (from connect or the last response)")
     p.add_argument("--body-timeout", type=float, default=10.0, help="seconds a request body has to arrive (408)")
@@ -224,6 +238,10 @@ def _run_up(args: argparse.Namespace) -> int:
     kv_events_config = _kv_events_config(args)
     if kv_events_config is False:
         return 2
+    ray_error = _ray_error(args)
+    if ray_error:
+        print(f"memserve: {ray_error}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level, format="%(asctime)s gateway %(levelname)s %(message)s")
     os.environ["MEMSERVE_LOG_LEVEL"] = args.log_level
     engine = EngineConfig(
@@ -268,7 +286,7 @@ def _run_up(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         heartbeat_timeout_s=args.heartbeat_timeout,
         spare_workers=args.spare_workers,
-        internal_transport=args.internal_transport,
+        internal_transport=args.internal_transport or ("ipc" if args.ray is None else "tcp"),
         internal_host=args.internal_host,
         header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout,
@@ -289,6 +307,8 @@ def _run_up(args: argparse.Namespace) -> int:
         admission_queue_size=args.admission_queue_size,
         predictor=args.predictor,
         kv_events_config=kv_events_config or None,
+        ray=args.ray,
+        ray_placement=args.ray_placement,
     )
     # API keys (gateway/auth.py): the flag's keys plus MEMSERVE_API_KEY's.
     from memserve.gateway.auth import ENV_API_KEY, auth_config
@@ -334,6 +354,19 @@ def _run_up(args: argparse.Namespace) -> int:
         print(f"memserve: cannot listen on {args.host}:{args.port}: {exc.strerror}", file=sys.stderr)
         return 1
     return 0
+
+
+def _ray_error(args: argparse.Namespace) -> str | None:
+    """Why ``--ray`` cannot serve with these flags, or None."""
+    if args.ray is None:
+        return None
+    if importlib.util.find_spec("ray") is None:  # found, not imported: the gateway imports it later
+        return "--ray needs Ray, which is not installed: pip install 'memserve[ray]'"
+    if args.internal_transport == "ipc":
+        return "--ray needs --internal-transport tcp: the workers may run on other nodes"
+    if args.spare_workers:
+        return "--spare-workers starts local processes; it does not go with --ray"
+    return None
 
 
 def _kv_events_config(args: argparse.Namespace) -> dict | None | bool:

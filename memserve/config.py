@@ -105,7 +105,9 @@ class ServeConfig:
     heartbeat_timeout_s: float = 5.0  # a worker silent this long is declared dead and restarted
     spare_workers: int = 0  # CPU workers loaded and warmed up ahead, to replace one that dies
     internal_transport: str = "ipc"  # ipc: sockets in a private directory | tcp: CurveZMQ on internal_host
-    internal_host: str = "127.0.0.1"  # the address internal TCP sockets listen on
+    # The address internal TCP sockets listen on; None: 127.0.0.1, or with ``ray`` the IP
+    # Ray knows the gateway's node by.
+    internal_host: str | None = None
     header_timeout_s: float = 10.0  # a request head must arrive this soon after connect / the last response
     body_timeout_s: float = 10.0  # a request body must arrive within this
     max_connections: int = 1024  # open HTTP connections; past it a new one is answered 503
@@ -120,6 +122,10 @@ class ServeConfig:
     cache_salt_from_key: bool = False
     web_ui: bool = True  # serve the chat page (/) and the dashboard (/dashboard); --no-web-ui: off
     kv_events_config: dict | None = None  # --kv-events-config: vLLM-format KV events (workers/kv_event_publisher.py)
+    # --ray: place and supervise the workers with Ray (gateway/ray_launcher.py), joining the
+    # cluster at this address ("": ray.init's default); None: local processes, no Ray.
+    ray: str | None = None
+    ray_placement: str = "spread"  # spread | pack: the workers' bundles over the Ray nodes
 
 
 def served_model_name(cfg: ServeConfig) -> str:

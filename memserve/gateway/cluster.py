@@ -3,8 +3,12 @@ liveness from heartbeats and exit codes, restarts a worker that died, and stops 
 on shutdown so that no orphan is left behind. With ``spare_workers``, CPU workers
 that died are replaced by spares that loaded the model and warmed up ahead of time.
 
-Workers are started with ``subprocess`` (not ``fork``) so the gateway never imports
-torch and a worker never inherits the gateway's event loop."""
+Where a worker runs is the ``launch`` callable's business: ``launch_local`` starts it on
+this machine with ``subprocess`` (not ``fork``, so the gateway never imports torch and a
+worker never inherits the gateway's event loop); ``ray_launcher.RayLauncher`` has a Ray
+actor start it on a node of a Ray cluster. Either returns a ``WorkerProcess``, the part
+of ``subprocess.Popen`` that Cluster uses, so liveness, restarts and shutdown are one code
+path whatever starts the workers."""
 
 from __future__ import annotations
 
@@ -12,12 +16,14 @@ import json
 import logging
 import math
 import os
+import platform
 import select
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from memserve.config import EngineConfig, WorkerConfig
 
@@ -28,12 +34,49 @@ log = logging.getLogger("memserve.cluster")
 DEGRADED_AFTER_HEARTBEATS = 2.5
 # Seconds between two spare-worker starts.
 SPARE_RESPAWN_S = 10.0
+WORKER_MODULE = "memserve.workers.worker"
+
+
+class WorkerProcess(Protocol):
+    """A started worker as Cluster sees it: ``subprocess.Popen``'s liveness and stop
+    calls, and the node it runs on."""
+
+    @property
+    def pid(self) -> int | None: ...
+
+    @property
+    def node(self) -> str: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+# Starts the worker of a config with an environment (the gateway's, adjusted per worker).
+Launch = Callable[[WorkerConfig, dict[str, str]], WorkerProcess]
+
+
+class LocalProcess(subprocess.Popen[bytes]):
+    """A worker process on this machine, whose node is this machine's hostname."""
+
+    node = platform.node() or "local"
+
+
+def launch_local(config: WorkerConfig, env: dict[str, str]) -> LocalProcess:
+    return LocalProcess([sys.executable, "-m", WORKER_MODULE, json.dumps(config.to_dict())], env=env)
 
 
 @dataclass
 class WorkerHandle:
     config: WorkerConfig
-    process: subprocess.Popen | None = None
+    process: WorkerProcess | None = None
     ready: bool = False
     last_heartbeat: float = 0.0
     stats: dict = field(default_factory=dict)
@@ -49,6 +92,11 @@ class WorkerHandle:
     @property
     def alive(self) -> bool:
         return self.ready and self.process is not None and self.process.poll() is None
+
+    @property
+    def node(self) -> str:
+        """Where the worker runs (empty while its launcher does not know yet)."""
+        return self.process.node if self.process is not None else ""
 
     def state(self, now: float, heartbeat_timeout_s: float, busy_s: float = 0.0) -> str:
         """``starting``, ``dead``, ``degraded`` (heartbeats late, or one engine step
@@ -80,17 +128,19 @@ def plan_workers(engine: EngineConfig, gateway_addr: str, cpu_workers: int, gpus
 
 
 class Cluster:
-    def __init__(self, configs: list[WorkerConfig], heartbeat_timeout_s: float = 5.0, spare_workers: int = 0) -> None:
+    def __init__(self, configs: list[WorkerConfig], heartbeat_timeout_s: float = 5.0, spare_workers: int = 0,
+                 launch: Launch = launch_local) -> None:
         self.workers = {c.instance_id: WorkerHandle(c) for c in configs}
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.launch = launch
         # Spares replace CPU workers only: on a GPU a spare would hold a second copy of
         # the model and its KV pool in the memory the serving worker needs.
         cpu = bool(configs) and all(c.engine.device == "cpu" for c in configs)
         if spare_workers and not cpu:
             log.warning("--spare-workers applies to CPU workers only; starting none")
         self.num_spares = spare_workers if cpu else 0
-        self.spares: list[subprocess.Popen] = []
-        self._ready_spares: set[subprocess.Popen] = set()
+        self.spares: list[LocalProcess] = []
+        self._ready_spares: set[LocalProcess] = set()
         self._spare_spawned_at = -math.inf
 
     def _env(self, device: str) -> dict[str, str]:
@@ -111,14 +161,12 @@ class Cluster:
         if handle.process is not None:
             log.info("spare worker (pid %d) takes over as worker %d", handle.process.pid, instance_id)
             return
-        env = self._env(device)
-        if device.startswith("cuda:"):
-            handle.config.engine.device = "cuda:0"
-        handle.process = subprocess.Popen(
-            [sys.executable, "-m", "memserve.workers.worker", json.dumps(handle.config.to_dict())], env=env
-        )
-        log.info("spawned worker %d (pid %d, %s, role %s)", instance_id, handle.process.pid, device,
-                 handle.config.role)
+        config = handle.config
+        if device.startswith("cuda:"):  # the worker sees its GPU alone (the environment says which), as cuda:0
+            config = replace(config, engine=replace(config.engine, device="cuda:0"))
+        handle.process = self.launch(config, self._env(device))
+        log.info("spawned worker %d (pid %s, %s, role %s)", instance_id, handle.process.pid or "not known yet",
+                 device, handle.config.role)
 
     def spare_states(self) -> list[dict]:
         """Each spare's pid and state: ``ready`` (prepared, waiting on its stdin) or ``starting``."""
@@ -131,7 +179,7 @@ class Cluster:
         return [{"pid": spare.pid, "state": "ready" if spare in self._ready_spares else "starting"}
                 for spare in self.spares]
 
-    def _take_spare(self, instance_id: int) -> subprocess.Popen | None:
+    def _take_spare(self, instance_id: int) -> LocalProcess | None:
         self.spare_states()
         self.spares.sort(key=lambda spare: spare not in self._ready_spares)
         while self.spares:
@@ -164,9 +212,8 @@ class Cluster:
                 or not all(h.ready for h in self.workers.values())):
             return
         template = next(iter(self.workers.values())).config
-        spare = subprocess.Popen([sys.executable, "-m", "memserve.workers.worker", "--spare",
-                                  json.dumps(template.to_dict())], env=self._env("cpu"),
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        spare = LocalProcess([sys.executable, "-m", WORKER_MODULE, "--spare", json.dumps(template.to_dict())],
+                             env=self._env("cpu"), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.spares.append(spare)
         self._spare_spawned_at = now
         log.info("started a spare worker (pid %d)", spare.pid)

@@ -44,6 +44,7 @@ def health_status(workers: list[dict]) -> tuple[str, str | None]:
 
 
 def _instance(worker: dict, node: str) -> dict:
+    """One worker's entry; ``node``: where it runs when the worker does not say (the gateway's host)."""
     kv_blocks = worker.get("kv_blocks", {})
     blocks = {}
     for tier, free in worker.get("free_blocks", {}).items():
@@ -57,7 +58,7 @@ def _instance(worker: dict, node: str) -> dict:
         "role": worker.get("role", "colocated"),
         "state": worker.get("state", "unknown"),
         "alive": bool(worker.get("alive")),
-        "node": node,
+        "node": worker.get("node") or node,
         "pid": worker.get("pid"),
         "restarts": worker.get("restarts", 0),
         "running": worker.get("num_running", 0),
