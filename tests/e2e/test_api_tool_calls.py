@@ -13,7 +13,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from helpers.fake_engine import FakeEngine, async_test, post, serve
+from helpers.fake_engine import async_test, post, scripted, serve
 from helpers.openai_schema import assert_valid, chunk_schema, generate, sse_chunks
 from jsonschema import Draft202012Validator
 
@@ -175,10 +175,15 @@ def hermes_tokenizer(tokenizer_folder: Path, tmp_path_factory: pytest.TempPathFa
     return tokenizer
 
 
-def scripted(tokenizer: Tokenizer, reply: str) -> FakeEngine:
-    engine = FakeEngine(tokenizer)
-    engine.outputs = [[t] for t in tokenizer.encode(reply, add_special_tokens=False)] + [tokenizer.eos_token_ids[:1]]
-    return engine
+def content_calls_reason(body, stream: bool) -> tuple[str, list[dict], str]:
+    """The content, tool calls and finish reason of a one-choice answer, whole or streamed."""
+    if stream:
+        chunks = body[:-1]
+        content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        return content, streamed_calls(chunks), chunks[-1]["choices"][0]["finish_reason"]
+    assert_valid(body, "CreateChatCompletionResponse")
+    message = body["choices"][0]["message"]
+    return message["content"] or "", message["tool_calls"], body["choices"][0]["finish_reason"]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
@@ -190,14 +195,7 @@ async def test_auto_parses_hermes_tool_calls(hermes_tokenizer: Tokenizer, stream
             "messages": QUESTION, "tools": [WEATHER, TIME], "stream": stream})
     assert status == 200, body
     assert "get_time" in hermes_tokenizer.decode(engine.requests[0]["prompt_token_ids"])  # the template saw tools
-    if stream:
-        chunks = body[:-1]
-        content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
-        calls, reason = streamed_calls(chunks), chunks[-1]["choices"][0]["finish_reason"]
-    else:
-        assert_valid(body, "CreateChatCompletionResponse")
-        message = body["choices"][0]["message"]
-        content, calls, reason = message["content"], message["tool_calls"], body["choices"][0]["finish_reason"]
+    content, calls, reason = content_calls_reason(body, stream)
     assert content.strip() == "Let me check." and reason == "tool_calls"
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         ("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"city": "Paris"})]
@@ -254,14 +252,7 @@ async def test_auto_parses_each_familys_tool_calls(tokenizer_folder: Path, tmp_p
         status, body = await post(client, "/v1/chat/completions", {
             "messages": QUESTION, "tools": [WEATHER, TIME], "stream": stream})
     assert status == 200, body
-    if stream:
-        chunks = body[:-1]
-        content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
-        calls, reason = streamed_calls(chunks), chunks[-1]["choices"][0]["finish_reason"]
-    else:
-        assert_valid(body, "CreateChatCompletionResponse")
-        message = body["choices"][0]["message"]
-        content, calls, reason = message["content"] or "", message["tool_calls"], body["choices"][0]["finish_reason"]
+    content, calls, reason = content_calls_reason(body, stream)
     assert content.strip() == want_content and reason == "tool_calls"
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         ("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"city": "Paris"})]

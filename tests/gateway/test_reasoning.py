@@ -5,7 +5,7 @@ through the real HTTP app with a scripted engine playing the model."""
 from __future__ import annotations
 
 import pytest
-from helpers.fake_engine import FakeEngine, async_test, post, serve
+from helpers.fake_engine import async_test, post, scripted, serve
 
 from memserve.gateway.reasoning import PARSERS, ReasoningStream, split_reasoning
 from memserve.text.tokenizer import Tokenizer
@@ -36,12 +36,6 @@ def test_whole_and_streamed_in_every_cut_agree(parser, text, want):
 
 
 REPLY = "<think>\nThe user wants a colour.\n</think>\n\nBlue."
-
-
-def scripted(tokenizer: Tokenizer, reply: str) -> FakeEngine:
-    engine = FakeEngine(tokenizer)
-    engine.outputs = [[t] for t in tokenizer.encode(reply, add_special_tokens=False)] + [tokenizer.eos_token_ids[:1]]
-    return engine
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])

@@ -94,3 +94,10 @@ async def post(client: TestClient, path: str, body: dict) -> tuple[int, dict | l
         if resp.content_type == "text/event-stream":
             return resp.status, sse_events(text)
         return resp.status, orjson.loads(text)
+
+
+def scripted(tokenizer: Tokenizer, reply: str) -> FakeEngine:
+    """A fake engine that plays ``reply`` as the model's answer, one token an output, then EOS."""
+    engine = FakeEngine(tokenizer)
+    engine.outputs = [[t] for t in tokenizer.encode(reply, add_special_tokens=False)] + [tokenizer.eos_token_ids[:1]]
+    return engine
