@@ -94,30 +94,27 @@ class Engine:
                        predicted_output_tokens=req.predicted_output_tokens,
                        output_token_ids=list(req.output_token_ids))
         name_first_choice(seq)
-        if req.params.pin_tokens and not self._pin(seq):
-            return self.scheduler.reject(seq, self._pin_refusal(seq), PIN_CAP_STATUS)
+        refusal = self._pin(seq) if req.params.pin_tokens else None
+        if refusal is not None:
+            return self.scheduler.reject(seq, refusal, PIN_CAP_STATUS)
         if req.params.dropped_token_ids:
             reuse_truncated(self.mempool, seq.prompt_token_ids, req.params.dropped_at, req.params.dropped_token_ids,
                             self.runner.shift_blocks, req.params.cache_salt)
         self._arrivals += 1
         return self.scheduler.add(seq)
 
-    def _pin(self, seq: Sequence) -> bool:
+    def _pin(self, seq: Sequence) -> str | None:
         """Pin the prompt's blocks up to ``pin_tokens`` (``cache_control``) for its TTL;
-        False when pinning is off or the pinned cap would be passed."""
-        pins = self.mempool.pins
-        num_blocks = min(seq.params.pin_tokens, seq.num_prompt_tokens) // self.cfg.block_size
-        return pins is not None and pins.pin(seq.full_block_hashes(self.cfg.block_size, num_blocks),
-                                             seq.params.pin_ttl_s)
-
-    def _pin_refusal(self, seq: Sequence) -> str:
+        why not, when pinning is off or the pinned cap would be passed."""
         pins = self.mempool.pins
         if pins is None:
             return "cache_control pinning is off on this server (--max-pinned-fraction 0)"
         num_blocks = min(seq.params.pin_tokens, seq.num_prompt_tokens) // self.cfg.block_size
-        wanted = pins.new_blocks(seq.full_block_hashes(self.cfg.block_size, num_blocks))
-        return (f"cache_control would pin {wanted} more KV blocks; {len(pins)} of the cap of {pins.cap} are pinned "
-                f"(--max-pinned-fraction {pins.fraction} of the smallest KV tier)")
+        hashes = seq.full_block_hashes(self.cfg.block_size, num_blocks)
+        if pins.pin(hashes, seq.params.pin_ttl_s):
+            return None
+        return (f"cache_control would pin {pins.new_blocks(hashes)} more KV blocks; {len(pins)} of the cap of "
+                f"{pins.cap} are pinned (--max-pinned-fraction {pins.fraction} of the smallest KV tier)")
 
     def abort(self, request_id: str) -> RequestOutput | None:
         seq = self.scheduler.abort(request_id)
