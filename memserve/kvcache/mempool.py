@@ -79,6 +79,13 @@ class KVFlags(IntFlag):
     HOST = 2
 
 
+_RELEASE = int(KVFlags.RELEASE)  # tested as a plain int: an IntFlag operation takes a microsecond
+
+
+def _tier_of(node: RadixNode) -> int:
+    return (node.addr >> TIER_SHIFT) & TIER_MASK
+
+
 class MemPool(TierMoves, TransferAPI):
     """MemServe's elastic memory pool for one inference instance."""
 
@@ -237,7 +244,7 @@ class MemPool(TierMoves, TransferAPI):
             if hashes is None:
                 hashes = block_hashes(tokens, self.block_size, salt=salt)
             n = min(len(hashes), len(addrs))
-            start = self.index.known_prefix(hashes[:n])
+            start = self.index.known_prefix(hashes if len(hashes) == n else hashes[:n])
             if start < n:
                 newly = self._index_chain(hashes[start - 1] if start else None, hashes[start:n], addrs[start:n])
                 # Callers that pass names alone (a truncated prompt's shifted copies) give
@@ -246,7 +253,7 @@ class MemPool(TierMoves, TransferAPI):
                     bs = self.block_size
                     for i in range(start, n):
                         self.event_tokens[hashes[i]] = tokens[i * bs:(i + 1) * bs]
-        if flags & KVFlags.RELEASE:
+        if flags & _RELEASE:
             self.free_mem(addrs)
         return newly
 
@@ -258,7 +265,7 @@ class MemPool(TierMoves, TransferAPI):
         if parent_hash is not None:
             parent = self.index.get(parent_hash)
             assert parent is not None  # insert found it indexed (known_prefix)
-            if parent.tier > tier:
+            if _tier_of(parent) > tier:
                 return 0  # never below a slower parent: eviction could not go deepest-first
         try:
             locks = self._pool(tier, "insert").park(blocks)
@@ -343,16 +350,9 @@ class MemPool(TierMoves, TransferAPI):
         nbytes = self.mover.block_nbytes if self.mover is not None else 0
         for tier in self.tiers:
             pool = self._pool(tier, "stats")
-            evictable = self.index.idle_count(tier)
             allocated = pool.num_blocks - pool.num_free
             name = tier.name.lower()
-            out[name] = {
-                "total": pool.num_blocks,
-                "free": pool.num_free,
-                "cached": self.index.cached_count(tier),
-                "evictable": evictable,
-                "used": allocated - evictable - self._saving[tier] - self._incoming[tier],
-            }
+            out[name] = self.tier_stats(tier)
             io[name] = {
                 "bytes_used": allocated * nbytes,
                 "hits": self._hits[tier],
@@ -372,6 +372,18 @@ class MemPool(TierMoves, TransferAPI):
         out["tier_io"] = io
         return out
 
+    def tier_stats(self, tier: Tier) -> dict[str, int]:
+        """One tier's block counts, as in ``stats`` (without pins)."""
+        pool = self._pool(tier, "stats")
+        evictable = self.index.idle_count(tier)
+        return {
+            "total": pool.num_blocks,
+            "free": pool.num_free,
+            "cached": self.index.cached_count(tier),
+            "evictable": evictable,
+            "used": pool.num_blocks - pool.num_free - evictable - self._saving[tier] - self._incoming[tier],
+        }
+
     def close(self) -> None:
         """Finish and commit the saves in flight, save what the faster tiers cache to the
         disk tier (``persist``), then stop the saver."""
@@ -386,7 +398,7 @@ class MemPool(TierMoves, TransferAPI):
         """Return the blocks of nodes just removed from the index to their free lists."""
         if not removed:
             return
-        for tier, group in itertools.groupby(removed, key=lambda n: n.tier):
+        for tier, group in itertools.groupby(removed, key=_tier_of):
             blocks = [n.addr & BLOCK_MASK for n in group]
             owners = self._node_of[tier]
             for b in blocks:

@@ -2,10 +2,11 @@
 
 The gateway keeps one mirror per instance and asks each how much of a prompt it has
 cached; hashing a prompt once and asking every mirror with ``match_hashes`` keeps that
-to one pass over the tokens. A mirror never locks or evicts anything: it only replays
-what its worker did, so an event that does not fit (unknown block, removal of a node
-that still has children) means the stream was broken and raises ``ValueError``; the
-gateway should then ``reset`` the mirror (e.g. when the worker restarts).
+to one pass over the tokens. A mirror never locks or evicts anything (its index keeps no
+eviction order): it only replays what its worker did, so an event that does not fit
+(unknown block, removal of a node that still has children) means the stream was broken
+and raises ``ValueError``; the gateway should then ``reset`` the mirror (e.g. when the
+worker restarts).
 """
 
 from __future__ import annotations
@@ -22,14 +23,14 @@ class PromptTreeMirror:
     def __init__(self, instance_id: int, block_size: int) -> None:
         self.instance_id = instance_id
         self.block_size = block_size
-        self.index = RadixIndex(block_size)
+        self.index = RadixIndex(block_size, evicts=False)
         # Counters over the mirror's life (a reset keeps them): blocks that left the
         # worker's index (eviction, expiry, delete) and blocks moved to a slower tier.
         self.removed_blocks = 0
         self.demoted_blocks = 0
 
     def reset(self) -> None:
-        self.index = RadixIndex(self.block_size)
+        self.index = RadixIndex(self.block_size, evicts=False)
 
     def apply(self, batch: KVEvents) -> None:
         if batch.instance_id != self.instance_id:

@@ -111,8 +111,12 @@ class RadixIndex:
     """Prefix tree of cached blocks, shared by the worker's MemPool and the gateway."""
 
     def __init__(self, block_size: int, clock: Callable[[], float] | None = None,
-                 eviction: EvictionPolicy | None = None) -> None:
+                 eviction: EvictionPolicy | None = None, evicts: bool = True) -> None:
+        """``evicts=False``: an index that never gives up blocks on its own (a gateway
+        mirror replays its worker's) keeps no eviction order, so ``select_evictable`` is
+        not for it."""
         self.block_size = block_size
+        self._evicts = evicts
         self._clock = clock if clock is not None else itertools.count().__next__
         self._eviction = eviction if eviction is not None else LRU()
         # The root is locked for good, so busy/idle propagation stops below it.
@@ -223,6 +227,8 @@ class RadixIndex:
         # 64-bit hash collides); checking it catches a stream that stores a chain twice.
         if hashes[0] in nodes:
             raise ValueError(f"block {hashes[0]:#x} is already indexed")
+        if n == 1:  # a decode step's block, or a mirror's copy of it: the loops below in short
+            return [self._add_one(parent, hashes[0], addrs[0], locks[0] if locks is not None else 0)]
         if locks is None:
             locks = [0] * n
         # A new node is busy when it or a deeper new node is locked: nodes 0..last_busy.
@@ -262,6 +268,24 @@ class RadixIndex:
                 self._became_busy(parent)
         return created
 
+    def _add_one(self, parent: TreeNode, block_hash: int, addr: int, lock: int) -> RadixNode:
+        """``add_chain`` of one block."""
+        node = RadixNode(block_hash, parent, addr, lock, 0, self._clock())
+        if parent.children is _NO_CHILDREN:
+            parent.children = {}
+        parent.children[block_hash] = node
+        self._nodes[block_hash] = node
+        tier = (addr >> TIER_SHIFT) & TIER_MASK
+        self._count[tier] += 1
+        if lock:
+            parent.busy_children += 1
+            if parent.busy_children == 1 and not parent.lock:
+                self._became_busy(parent)
+        else:
+            self._idle[tier] += 1
+            self._push(tier, node)
+        return node
+
     def remove(self, node: RadixNode) -> None:
         """Unindex an idle leaf."""
         parent = node.parent
@@ -271,6 +295,9 @@ class RadixIndex:
 
     def remove_subtree(self, node: RadixNode) -> list[RadixNode]:
         """Unindex an idle node and everything below it; returns them deepest first."""
+        if not node.children and node.idle:  # a leaf, the common case of an eviction
+            self.remove(node)
+            return [node]
         order: list[RadixNode] = []
         stack = [node]
         while stack:
@@ -289,9 +316,9 @@ class RadixIndex:
         """Take an idle leaf out of the tree and the counts; returns its tier. Its parent
         may become a frontier node: the caller decides whether to list it (``_left_tier``)."""
         parent = node.parent
-        if node.children or not node.idle or parent is None:
+        if node.children or node.lock or node.busy_children or parent is None:
             raise MemPoolError(f"cannot remove {node!r}: only idle leaves can be removed")
-        tier = _tier(node)
+        tier = (node.addr >> TIER_SHIFT) & TIER_MASK
         del self._nodes[node.hash]
         del parent.children[node.hash]
         node.parent = None
@@ -444,40 +471,48 @@ class RadixIndex:
         heap = self._heaps[tier]
         selected: set[RadixNode] = set()
         out: list[RadixNode] = []
+        priority_of, pop = self._eviction.priority, heapq.heappop
+        shift, mask = TIER_SHIFT, TIER_MASK
         while len(out) < n:
             if not heap:
                 raise AssertionError(f"tier {tier}: {self._idle[tier]} idle blocks counted but none listed")
-            priority, _, node = heapq.heappop(heap)
+            priority, _, node = pop(heap)
+            # Stale entries are skipped: gone, reprioritised, moved, busy, or no longer on the frontier.
             if (
                 node in selected
                 or node.parent is None
-                or priority != self._eviction.priority(node)
-                or _tier(node) != tier
-                or not node.idle
-                or not self._frontier(node, tier, selected)
+                or priority != priority_of(node)
+                or (node.addr >> shift) & mask != tier
+                or node.lock
+                or node.busy_children
+                or (node.children and not self._frontier(node, tier, selected))
             ):
                 continue
             selected.add(node)
             out.append(node)
             parent = node.parent
-            if isinstance(parent, RadixNode) and _tier(parent) == tier and parent.idle and self._frontier(parent, tier, selected):
+            if (isinstance(parent, RadixNode) and (parent.addr >> shift) & mask == tier and not parent.lock
+                    and not parent.busy_children and self._frontier(parent, tier, selected)):
                 # No compaction here: it would not know about ``selected``.
-                heapq.heappush(heap, (self._eviction.priority(parent), next(self._seq), parent))
+                heapq.heappush(heap, (priority_of(parent), next(self._seq), parent))
         return out
 
     def _frontier(self, node: RadixNode, tier: int, gone: set[RadixNode] | frozenset = frozenset()) -> bool:
         """True when no child of ``node`` (other than those in ``gone``) is in ``tier``."""
         for child in node.children.values():
-            if _tier(child) == tier and child not in gone:
+            if (child.addr >> TIER_SHIFT) & TIER_MASK == tier and child not in gone:
                 return False
         return True
 
     def _left_tier(self, parent: TreeNode, tier: int) -> None:
         """A child of ``parent`` left ``tier``: the parent may now be on that tier's frontier."""
-        if isinstance(parent, RadixNode) and parent.idle and _tier(parent) == tier and self._frontier(parent, tier):
+        if (self._evicts and not parent.lock and not parent.busy_children and isinstance(parent, RadixNode)
+                and (parent.addr >> TIER_SHIFT) & TIER_MASK == tier and self._frontier(parent, tier)):
             self._push(tier, parent)
 
     def _push(self, tier: int, node: RadixNode) -> None:
+        if not self._evicts:
+            return
         heap = self._heaps[tier]
         heapq.heappush(heap, (self._eviction.priority(node), next(self._seq), node))
         if len(heap) > 2 * self._count[tier] + 64:

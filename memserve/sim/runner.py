@@ -12,6 +12,9 @@ lengths do (ignore_eos)."""
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import math
 import zlib
 from collections.abc import Callable, Sequence
 
@@ -33,7 +36,17 @@ def synthetic_token(last_token: int, context_len: int) -> int:
     tokens ending in ``last_token``. A function of the context, as greedy decoding is:
     the copies of a session (``--share-ratio``) get the same answers, so their next
     turns' prompts stay identical and share the cache, as on a real model."""
-    return 1 + zlib.crc32(f"{last_token}:{context_len}".encode()) % (SIM_VOCAB - 2)
+    return synthetic_answer(last_token, context_len, 1)[0]
+
+
+def synthetic_answer(last_token: int, context_len: int, num_tokens: int) -> list[int]:
+    """The next ``num_tokens`` tokens decoded after a context of ``context_len`` tokens
+    ending in ``last_token``, each ``synthetic_token`` of the context before it."""
+    answer = []
+    for length in range(context_len, context_len + num_tokens):
+        last_token = 1 + zlib.crc32(b"%d:%d" % (last_token, length)) % (SIM_VOCAB - 2)
+        answer.append(last_token)
+    return answer
 
 
 class NullMover:
@@ -78,6 +91,32 @@ class SimulatedRunner:
         self.last_step_s = self.cost.step_s(prefills, len(decodes), sum(contexts), max(contexts, default=0))
         return StepResult({c.request_id: synthetic_token(c.token_ids[-1], c.start_pos + len(c.token_ids))
                            for c in plan.chunks if c.sample})
+
+    def decode_run(self, last_tokens: Sequence[int], positions: Sequence[int], max_steps: int, start: float,
+                   until: float) -> tuple[list[float], list[list[int]]]:
+        """What ``execute`` gives for plans of single-token decodes, request i's last token
+        ``last_tokens[i]`` at ``positions[i]``, without the plans (plain decode steps,
+        ``Engine.plain_step``): up to ``max_steps`` such steps in a row from ``start``, each
+        request fed its token of the step before; the first, then each that starts before
+        ``until``, and none from one that would take no time on (nor any that starts before
+        ``until`` only by being shorter than the first: a cost model whose decode time
+        falls as the context grows). Returns when each ends and each request's tokens over
+        them. A step's duration is ``CostModel.step_s`` without prefills: its decode part."""
+        n = len(positions)
+        total, longest = sum(positions) + n, max(positions) + 1  # the context tokens, as execute counts them
+        decode_step_s = self.cost.decode_step_s
+        first = decode_step_s(n, total, longest)
+        if first <= 0:
+            return [], []
+        if until < math.inf:  # steps no shorter than the first: at most this many start before ``until``
+            max_steps = min(max_steps, int((until - start) / first) + 2)
+        durations = [decode_step_s(n, total + k * n, longest + k) for k in range(max_steps)]
+        if min(durations) <= 0:
+            del durations[next(k for k, d in enumerate(durations) if d <= 0):]
+        ends = list(itertools.accumulate(durations, initial=start))
+        del ends[0]
+        del ends[bisect.bisect_left(ends, until) + 1:]  # each step starts when the one before ends
+        return ends, [synthetic_answer(t, p + 1, len(ends)) for t, p in zip(last_tokens, positions)]
 
     def start_loads(self, loads: list[KVLoad]) -> None:
         now = self.clock()

@@ -19,10 +19,34 @@ the recorded answer with ``fixed_output_len`` (as the bench does) and otherwise 
 tokens the engine produced.
 
 Deterministic: no wall clock, no randomised hashing; the same inputs give the same
-results."""
+results.
+
+Events. An instance's steps and their deliveries are *instance events*; arrivals,
+admissions and scheduled calls (transfers, handoffs, admission re-judging) are *gateway
+events*. Both kinds share one order (time, then push order), kept in two heaps so that the
+next gateway event is known at once. A step's delivery and the step after it are one
+event (the delivery first), as they fall at the same time one after the other.
+
+Plain decodes run ahead. When an instance's next steps are plain decodes
+(``Engine.plain_steps``: every running request decodes a token, none finishes, nothing
+waits) and nothing but a gateway event can reach it, the instance runs them back to back,
+in the event of the first, up to the last one that starts before the next gateway event.
+Nothing but a gateway event can reach an instance when no handoff flow runs, admission
+holds nothing (a finished request would re-judge held ones) and no request in flight
+has a next turn (its end would send one): then another instance's step only changes
+that instance and the router's view of it. The deliveries of all but the last of these
+steps fall before that gateway event and are made in the same event: a step's KV events
+reach the mirror before the next step runs, the tokens go to the records and the
+router's ledger. They finish nothing and start no answer, so no other event depends on
+their order. The stats the router reads are taken as of the last of them, and the last
+step's delivery is an event as usual (pushed when the run is made rather than when its
+step starts: only another instance's event at that very time could come in between,
+and the two touch nothing in common). So the gateway, the records and the engines see
+what one event per step would have shown them."""
 
 from __future__ import annotations
 
+import gc
 import heapq
 import itertools
 import math
@@ -36,6 +60,7 @@ from memserve.gateway.routing.admission import OFF, Admission, Verdict, predict
 from memserve.gateway.routing.pd_topology import is_disaggregated, role_caches
 from memserve.gateway.routing.router import Router, RouteRequest, WorkerView
 from memserve.ipc.messages import AddRequest, RequestOutput, SamplingParams
+from memserve.kvcache.address import Tier
 from memserve.kvcache.blocks import OutOfBlocks
 from memserve.kvcache.events import KVEvents
 from memserve.kvcache.mirror import PromptTreeMirror
@@ -50,6 +75,19 @@ from memserve.workload.workloads import Session
 
 # A step that computed nothing while work remains (only loads in flight) polls again after this.
 IDLE_POLL_S = 1e-3
+
+
+@dataclass(eq=False)
+class _PlainRun:
+    """An instance's plain decode steps as its engine allowed them (``Engine.plain_steps``),
+    kept from one run-ahead to the next while no gateway event reaches the instance."""
+
+    rids: list[str]  # the running requests' ids their outputs go out under
+    cached: list[int]  # their prompt tokens found cached
+    lasts: list[int]  # their latest tokens
+    positions: list[int]  # their computed tokens
+    steps: int  # plain steps left
+    quiet: int  # how many of them, from the next, are quiet
 
 
 @dataclass(eq=False)
@@ -91,8 +129,11 @@ class Simulation:
             caching = engine_cfg.enable_prefix_caching and role_caches(role, pd_mode)
             engine = Engine(replace(engine_cfg, enable_prefix_caching=caching), runner, set(), i, self.clock)
             self.instances.append(SimInstance(engine, runner, PromptTreeMirror(i, engine_cfg.block_size), role))
-        self._events: list[tuple[float, int, str, tuple]] = []
+        self._instance_events: list[tuple[float, int, str, tuple]] = []  # steps and deliveries
+        self._gateway_events: list[tuple[float, int, str, tuple]] = []  # arrivals, admissions, calls
         self._seq = itertools.count()
+        self._continuing = 0  # requests in flight whose session has a next turn
+        self._plain_runs: dict[int, _PlainRun] = {}  # by instance: what its latest run-ahead left
         self.in_flight: dict[str, InFlight] = {}
         self.records: list[RequestRecord] = []
         self.num_steps = 0
@@ -110,20 +151,47 @@ class Simulation:
         for s, start in enumerate(offsets):
             history = [("system", sessions[s].system)] if sessions[s].system else []
             self._push(start, "arrive", (s, 0, history))
-        while self._events:
-            self.now, _, kind, data = heapq.heappop(self._events)
-            if kind == "arrive":
+        # Without a disaggregated flow (whose transfer futures and their callbacks refer to
+        # each other) the events make no reference cycles, so the cyclic garbage collector
+        # is off while they run: its full passes over the records and KV indexes, which
+        # grow with the run, took a quarter of an hour-long run.
+        collecting = gc.isenabled()
+        if self.pd is None:
+            gc.disable()
+        try:
+            self._run_events()
+        finally:
+            if collecting:
+                gc.enable()
+        return self.now
+
+    def _run_events(self) -> None:
+        instance, gateway, pop = self._instance_events, self._gateway_events, heapq.heappop
+        while instance or gateway:
+            if gateway and (not instance or gateway[0] < instance[0]):
+                self.now, _, kind, data = pop(gateway)
+            else:
+                self.now, _, kind, data = pop(instance)
+            if kind == "plain":
+                self._deliver_plain(*data)
+                self._step(data[0], None)
+            elif kind == "step":
+                self._step(*data)
+            elif kind == "deliver":
+                self._deliver(*data)
+            elif kind == "arrive":
                 self._arrive(*data)
             elif kind == "admit":
                 self._admit(*data)
-            elif kind == "call":
-                data[0]()
             else:
-                self._step(*data)
-        return self.now
+                data[0]()
 
     def _push(self, at: float, kind: str, data: tuple) -> None:
-        heapq.heappush(self._events, (at, next(self._seq), kind, data))
+        """A gateway event."""
+        heapq.heappush(self._gateway_events, (at, next(self._seq), kind, data))
+
+    def _push_instance(self, at: float, kind: str, data: tuple) -> None:
+        heapq.heappush(self._instance_events, (at, next(self._seq), kind, data))
 
     def schedule(self, at: float, fn: Callable[[], None]) -> None:
         """Run ``fn`` at virtual time ``at`` (transfers, handoffs)."""
@@ -200,6 +268,7 @@ class Simulation:
             self._push(self.now + self._pull(decision.pull_from, decision.instance, prompt), "admit", (add, turn))
 
     def _admit(self, add: AddRequest, turn: InFlight) -> None:
+        self._touch(turn.instance)
         refused = (self.pd.admit(add, turn.instance) if self.pd is not None
                    else self.instances[turn.instance].engine.add_request(add, self.now))
         if refused is not None:
@@ -208,6 +277,7 @@ class Simulation:
             self.records.append(turn.record)
             return
         self.in_flight[add.request_id] = turn
+        self._continuing += self._continues(turn)
         self.wake(turn.instance, self.now)
 
     def _pull(self, src: int, dst: int, prompt: list[int]) -> float:
@@ -216,6 +286,7 @@ class Simulation:
         ``dst`` once ``src`` ended its current step (workers serve pushes between steps)
         and every block was sent. Returns that delay (0 when the pull fails: the prefix
         was evicted meanwhile, or ``dst`` has no room)."""
+        self._touch(dst)
         source, target = self.instances[src].engine.mempool, self.instances[dst].engine.mempool
         n = len(source.match(prompt, take_ref=False))
         have = target.match(prompt, take_ref=True)  # held: making room must not evict them
@@ -242,23 +313,130 @@ class Simulation:
     def wake(self, i: int, at: float) -> None:
         if not self.instances[i].busy:
             self.instances[i].busy = True
-            self._push(at, "step", (i,))
+            self._push_instance(at, "step", (i, None))
 
     # ---------------------------------------------------------------- steps
-    def _step(self, i: int) -> None:
+    def _step(self, i: int, delivered: list[RequestOutput] | None) -> None:
+        """Deliver the previous step's ``delivered`` outputs (when this event also ends
+        it), then run instance ``i``'s next step, or its plain decodes ahead."""
+        if delivered is not None:
+            self._deliver(i, delivered)
         inst = self.instances[i]
         inst.busy = False
-        inst.runner.last_step_s = 0.0
+        if self._run_ahead(i):
+            return
+        runner = inst.runner
+        runner.last_step_s = 0.0
         outputs = inst.engine.step()
-        done_at = inst.step_end = self.now + inst.runner.last_step_s
-        self.num_steps += inst.runner.last_step_s > 0
-        self.schedule(done_at, lambda: self._deliver(i, outputs))  # before the next step's event
+        step_s = runner.last_step_s
+        done_at = inst.step_end = self.now + step_s
+        if step_s > 0:
+            self.num_steps += 1
+            if inst.engine.has_work:
+                inst.busy = True
+                self._push_instance(done_at, "step", (i, outputs))
+                return
+        self._push_instance(done_at, "deliver", (i, outputs))
         if inst.engine.has_work:
-            if inst.runner.last_step_s > 0:
-                self.wake(i, done_at)
+            load_done = runner.next_load_done()
+            self.wake(i, load_done if load_done is not None and load_done > self.now else self.now + IDLE_POLL_S)
+
+    def _run_ahead(self, i: int) -> bool:
+        """Run instance ``i``'s plain decode steps from now back to back, up to the last
+        one that starts before the next gateway event (module docstring); False, having
+        done nothing, when the next step is not plain or the instance may not run ahead.
+        The runner computes the steps' tokens and durations first. Quiet steps
+        (``Engine.plain_steps``: they only add tokens) go to the engine together; a step
+        that moves blocks runs on its own clock, after the KV events of the one before
+        reached the mirror. What the engine allowed is kept for the next run-ahead, unless
+        a gateway event reaches the instance before (``_touch``)."""
+        run = self._plain_runs.pop(i, None)
+        if self.pd is not None or self._held or self._continuing:
+            return False
+        inst = self.instances[i]
+        engine = inst.engine
+        if run is None:
+            max_steps, quiet = engine.plain_steps()
+            if not max_steps:
+                return False
+            seqs = list(engine.scheduler.running)
+            run = _PlainRun([seq.choice_of or seq.request_id for seq in seqs],
+                            [seq.num_cached_tokens for seq in seqs], [seq.output_token_ids[-1] for seq in seqs],
+                            [seq.num_computed_tokens for seq in seqs], max_steps, quiet)
+        horizon = self._gateway_events[0][0] if self._gateway_events else math.inf
+        start = self.now
+        ends, answers = inst.runner.decode_run(run.lasts, run.positions, run.steps, start, horizon)
+        if not ends:
+            return False  # a step that takes no time polls like an idle one (``_step``)
+        quiet, num_steps, done = run.quiet, len(ends), 0  # done: steps the engine took
+        moved = False  # the latest step moved blocks: its KV events wait for its delivery
+        while done < num_steps:
+            if quiet:
+                if moved:  # the step that moved blocks before these is delivered now
+                    self.publish(i)
+                    moved = False
+                span = min(quiet, num_steps - done)
+                more, quiet = engine.add_quiet(span, [answer[done:done + span] for answer in answers])
+                done += span
+                if done == num_steps:
+                    break
             else:
-                load_done = inst.runner.next_load_done()
-                self.wake(i, load_done if load_done is not None and load_done > self.now else self.now + IDLE_POLL_S)
+                if moved:
+                    self.publish(i)
+                if ends[done] >= horizon:  # its delivery falls after the horizon: the stats are those before it
+                    self._take_stats(i)
+                self.now = ends[done - 1] if done else start
+                more, quiet = engine.plain_step([answer[done] for answer in answers])
+                done += 1
+                moved = True
+            if not more:
+                break
+        if not moved and ends[done - 1] >= horizon:  # a quiet last step left the stats as they were before it
+            self._take_stats(i)
+        self.now = start
+        end = ends[done - 1]
+        # The deliveries of all but the last step: tokens to the router's ledger and the records.
+        if done > 1:
+            ends_before, observe_each = ends[:done - 1], self.router.observe_each
+            for rid, cached_tokens, answer in zip(run.rids, run.cached, answers):
+                turn = self.in_flight.get(rid)
+                if turn is None:
+                    continue
+                observe_each(rid, ends_before)
+                turn.record.cached_tokens = cached_tokens
+                turn.record.chunk_times += ends_before
+                turn.record.chunk_tokens += [1] * (done - 1)
+                turn.output += answer[:done - 1]
+        self.num_steps += done
+        inst.step_end = end
+        inst.busy = True
+        lasts = [answer[done - 1] for answer in answers]
+        self._push_instance(end, "plain", (i, run.rids, run.cached, lasts))
+        if more and done < run.steps:
+            run.lasts, run.positions = lasts, [p + done for p in run.positions]
+            run.steps, run.quiet = run.steps - done, quiet
+            self._plain_runs[i] = run
+        return True
+
+    def _touch(self, i: int) -> None:
+        """A gateway event is about to act on instance ``i``'s engine: what the engine
+        allowed its run-ahead no longer holds."""
+        self._plain_runs.pop(i, None)
+
+    def _deliver_plain(self, i: int, rids: list[str], cached: list[int], tokens: list[int]) -> None:
+        """``_deliver`` of a plain decode step: the request ``rids[k]`` (``cached[k]`` prompt
+        tokens cached) produced ``tokens[k]``; none finished or got its first token."""
+        self.publish(i)
+        self._take_stats(i)
+        now, observe = self.now, self.router.observe
+        for rid, cached_tokens, token in zip(rids, cached, tokens):
+            turn = self.in_flight.get(rid)
+            if turn is not None:
+                turn.record.cached_tokens = cached_tokens
+                observe(rid, 1, now)
+                turn.record.chunk_times.append(now)
+                turn.record.chunk_tokens.append(1)
+                turn.output.append(token)
 
     def _deliver(self, i: int, outputs: list[RequestOutput]) -> None:
         """A step's results leave the worker when the step ends, not when it starts: its
@@ -267,7 +445,7 @@ class Simulation:
         its instance idle while it still computes). Its free KV blocks go with them, as a
         worker's stats report (sent about as often as steps end while it is busy)."""
         self.publish(i)
-        self.instances[i].stats = {"mempool": self.instances[i].engine.mempool.stats()}
+        self._take_stats(i)
         if self.pd is not None:
             outputs = self.pd.filter(i, outputs, self.now)
         news = False  # a request got its first token or finished: queued work left the ledger
@@ -288,6 +466,10 @@ class Simulation:
         if news and self._held:
             self._notify_admission()
 
+    def _take_stats(self, i: int) -> None:
+        """Instance ``i``'s stats report as the router reads it: its device blocks."""
+        self.instances[i].stats = {"mempool": {"device": self.instances[i].engine.mempool.tier_stats(Tier.DEVICE)}}
+
     def publish(self, i: int) -> None:
         """Instance ``i``'s KV events reach the router's mirror of its prompt tree."""
         events = self.instances[i].engine.drain_kv_events()
@@ -295,8 +477,13 @@ class Simulation:
             self.instances[i].mirror.apply(KVEvents(i, events))
             self.router.kv_events_applied(self.instances[i].mirror)
 
+    def _continues(self, turn: InFlight) -> bool:
+        """Whether the turn's session has a next one (sent when this one ends)."""
+        return turn.turn + 1 < len(self.sessions[turn.session].turns)
+
     def finish(self, rid: str, turn: InFlight, at: float, error: str | None) -> None:
         del self.in_flight[rid]
+        self._continuing -= self._continues(turn)
         self.router.release(rid)
         if self.pd is not None:
             self.pd.finished(rid, turn.output, at, error is None)

@@ -12,8 +12,9 @@ Pure Python on an injected clock: the simulator runs it unchanged."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from memserve.costmodel.model import CostModel
 
@@ -54,6 +55,16 @@ class _Entry:
     routed_at: float
     predicted_ttft_s: float | None
     generated: int = 0
+
+
+class WorkScores(NamedTuple):
+    """What the router scores a worker on: ``QueuedWork.work_s``, ``step_s``, ``decode_s``
+    and ``waiting_tokens`` of one instance."""
+
+    work_s: float
+    step_s: float
+    decode_s: float
+    waiting_tokens: int
 
 
 @dataclass(frozen=True)
@@ -100,6 +111,21 @@ class QueuedWork:
         entry = self._entries.get(request_id)
         if entry is None or new_tokens <= 0:
             return None
+        return self._count(entry, new_tokens, at)
+
+    def observe_each(self, request_id: str, times: Sequence[float]) -> list[TTFTSample]:
+        """``observe`` of one token of the request at each of ``times``, in order (a run of
+        decode steps); returns the TTFT samples they gave."""
+        entry = self._entries.get(request_id)
+        if entry is None:
+            return []
+        if 0 < entry.generated and entry.generated + len(times) < entry.expected_tokens:
+            entry.generated += len(times)  # no first token, and the expected length is not reached
+            return []
+        count = self._count
+        return [sample for at in times if (sample := count(entry, 1, at)) is not None]
+
+    def _count(self, entry: _Entry, new_tokens: int, at: float | None) -> TTFTSample | None:
         first = entry.generated == 0
         entry.generated += new_tokens
         if entry.generated >= entry.expected_tokens:  # past the cap: as long again, within max_tokens
@@ -113,11 +139,28 @@ class QueuedWork:
         if entry is not None:
             del self._on[entry.instance][request_id]
 
+    def scores(self, instance: int) -> WorkScores:
+        """``work_s``, ``step_s``, ``decode_s`` and ``waiting_tokens`` of ``instance`` in one
+        pass over its requests: those with no token yet wait (admission order), those
+        still expected to generate decode."""
+        waiting: list[_Entry] = []
+        decoding = decoding_tokens = 0
+        for e in self._on.get(instance, {}).values():
+            if e.generated == 0:
+                waiting.append(e)
+            elif e.generated < e.expected_tokens:
+                decoding += 1
+                decoding_tokens += e.prompt_tokens + e.generated
+        decode_s = self.cost.decode_step_s(decoding, decoding_tokens) if self.cost is not None else 0.0
+        return WorkScores(sum(e.prefill_s for e in waiting) + (sum(e.steps for e in waiting) + 1) * decode_s,
+                          (waiting[0].first_step_s if waiting else 0.0) + decode_s, decode_s,
+                          sum(e.uncached_tokens for e in waiting))
+
     def waiting_tokens(self, instance: int) -> int:
         """Prompt tokens the requests on ``instance`` that have no token yet still compute:
         the KV they allocate there, possibly after the worker's last report of its free
         blocks (counted whether or not that report already shows them)."""
-        return sum(e.uncached_tokens for e in self._on.get(instance, {}).values() if e.generated == 0)
+        return self.scores(instance).waiting_tokens
 
     def kv_wait_s(self, instance: int, blocks: int, free_blocks: int, block_size: int,
                   horizon_tokens: int | None = None) -> float:
@@ -157,16 +200,12 @@ class QueuedWork:
         oldest waiting prefill with its decode batch. A worker serves a prefix push
         between two steps, so a pull from it starts after about this long (not after the
         whole of a long prefill)."""
-        waiting = [e for e in self._on.get(instance, {}).values() if e.generated == 0]  # admission order
-        return (waiting[0].first_step_s if waiting else 0.0) + self.decode_s(instance)
+        return self.scores(instance).step_s
 
     def decode_s(self, instance: int) -> float:
         """Predicted length of one step of the decode batch running on ``instance``: the
         requests that produced tokens and are still expected to be generating."""
-        if self.cost is None:
-            return 0.0
-        decoding = [e for e in self._on.get(instance, {}).values() if 0 < e.generated < e.expected_tokens]
-        return self.cost.decode_step_s(len(decoding), sum(e.prompt_tokens + e.generated for e in decoding))
+        return self.scores(instance).decode_s
 
     def work_s(self, instance: int) -> float:
         """Predicted delay before a new request's prefill on ``instance`` finishes its
@@ -174,5 +213,4 @@ class QueuedWork:
         of the running decode batch per prefill step (each chunk of each waiting prefill,
         and the new request's first), since the engine batches prefills with the decodes
         of the requests still expected to be generating."""
-        waiting = [e for e in self._on.get(instance, {}).values() if e.generated == 0]
-        return sum(e.prefill_s for e in waiting) + (sum(e.steps for e in waiting) + 1) * self.decode_s(instance)
+        return self.scores(instance).work_s

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from memserve.costmodel.model import CostModel
 from memserve.gateway.engine_protocol import EngineUnavailable
@@ -113,20 +113,21 @@ class Router:
                 stored = len(w.mirror.match_hashes(hashes))
                 pending = max(self.pending.match(w.instance_id, hashes) - stored, 0)
             device = w.stats.get("mempool", {}).get("device") if self.cost is not None else None
-            out.append(Candidate(w, stored + pending, pending_blocks=pending, queued_s=self.ledger.work_s(w.instance_id),
-                                 step_s=self.ledger.step_s(w.instance_id), decode_s=self.ledger.decode_s(w.instance_id),
-                                 free_blocks=self._free_blocks(w.instance_id, device, block_size),
+            work = self.ledger.scores(w.instance_id)
+            out.append(Candidate(w, stored + pending, pending_blocks=pending, queued_s=work.work_s, step_s=work.step_s,
+                                 decode_s=work.decode_s,
+                                 free_blocks=self._free_blocks(device, work.waiting_tokens, block_size),
                                  kv_blocks=device.get("total") if device else None))
         return out, hashes
 
-    def _free_blocks(self, instance: int, device: dict | None, block_size: int) -> int | None:
+    def _free_blocks(self, device: dict | None, waiting_tokens: int, block_size: int) -> int | None:
         """Device KV blocks a worker can still allocate: free plus evictable by its last
         stats report (heartbeat, ``device``), less the blocks of the requests routed there
-        that have not started (they may have been routed after that report)."""
+        that have not started (they may have been routed after that report): their
+        ``waiting_tokens``."""
         if not device:
             return None
-        waiting = math.ceil(self.ledger.waiting_tokens(instance) / block_size)
-        return device["free"] + device["evictable"] - waiting
+        return device["free"] + device["evictable"] - math.ceil(waiting_tokens / block_size)
 
     def route(self, request: RouteRequest, workers: list[WorkerView]) -> RouteDecision:
         self.pending.discard(request.request_id)  # re-routed: its old claim was never computed
@@ -161,6 +162,12 @@ class Router:
         """A request produced tokens (``at``: when, on the router's clock; default now)."""
         sample = self.ledger.observe(request_id, new_tokens, at)
         if sample is not None:
+            self.ttft.add(sample.predicted_s, sample.actual_s)
+
+    def observe_each(self, request_id: str, times: Sequence[float]) -> None:
+        """``observe`` of one token of the request at each of ``times``, in order (a run of
+        decode steps' outputs)."""
+        for sample in self.ledger.observe_each(request_id, times):
             self.ttft.add(sample.predicted_s, sample.actual_s)
 
     def release(self, request_id: str) -> None:
