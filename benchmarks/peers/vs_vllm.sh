@@ -4,7 +4,7 @@
 # SmolLM2 that memserve itself loads, and a Qwen2.5-0.5B-shaped random-weight folder built
 # by benchmarks/peers/random_model.py), then for each model, dtype and repetition runs every
 # workload against memserve and then against vLLM (one server up at a time) and prints
-# the median of each metric and memserve / vLLM ratios (benchmarks/peers/vs_vllm_report.py).
+# the median of each metric and memserve / vLLM ratios (benchmarks/peers/peer_report.py).
 #
 # vLLM runs at the settings its CPU docs recommend for the machine: its OpenMP threads
 # bound to every core (VLLM_CPU_OMP_THREADS_BIND=0-<n-1>, no core reserved for the API
@@ -158,5 +158,5 @@ done
 
 for model in $MODELS; do
   echo; echo "### $model"
-  "$PYTHON" "$REPO/benchmarks/peers/vs_vllm_report.py" "$OUT/$model"
+  "$PYTHON" "$REPO/benchmarks/peers/peer_report.py" "$OUT/$model"
 done

@@ -1,10 +1,12 @@
-"""Medians and memserve / vLLM ratios of the results ``benchmarks/peers/vs_vllm.sh`` wrote.
+"""Medians and memserve / peer ratios of the results the ``benchmarks/peers/vs_*.sh``
+comparisons write.
 
-Files are named ``<dtype>-<workload>-<server>-<rep>.json``; for each dtype and workload
-the median of each metric over the repetitions is printed for both servers, with the
-ratio memserve / vLLM (below 1 is better for latencies, above 1 for throughput).
+Files are named ``<dtype>-<workload>-<server>-<rep>.json``, the server being ``memserve``
+or the peer (``vllm``, ``llama.cpp``); for each dtype and workload the median of each
+metric over the repetitions is printed for both servers, with the ratio memserve / peer
+(below 1 is better for latencies, above 1 for throughput).
 
-    python benchmarks/peers/vs_vllm_report.py results/vs-vllm-<stamp>
+    python benchmarks/peers/peer_report.py results/vs-vllm-<stamp>
 """
 
 from __future__ import annotations
@@ -35,14 +37,15 @@ def main(folder: Path) -> None:
         workload, server, _rep = rest.rsplit("-", 2)
         runs[dtype, workload][server] += [p.result for p in load_points(path)]
     for (dtype, workload), sides in sorted(runs.items()):
-        print(f"\n{dtype} {workload} (medians of {len(sides.get('memserve', []))} / {len(sides.get('vllm', []))} runs)")
-        print(f"  {'metric':22s} {'memserve':>10s} {'vLLM':>10s} {'memserve/vLLM':>14s}")
+        peer = next((s for s in sorted(sides) if s != "memserve"), "peer")
+        print(f"\n{dtype} {workload} (medians of {len(sides.get('memserve', []))} / {len(sides.get(peer, []))} runs)")
+        print(f"  {'metric':22s} {'memserve':>10s} {peer:>10s} {'memserve/' + peer:>18s}")
         for label, key in METRICS:
-            values = {s: [v for r in sides.get(s, []) if (v := lookup(r, key)) is not None] for s in ("memserve", "vllm")}
+            values = {s: [v for r in sides.get(s, []) if (v := lookup(r, key)) is not None] for s in ("memserve", peer)}
             med = {s: statistics.median(v) if v else None for s, v in values.items()}
-            ratio = med["memserve"] / med["vllm"] if med["memserve"] is not None and med["vllm"] else None
+            ratio = med["memserve"] / med[peer] if med["memserve"] is not None and med[peer] else None
             cells = [f"{m:10.1f}" if m is not None else f"{'-':>10s}" for m in med.values()]
-            print(f"  {label:22s} {cells[0]} {cells[1]} {f'{ratio:13.2f}x' if ratio else '-':>14s}")
+            print(f"  {label:22s} {cells[0]} {cells[1]} {f'{ratio:17.2f}x' if ratio else '-':>18s}")
 
 
 if __name__ == "__main__":
