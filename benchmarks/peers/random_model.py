@@ -22,13 +22,12 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from memserve.model_files.gguf_convert import ensure_model_dir
+from memserve.testing.random_models import HALF_B_SIZES
 
 # Shapes of public models, vocabulary excepted (the SmolLM2 tokenizer's, 49,152 tokens).
 SHAPES = {
     # Qwen2.5-0.5B: 24 layers, hidden 896, 14 query heads over 2 KV heads, q/k/v bias.
-    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
-                         rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "qwen2.5-0.5b": dict(model_type="qwen2", **HALF_B_SIZES, tie_word_embeddings=True),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja", "chat_template.json")
@@ -38,8 +37,8 @@ def build(shape: str, out: Path, seed: int = 0) -> int:
     """Write the folder (float32 safetensors); returns its parameter count."""
     source = Path(ensure_model_dir(None))
     base = AutoConfig.from_pretrained(source)
-    spec = dict(SHAPES[shape])
-    config = AutoConfig.for_model(spec.pop("model_type"), vocab_size=base.vocab_size, bos_token_id=base.bos_token_id,
+    spec = {**SHAPES[shape], "vocab_size": base.vocab_size}
+    config = AutoConfig.for_model(spec.pop("model_type"), bos_token_id=base.bos_token_id,
                                   eos_token_id=base.eos_token_id, dtype="float32", **spec)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

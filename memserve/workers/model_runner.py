@@ -237,4 +237,5 @@ class ModelRunner:
 
     def shift_blocks(self, src_blocks: list[int], dst_blocks: list[int], delta_positions: int) -> None:
         """Copy device blocks with their keys moved by ``delta_positions`` (model/kv_shift.py)."""
-        shift_blocks(self.pools.device, self.layout, self.model.rotary, src_blocks, dst_blocks, delta_positions)
+        shift_blocks(self.pools.device, self.layout, self.model.layer_rotaries, src_blocks, dst_blocks,
+                     delta_positions)

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.engine_generate import generate
-from helpers.tiny_models import TINY_SIZES, save_tiny_model
 
 from memserve.config import EngineConfig
 from memserve.kvcache.address import Tier, addr_tier
 from memserve.model_files.gguf_convert import ensure_model_dir
+from memserve.testing.random_models import TINY_SIZES, save_tiny_model
 from memserve.workers.engine.engine import Engine
 from memserve.workers.real_engine import build_engine
 from memserve.workload.dataset import default_sharegpt_path, load_conversations

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.engine_generate import generate
-from helpers.tiny_models import TINY_SIZES, save_tiny_model
 
 from memserve.config import EngineConfig
 from memserve.model_files.generation import eos_token_ids
+from memserve.testing.random_models import TINY_SIZES, save_tiny_model
 from memserve.workers.engine.engine import Engine
 from memserve.workers.model.attention import AttentionMetadata, allocate_kv_cache
 from memserve.workers.model.decode_graphs import DecodeGraphs, decode_buckets

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.llama_cpp_gguf import llama_cpp_permute
 
 from memserve.model_files.default_model import default_gguf_path
 from memserve.model_files.gguf_convert import (
@@ -121,28 +122,27 @@ def test_missing_default_package_says_how_to_install(monkeypatch):
         default_gguf_path()
 
 
-def _llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """llama.cpp's convert_hf_to_gguf permutation of Q/K rows, written independently."""
-    return (
-        weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weight.shape)
-    )
-
-
 @pytest.mark.parametrize("num_heads", [1, 3, 9])
 def test_unpermute_inverts_llama_cpp_rotary_permutation(num_heads):
     weight = np.random.default_rng(0).standard_normal((num_heads * 64, 40)).astype(np.float32)
-    permuted = _llama_cpp_permute(weight, num_heads)
+    permuted = llama_cpp_permute(weight, num_heads)
     assert not np.array_equal(permuted, weight)
     assert np.array_equal(unpermute_rotary_rows(permuted, num_heads), weight)
 
 
 def test_tensor_names_map_to_hugging_face():
-    assert hf_tensor_name("blk.7.attn_q.weight") == "model.layers.7.self_attn.q_proj.weight"
-    assert hf_tensor_name("blk.0.ffn_down.weight") == "model.layers.0.mlp.down_proj.weight"
-    assert hf_tensor_name("blk.2.attn_k.bias") == "model.layers.2.self_attn.k_proj.bias"
-    assert hf_tensor_name("token_embd.weight") == "model.embed_tokens.weight"
-    assert hf_tensor_name("rope_freqs.weight") is None
-    with pytest.raises(ValueError):
-        hf_tensor_name("blk.0.mystery.weight")
+    assert hf_tensor_name("blk.7.attn_q.weight", "llama") == "model.layers.7.self_attn.q_proj.weight"
+    assert hf_tensor_name("blk.0.ffn_down.weight", "qwen2") == "model.layers.0.mlp.down_proj.weight"
+    assert hf_tensor_name("blk.2.attn_k.bias", "llama") == "model.layers.2.self_attn.k_proj.bias"
+    assert hf_tensor_name("token_embd.weight", "gemma3") == "model.embed_tokens.weight"
+    assert hf_tensor_name("rope_freqs.weight", "llama") is None
+    # The same llama.cpp name means another tensor in another architecture.
+    assert hf_tensor_name("blk.1.ffn_norm.weight", "qwen3") == "model.layers.1.post_attention_layernorm.weight"
+    assert hf_tensor_name("blk.1.ffn_norm.weight", "gemma2") == "model.layers.1.pre_feedforward_layernorm.weight"
+    assert hf_tensor_name("blk.1.ffn_up.weight", "phi3") == "model.layers.1.mlp.gate_up_proj.weight"
+    experts = "model.layers.0.block_sparse_moe.experts.{expert}.w3.weight"
+    assert hf_tensor_name("blk.0.ffn_up_exps.weight", "llama") == experts
+    assert hf_tensor_name("blk.0.ffn_gate_inp.weight", "qwen3moe") == "model.layers.0.mlp.gate.weight"
+    for name, arch in [("blk.0.mystery.weight", "llama"), ("blk.0.attn_qkv.weight", "qwen2")]:
+        with pytest.raises(ValueError):
+            hf_tensor_name(name, arch)

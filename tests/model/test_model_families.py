@@ -1,11 +1,16 @@
 """The model families beyond Llama/Qwen (mixture of experts: Qwen3-MoE, Mixtral; Phi-3/4
-with partial rotary; Mistral with a sliding window) through the real engine on the CPU:
+with partial rotary; Mistral with a sliding window; Gemma 2 and 3 with sliding and global
+layers, soft-caps and Gemma 3's two rotary bases) through the real engine on the CPU:
 tiny random models saved by transformers must decode greedily exactly like transformers,
-on a cold cache, on a prefix hit (the same prompts again, their blocks found cached) and
-with prompts prefilled in chunks of 16 tokens that share their steps with other
-requests' decodes. The sliding window is also checked logit for logit through each
-attention path. The settings the decoder does not implement (other rotary scalings,
-Qwen's sliding windows) are refused by name."""
+on a cold cache, on a prefix hit (the same prompts again, their blocks found cached),
+after a round trip of their cached blocks through the host tier, and with prompts
+prefilled in chunks of 16 tokens that share their steps with other requests' decodes.
+Windows and soft-caps are also checked logit for logit through each attention path, an
+attention soft-cap small enough to change transformers' tokens must change memserve's
+alike, a multimodal Gemma 3 folder serves its text model, and Gemma 3's keys shift
+exactly with each layer's own rotary. The settings the decoder does not implement
+(other rotary scalings, Qwen's sliding windows, Gemma's bidirectional attention) are
+refused by name."""
 
 from __future__ import annotations
 
@@ -15,17 +20,24 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.engine_generate import generate
-from helpers.tiny_models import TINY_SIZES, save_tiny_model
 
 from memserve.config import EngineConfig
+from memserve.kvcache.address import Tier, addr_tier
+from memserve.testing.random_models import (
+    TINY_ARCHITECTURES,
+    TINY_SIZES,
+    save_tiny_model,
+)
 from memserve.workers.engine.engine import Engine
 from memserve.workers.model.attention import AttentionMetadata, allocate_kv_cache
+from memserve.workers.model.kv_shift import shift_blocks
+from memserve.workers.model.llama import LlamaForCausalLM
 from memserve.workers.model.loader import load_model, stack_expert_weights
 from memserve.workers.model.model_config import ModelConfig
 from memserve.workers.model.moe import SparseMoE
 from memserve.workers.real_engine import build_engine
 
-FAMILIES = ["qwen3_moe", "mixtral", "phi3", "mistral"]
+FAMILIES = ["qwen3_moe", "mixtral", "phi3", "mistral", "gemma2", "gemma3_text"]
 NEW_TOKENS = 10
 PROMPT_LENGTHS = (5, 40, 17, 70)
 CHUNK = 16
@@ -46,8 +58,17 @@ def family(request, tmp_path_factory) -> tuple[Path, list[list[int]], list[list[
     """(folder, prompts, transformers' greedy tokens for them) of a tiny random model."""
     folder = tmp_path_factory.mktemp(request.param)
     hf = save_tiny_model(folder, request.param)
+    prompts = random_prompts()
+    return folder, prompts, transformers_greedy(hf, prompts)
+
+
+def random_prompts() -> list[list[int]]:
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, TINY_SIZES["vocab_size"], (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+    return [torch.randint(0, TINY_SIZES["vocab_size"], (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+
+
+def transformers_greedy(hf, prompts: list[list[int]]) -> list[list[int]]:
+    """transformers' NEW_TOKENS greedy tokens of each prompt, never stopping early."""
     reference = []
     with torch.no_grad():
         for ids in prompts:
@@ -55,7 +76,7 @@ def family(request, tmp_path_factory) -> tuple[Path, list[list[int]], list[list[
             out = hf.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=NEW_TOKENS,
                               min_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)
             reference.append(out[0, len(ids):].tolist())
-    return folder, prompts, reference
+    return reference
 
 
 def engine_for(folder: Path, **options) -> Engine:
@@ -81,6 +102,22 @@ def test_chunked_prefill_matches_transformers(family):
     assert [tokens for tokens, _ in got] == reference
 
 
+def test_host_tier_round_trip_matches_transformers(family):
+    """The prompts' cached blocks all moved to the host tier, then loaded back for the
+    same prompts: transformers' tokens, the cached prefixes found whole."""
+    folder, prompts, reference = family
+    engine = engine_for(folder, num_host_blocks=64)
+    generate(engine, prompts, NEW_TOKENS)
+    mempool = engine.mempool
+    mempool.flush_saves()
+    mempool.swap_out(mempool.stats()["device"]["total"])
+    assert {addr_tier(a) for a in mempool.match(prompts[-1], take_ref=False)} == {Tier.HOST}
+    back = generate(engine, prompts, NEW_TOKENS, tag="back")
+    assert [tokens for tokens, _ in back] == reference
+    assert [cached for _, cached in back] == [(n - 1) // BLOCK_SIZE * BLOCK_SIZE for n in PROMPT_LENGTHS]
+    assert engine.stats()["num_swapped_in"] > 0
+
+
 CONFIG = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 6,
           "num_attention_heads": 4, "max_position_embeddings": 32768}
 
@@ -101,6 +138,33 @@ def test_config_reads_moe_layouts_and_partial_rotary():
     assert qwen2.sliding_window is None
 
 
+def test_config_reads_gemma_layer_kinds_ropes_and_defaults():
+    """Gemma 2 without layer_types: every other layer sliding, transformers' soft-cap
+    defaults. A Gemma 3 config in transformers<5's spelling: five sliding layers per
+    global one, the sliding ones on rope_local_base_freq, rope_scaling the global ones'.
+    A multimodal Gemma 3 config: its text_config, with transformers' defaults for what it
+    leaves out and the top level's EOS ids."""
+    gemma2 = ModelConfig.from_dict({**CONFIG, "model_type": "gemma2", "sliding_window": 4096, "hidden_act": "gelu"})
+    assert gemma2.sliding_layers == (0, 2, 4) and gemma2.layer_window(0) == 4096 and gemma2.layer_window(1) == 0
+    assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping) == (50.0, 30.0)
+    assert gemma2.hidden_act == "gelu_pytorch_tanh" and gemma2.head_dim == 256 and gemma2.attention_scale == 256**-0.5
+    assert gemma2.local_rope_parameters is None and not gemma2.qk_norm
+    gemma3 = ModelConfig.from_dict({**CONFIG, "model_type": "gemma3_text", "num_hidden_layers": 12, "sliding_window": 512,
+                                    "rope_theta": 1e6, "rope_local_base_freq": 1e4, "attn_logit_softcapping": 50.0,
+                                    "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    assert gemma3.sliding_layers == (0, 1, 2, 3, 4, 6, 7, 8, 9, 10) and gemma3.qk_norm
+    assert gemma3.rope_parameters == {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
+    assert gemma3.local_rope_parameters == {"rope_type": "default", "rope_theta": 1e4}
+    assert gemma3.attn_logit_softcapping is None and gemma3.final_logit_softcapping is None  # as transformers reads it
+    multimodal = ModelConfig.from_dict({"model_type": "gemma3", "eos_token_id": [1, 106], "text_config": {
+        "model_type": "gemma3_text", "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34,
+        "sliding_window": 1024, "rope_scaling": {"factor": 8.0, "rope_type": "linear"}}})
+    assert multimodal.model_type == "gemma3_text" and multimodal.eos_token_ids == (1, 106)
+    assert (multimodal.vocab_size, multimodal.num_heads, multimodal.num_kv_heads, multimodal.head_dim) == (262208, 8, 4, 256)
+    assert multimodal.sliding_layers == tuple(i for i in range(34) if (i + 1) % 6) and multimodal.sliding_window == 1024
+    assert multimodal.rope_parameters["rope_theta"] == 1e6 and multimodal.local_rope_parameters["rope_theta"] == 1e4
+
+
 @pytest.mark.parametrize(("options", "named"), [
     ({"model_type": "phi3", "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}},
      "rope_scaling type 'longrope'"),
@@ -109,6 +173,12 @@ def test_config_reads_moe_layouts_and_partial_rotary():
     ({"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn'"),
     ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096}, "use_sliding_window"),
     ({"model_type": "qwen2_moe"}, "model_type 'qwen2_moe'"),
+    ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({"model_type": "gemma2", "hidden_activation": "gelu"}, "hidden_act 'gelu'"),
+    ({"model_type": "gemma3"}, "model_type 'gemma3' without a text_config"),
+    ({"model_type": "gemma3_text", "rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 4.0},
+                                                       "sliding_attention": {"rope_type": "default"}}},
+     "rope_scaling type 'yarn'"),
 ])
 def test_config_refuses_settings_the_decoder_does_not_implement(options, named):
     with pytest.raises(ValueError, match=re.escape(named)):
@@ -136,26 +206,94 @@ def test_loader_stacks_mixtral_experts_and_refuses_a_missing_one():
 
 @pytest.mark.parametrize("blocked_prefill", [True, False], ids=["blocked-prefill", "sdpa-prefill"])
 @pytest.mark.parametrize("cpu_attention", ["kernel", "torch"])
-def test_sliding_window_matches_transformers_logits_on_every_attention_path(tmp_path, monkeypatch, blocked_prefill,
-                                                                              cpu_attention):
-    """A 70-token sequence (window 24) prefilled in chunks of 30 and 25 tokens, then decoded
-    one token a step: every logit equals transformers' on the whole sequence at once."""
-    hf = save_tiny_model(tmp_path, "mistral")
+@pytest.mark.parametrize("name", ["mistral", "gemma2", "gemma3_text"])
+def test_windows_and_softcaps_match_transformers_logits_on_every_attention_path(tmp_path, monkeypatch, name,
+                                                                                 blocked_prefill, cpu_attention):
+    """A 70-token sequence (window 24; Gemma's global layers see it all, Gemma 2 caps its
+    scores) prefilled in chunks of 30 and 25 tokens, then decoded one token a step: every
+    logit (Gemma's soft-capped) equals transformers' on the whole sequence at once."""
+    hf = save_tiny_model(tmp_path, name)
     if not blocked_prefill:
         monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     ids = torch.randint(0, TINY_SIZES["vocab_size"], (70,), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = hf(ids[None]).logits[0]
     model = load_model(tmp_path, torch.float32, "cpu")
-    cfg = model.config
-    cache = allocate_kv_cache(8, cfg.num_layers, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+    cache = new_cache(model, 8)
     table = torch.tensor([[3, 1, 5, 0, 2]])  # scattered blocks
-    logits = []
-    for first, end in [(0, 30), (30, 55)] + [(p, p + 1) for p in range(55, 70)]:
-        slots = torch.tensor([table[0, p // BLOCK_SIZE].item() * BLOCK_SIZE + p % BLOCK_SIZE for p in range(first, end)])
-        meta = AttentionMetadata(slots, [0, end - first], [end], table, BLOCK_SIZE, cpu_attention=cpu_attention)
-        logits.append(model.compute_logits(model(ids[first:end], torch.arange(first, end), cache, meta)))
+    logits = [model.compute_logits(run_chunk(model, cache, table, ids, first, end, cpu_attention=cpu_attention))
+              for first, end in [(0, 30), (30, 55)] + [(p, p + 1) for p in range(55, 70)]]
     torch.testing.assert_close(torch.cat(logits), expected, atol=1e-4, rtol=1e-4)
+
+
+def new_cache(model: LlamaForCausalLM, num_blocks: int) -> torch.Tensor:
+    cfg = model.config
+    return allocate_kv_cache(num_blocks, cfg.num_layers, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, torch.float32,
+                             "cpu")
+
+
+def run_chunk(model: LlamaForCausalLM, cache: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, first: int,
+              end: int, offset: int = 0, cpu_attention: str = "kernel") -> torch.Tensor:
+    """The hidden states of ``ids[first:end]`` at positions ``offset + first`` on, their K/V
+    written at the sequence's slots ``first:end`` of the blocks in ``table`` [1, blocks]."""
+    slots = torch.tensor([table[0, p // BLOCK_SIZE].item() * BLOCK_SIZE + p % BLOCK_SIZE for p in range(first, end)])
+    meta = AttentionMetadata(slots, [0, end - first], [end], table, BLOCK_SIZE, cpu_attention=cpu_attention)
+    return model(ids[first:end], torch.arange(offset + first, offset + end), cache, meta)
+
+
+@pytest.mark.parametrize("blocked_prefill", [True, False], ids=["blocked-prefill", "sdpa-prefill"])
+@pytest.mark.parametrize("cpu_attention", ["kernel", "torch"])
+def test_an_attention_softcap_that_changes_the_tokens_changes_memserves_alike(tmp_path, monkeypatch, blocked_prefill,
+                                                                              cpu_attention):
+    """Gemma 2 with its attention scores capped at 2: transformers' greedy tokens differ
+    from those of the same weights uncapped, and memserve's equal the capped ones."""
+    hf = save_tiny_model(tmp_path, "gemma2", attn_logit_softcapping=2.0)
+    prompts = random_prompts()
+    capped = transformers_greedy(hf, prompts)
+    for layer in hf.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+    assert transformers_greedy(hf, prompts) != capped
+    if not blocked_prefill:
+        monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    got = generate(engine_for(tmp_path, cpu_attention=cpu_attention), prompts, NEW_TOKENS)
+    assert [tokens for tokens, _ in got] == capped
+
+
+def test_multimodal_gemma3_folder_serves_its_text_model(tmp_path):
+    """A Gemma3ForConditionalGeneration folder (vision tower, projector, the text model
+    under ``language_model.``): memserve loads the text model alone and decodes text
+    prompts greedily exactly like transformers' multimodal model."""
+    import transformers
+
+    _, text_options = TINY_ARCHITECTURES["gemma3_text"]
+    torch.manual_seed(0)
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config={**TINY_SIZES, **text_options}, vision_config=vision.to_dict(),
+                                       mm_tokens_per_image=4, tie_word_embeddings=False)
+    hf = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.normal_(0.0, 0.2)
+    hf.save_pretrained(tmp_path)
+    prompts = random_prompts()
+    got = generate(engine_for(tmp_path), prompts, NEW_TOKENS)
+    assert [tokens for tokens, _ in got] == transformers_greedy(hf, prompts)
+
+
+def test_gemma3_keys_shift_exactly_with_each_layers_rotary(tmp_path):
+    """Gemma 3's sliding and global layers rotate with different bases: a 48-token sequence
+    prefilled at offset 40, its blocks shifted by -40 with each layer's rotary, equals the
+    sequence prefilled at 0, in every layer (attention sees relative positions only)."""
+    save_tiny_model(tmp_path, "gemma3_text")
+    model = load_model(tmp_path, torch.float32, "cpu")
+    assert model.layer_rotaries[0] is not model.layer_rotaries[1]
+    ids = torch.randint(0, TINY_SIZES["vocab_size"], (48,), generator=torch.Generator().manual_seed(5))
+    cache = new_cache(model, 9)
+    run_chunk(model, cache, torch.tensor([[0, 1, 2]]), ids, 0, 48, offset=40)
+    shift_blocks(cache, "aggregated", model.layer_rotaries, [0, 1, 2], [3, 4, 5], -40)
+    run_chunk(model, cache, torch.tensor([[6, 7, 8]]), ids, 0, 48)
+    torch.testing.assert_close(cache[3:6], cache[6:9], rtol=1e-4, atol=1e-4)
 
 
 def test_sparse_moe_computes_only_the_chosen_experts():

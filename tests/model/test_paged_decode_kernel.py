@@ -1,8 +1,8 @@
 """The compiled CPU decode-attention kernel against plain float64 attention: ragged
 contexts over shuffled blocks (partial last blocks, contexts spanning several partitions),
 GQA and one KV head per query head, both KV layouts' per-layer views (the aggregated one
-strided), float32 and bf16, batches of 1 and 33 rows, and sliding windows (starting
-inside a block, spanning partitions, longer than the context)."""
+strided), float32 and bf16, batches of 1 and 33 rows, sliding windows (starting
+inside a block, spanning partitions, longer than the context) and soft-capped scores."""
 
 from __future__ import annotations
 
@@ -18,17 +18,20 @@ if not cpu_kernels.available():
 DIM = 64
 
 
-def reference(q, k_cache, v_cache, table, length, scale):
-    """q [heads, dim] against the first ``length`` tokens of the blocks in ``table``."""
+def reference(q, k_cache, v_cache, table, length, scale, softcap=0.0):
+    """q [heads, dim] against the first ``length`` tokens of the blocks in ``table``, the
+    scaled scores s capped at softcap * tanh(s / softcap) where ``softcap`` is set."""
     keys = k_cache[table].flatten(0, 1)[:length].double()  # [length, kv_heads, dim]
     values = v_cache[table].flatten(0, 1)[:length].double()
     group = q.shape[0] // keys.shape[1]
     keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
-    weights = torch.softmax(torch.einsum("hd,thd->ht", q.double() * scale, keys), dim=-1)
-    return torch.einsum("ht,thd->hd", weights, values)
+    scores = torch.einsum("hd,thd->ht", q.double() * scale, keys)
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    return torch.einsum("ht,thd->hd", torch.softmax(scores, dim=-1), values)
 
 
-def run_case(lengths, heads, kv_heads, block_size, dtype, layout, gen, window=0):
+def run_case(lengths, heads, kv_heads, block_size, dtype, layout, gen, window=0, softcap=0.0):
     blocks_per = [-(-n // block_size) for n in lengths]
     num_blocks = 1 + sum(blocks_per) + 3
     cache = allocate_kv_cache(num_blocks, 2, block_size, kv_heads, DIM, dtype, "cpu", layout)
@@ -42,7 +45,7 @@ def run_case(lengths, heads, kv_heads, block_size, dtype, layout, gen, window=0)
     q = torch.randn(len(lengths), heads, DIM, generator=gen).to(dtype)
     out = torch.empty_like(q)
     lens = torch.tensor(lengths, dtype=torch.long)
-    cpu_kernels.paged_decode_attention(out, q, k_cache, v_cache, tables, lens, DIM**-0.5, window)
+    cpu_kernels.paged_decode_attention(out, q, k_cache, v_cache, tables, lens, DIM**-0.5, window, softcap)
     return out, q, k_cache, v_cache, tables
 
 
@@ -73,6 +76,25 @@ def test_window_attends_only_the_last_keys(window):
         values = v_cache[tables[i, : -(-n // 16)]].flatten(0, 1)[max(0, n - window) : n]
         expected = reference(q[i], keys[None], values[None], [0], len(keys), DIM**-0.5)
         torch.testing.assert_close(out[i].double(), expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softcap_caps_every_score(dtype):
+    """Scores soft-capped at 0.5 (scaled scores reach several units here, so the cap
+    changes the output), over several partitions and with a window."""
+    gen = torch.Generator().manual_seed(3)
+    lengths = [1, 17, 600, 1100]
+    out, q, k_cache, v_cache, tables = run_case(lengths, 9, 3, 16, dtype, "aggregated", gen, 700, 0.5)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    for i, n in enumerate(lengths):
+        table, first = tables[i, : -(-n // 16)], max(0, n - 700)
+        keys = k_cache[table].flatten(0, 1)[first:n][None]
+        values = v_cache[table].flatten(0, 1)[first:n][None]
+        expected = reference(q[i], keys, values, [0], n - first, DIM**-0.5, 0.5)
+        torch.testing.assert_close(out[i].double(), expected, atol=tol, rtol=tol)
+        if n > 1:
+            uncapped = reference(q[i], keys, values, [0], n - first, DIM**-0.5)
+            assert not torch.allclose(out[i].double(), uncapped, atol=1e-2)
 
 
 def test_single_row_reads_only_its_own_blocks():

@@ -65,7 +65,16 @@ at its window, the SDPA paths mask keys before it (decode groups are then attend
 call, not chunked) and the blocked prefill skips and masks them; xformers and the static
 plan know no window, so a windowed batch takes the SDPA path on CUDA and a windowed model
 is not captured in CUDA graphs. The cache still holds every token (prefix reuse is by
-position, as without a window).
+position, as without a window). A model whose layers have different windows (Gemma's
+sliding and global layers) builds one plan per window.
+
+Soft-capped attention (Gemma 2's ``attn_logit_softcapping``; ``AttentionPlan.softcap``)
+turns each scaled score s into cap * tanh(s / cap) before the softmax. SDPA and torch's
+flash kernel cannot do that, so where it is set the SDPA paths compute the scores
+explicitly (``_softcapped_attention``; decode groups are then attended in one call, not
+chunked), the blocked prefill and the CPU kernel cap their scores themselves, and
+xformers, which cannot cap them either, gives way to the SDPA path on CUDA; a
+soft-capped model is not captured in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -216,6 +225,7 @@ class AttentionPlan:
     kernel_decodes: KernelDecodes | None = None  # decode rows for the CPU kernel (then ``decodes`` is empty)
     static_decode: StaticDecode | None = None  # the whole batch, when the plan is ``static``
     window: int = 0  # sliding window: each query sees its last ``window`` keys; 0: all of them
+    softcap: float = 0.0  # scores soft-capped at this value (Gemma 2); 0: not capped
     _buffers: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -229,7 +239,8 @@ class AttentionPlan:
                    static_decode=StaticDecode(block_tables, key_mask))
 
     @classmethod
-    def build(cls, meta: AttentionMetadata, device: torch.device, window: int = 0) -> AttentionPlan:
+    def build(cls, meta: AttentionMetadata, device: torch.device, window: int = 0,
+              softcap: float = 0.0) -> AttentionPlan:
         if meta.layout not in KV_LAYOUTS:
             raise ValueError(f"unknown KV layout {meta.layout!r}; expected one of {KV_LAYOUTS}")
         bs = meta.block_size
@@ -237,7 +248,8 @@ class AttentionPlan:
         block_tables = meta.block_tables.to(device, non_blocking=True)
         starts, ctx = meta.query_start_loc, meta.context_lens
         query_lens = [starts[i + 1] - starts[i] for i in range(len(ctx))]
-        if device.type == "cuda" and _xformers_attention is not None and not window:
+        # xformers applies neither a window nor a soft-cap: such plans take the SDPA path.
+        if device.type == "cuda" and _xformers_attention is not None and not window and not softcap:
             max_blocks = _blocks_for(max(ctx), bs)
             bias = BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens(
                 q_seqlen=query_lens, kv_padding=max_blocks * bs, kv_seqlen=ctx, device=device
@@ -248,7 +260,8 @@ class AttentionPlan:
         decode_seqs = [i for i, q in enumerate(query_lens) if q == 1]
         blocked = device.type == "cpu" and torch.backends.mkldnn.is_available()
         prefills = [
-            _plan_prefill(slice(starts[i], starts[i + 1]), block_tables[i], ctx[i], bs, device, blocked, window)
+            _plan_prefill(slice(starts[i], starts[i + 1]), block_tables[i], ctx[i], bs, device, blocked, window,
+                          softcap)
             for i, q in enumerate(query_lens)
             if q > 1
         ]
@@ -257,10 +270,12 @@ class AttentionPlan:
             kernel = KernelDecodes(_as_index([starts[i] for i in decode_seqs], device),
                                    block_tables[_as_index(decode_seqs, device), : _blocks_for(max(lens), bs)],
                                    torch.tensor(lens, dtype=torch.long))
-            return cls(meta.layout, slots // bs, slots % bs, [], prefills, None, blocked, kernel, window=window)
-        decodes = [_plan_decode(group, starts, ctx, block_tables, bs, device, window)
+            return cls(meta.layout, slots // bs, slots % bs, [], prefills, None, blocked, kernel, window=window,
+                       softcap=softcap)
+        decodes = [_plan_decode(group, starts, ctx, block_tables, bs, device, window, softcap)
                    for group in decode_groups(decode_seqs, ctx)]
-        return cls(meta.layout, slots // bs, slots % bs, decodes, prefills, None, blocked, window=window)
+        return cls(meta.layout, slots // bs, slots % bs, decodes, prefills, None, blocked, window=window,
+                   softcap=softcap)
 
     def gather(self, cache: torch.Tensor, block_tables: torch.Tensor, buffer: str) -> torch.Tensor:
         """[..., blocks] block ids -> [..., heads, blocks * block_size, dim] keys or values.
@@ -320,7 +335,7 @@ def decode_groups(seqs: list[int], context_lens: list[int]) -> list[list[int]]:
 
 def _plan_decode(
     seqs: list[int], starts: list[int], ctx: list[int], block_tables: torch.Tensor, bs: int, device: torch.device,
-    window: int = 0,
+    window: int = 0, softcap: float = 0.0,
 ) -> DecodeGroup:
     lens = [ctx[i] for i in seqs]
     max_blocks = _blocks_for(max(lens), bs)
@@ -331,7 +346,7 @@ def _plan_decode(
     if window:
         key_mask &= key_pos[None, :] >= row_lens - window
     chunks = []
-    if (device.type == "cpu" and not window and max_blocks > DECODE_CHUNK_BLOCKS
+    if (device.type == "cpu" and not window and not softcap and max_blocks > DECODE_CHUNK_BLOCKS
             and len(seqs) * max_blocks * bs >= DECODE_CHUNK_MIN_TOKENS):
         for start in range(0, max_blocks * bs, DECODE_CHUNK_BLOCKS * bs):
             empty = [n <= start for n in lens]
@@ -344,12 +359,14 @@ def _plan_decode(
 
 def _plan_prefill(
     tokens: slice, block_table: torch.Tensor, context_len: int, bs: int, device: torch.device, blocked: bool,
-    window: int = 0,
+    window: int = 0, softcap: float = 0.0,
 ) -> PrefillSequence:
     query_len = tokens.stop - tokens.start
     # None: nothing cached before this chunk, it attends to its own K/V.
     blocks = block_table[: _blocks_for(context_len, bs)] if context_len > query_len else None
-    if blocked or (blocks is None and not 0 < window < context_len):  # blocked: masks its own triangle (and window)
+    # No mask: the blocked path masks its own triangle (and window), and SDPA's is_causal
+    # covers a chunk without prefix or window whose scores are not capped.
+    if blocked or (blocks is None and not 0 < window < context_len and not softcap):
         return PrefillSequence(tokens, blocks, context_len, None)
     first_query_pos = context_len - query_len
     query_pos = torch.arange(first_query_pos, context_len, device=device)
@@ -358,6 +375,11 @@ def _plan_prefill(
     if window:
         mask &= key_pos[None, :] > query_pos[:, None] - window
     return PrefillSequence(tokens, blocks, context_len, mask[None, None])
+
+
+def tanh_softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """Gemma's soft-capping, ``cap * tanh(x / cap)``, in x's dtype as transformers does."""
+    return torch.tanh(x / cap) * cap
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> None:
@@ -390,7 +412,7 @@ def paged_attention(
         queries = q[rows.tokens].contiguous()
         attended = torch.empty_like(queries)
         cpu_kernels.paged_decode_attention(attended, queries, k_cache, v_cache, rows.block_tables, rows.context_lens,
-                                           scale, plan.window)
+                                           scale, plan.window, plan.softcap)
         out[rows.tokens] = attended
     for i, group in enumerate(plan.decodes):
         # GQA folded into the query length: the heads sharing a KV head are that head's
@@ -409,7 +431,10 @@ def paged_attention(
             # upcasting the gathered context is far cheaper.
             queries = queries.float()
             keys, values = plan.to_float32(keys, f"decode-{i}-k32"), plan.to_float32(values, f"decode-{i}-v32")
-        attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.key_mask, scale=scale)
+        if plan.softcap:
+            attended = _softcapped_attention(queries, keys, values, group.key_mask, scale, plan.softcap)
+        else:
+            attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.key_mask, scale=scale)
         out[group.tokens] = attended.reshape(-1, num_heads, head_dim).to(q.dtype)
     for i, seq in enumerate(plan.prefills):
         if seq.block_ids is None:
@@ -418,7 +443,15 @@ def paged_attention(
             keys = plan.gather(k_cache, seq.block_ids, f"prefill-{i}-k")[:, : seq.context_len]
             values = plan.gather(v_cache, seq.block_ids, f"prefill-{i}-v")[:, : seq.context_len]
         if plan.blocked_prefill:
-            out[seq.tokens] = _blocked_prefill(q[seq.tokens], keys, values, scale, plan.window)
+            out[seq.tokens] = _blocked_prefill(q[seq.tokens], keys, values, scale, plan.window, plan.softcap)
+            continue
+        if plan.softcap:
+            assert seq.causal_mask is not None  # planned with a mask wherever scores are capped
+            # The query heads sharing a KV head stacked against it: [kv_heads, group, q, dim].
+            queries = q[seq.tokens].view(-1, kv_heads, num_heads // kv_heads, head_dim).permute(1, 2, 0, 3)
+            attended = _softcapped_attention(queries, keys[:, None], values[:, None], seq.causal_mask, scale,
+                                             plan.softcap)
+            out[seq.tokens] = attended.permute(2, 0, 1, 3).reshape(-1, num_heads, head_dim)
             continue
         attended = F.scaled_dot_product_attention(
             q[seq.tokens].transpose(0, 1)[None],  # [1, heads, q, dim]
@@ -434,12 +467,13 @@ def paged_attention(
 
 
 def _blocked_prefill(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-                     window: int = 0) -> torch.Tensor:
+                     window: int = 0, cap: float = 0.0) -> torch.Tensor:
     """Causal attention of a prefill chunk's queries [n, heads, dim] to its context's keys
     and values [kv_heads, context, dim] (the chunk's own tokens last), PREFILL_QUERY_BLOCK
     queries at a time, both products through oneDNN (see the module docstring). With a
     sliding ``window``, a block's keys start at its first query's window, and its mask
-    covers both the future and what fell out of each query's window.
+    covers both the future and what fell out of each query's window. With ``cap``, the
+    scores are soft-capped before they are masked.
 
     Per KV head, the query heads sharing it are stacked into one [group * block, dim]
     matrix; its scores against the keys up to the block's last position are one GEMM
@@ -468,6 +502,8 @@ def _blocked_prefill(queries: torch.Tensor, keys: torch.Tensor, values: torch.Te
         window_mask = _window_mask(prefix + start, rows, first, end, window, queries) if window else None
         for h in range(kv_heads):
             scores = _onednn_linear(heads_first[h, :, start:stop].reshape(group * rows, head_dim), keys[h, first:end])
+            if cap:
+                scores = tanh_softcap(scores, cap)
             if window_mask is None:
                 scores.view(group, rows, end)[..., end - rows :].add_(future[:rows, :rows])
             else:
@@ -491,6 +527,17 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [m, k] @ weight [n, k]^T through oneDNN: on AMD CPUs torch's float32 matmul goes
     to MKL's AVX2 path, at less than half oneDNN's speed (benchmarks/micro/prefill_attention_micro.py)."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
+def _softcapped_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                          scale: float, cap: float) -> torch.Tensor:
+    """Attention with soft-capped scores, computed explicitly (SDPA cannot cap them) in
+    transformers' order: scaled, capped, masked, softmax in float32. queries [..., n, dim]
+    against keys and values [..., context, dim], leading dims broadcast; ``mask`` (True:
+    attend) broadcasts over the scores [..., n, context]."""
+    scores = tanh_softcap(torch.matmul(queries, keys.transpose(-1, -2)) * scale, cap)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32)
+    return torch.matmul(probs.to(values.dtype), values)
 
 
 def _chunked_decode(

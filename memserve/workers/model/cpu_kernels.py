@@ -76,9 +76,11 @@ def _load() -> bool:
 
 def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           window: int = 0) -> None:
+                           window: int = 0, softcap: float = 0.0) -> None:
     """out, q [rows, heads, dim] contiguous; k_cache, v_cache [blocks, block_size, kv_heads,
     dim] (any strides but the last); block_tables [rows, >= blocks needed] and context_lens
     [rows], int64. Row i attends to the first context_lens[i] tokens of its blocks, or with
-    a sliding ``window`` > 0 to the last ``window`` of them."""
-    torch.ops.memserve.paged_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens, scale, window)
+    a sliding ``window`` > 0 to the last ``window`` of them; a ``softcap`` > 0 caps each
+    scaled score s at softcap * tanh(s / softcap)."""
+    torch.ops.memserve.paged_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens, scale, window,
+                                              softcap)

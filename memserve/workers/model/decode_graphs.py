@@ -131,7 +131,8 @@ class DecodeGraphs:
         ids, positions, slots, context_lens = (inputs[:, i] for i in range(INPUT_COLUMNS))
         plan = AttentionPlan.static(slots, inputs[:, INPUT_COLUMNS:], context_lens, self.block_size, self.layout)
         with sdpa_kernel(CAPTURED_ATTENTION):
-            return self.model.forward_planned(ids, positions, self.kv_cache, plan)
+            # Every layer attends the whole context: a model with windows is not capturable.
+            return self.model.forward_planned(ids, positions, self.kv_cache, {0: plan})
 
     def _padding(self, width: int) -> list[int]:
         """A padding row: token 0 at position 0, written to and attending the scratch block."""

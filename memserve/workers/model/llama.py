@@ -1,16 +1,25 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM, Phi-3/4; Qwen3-MoE and
-Mixtral) in plain torch, over a paged KV cache.
+Mixtral; Gemma 2 and 3) in plain torch, over a paged KV cache.
 
 The batch is flattened: T new tokens of several sequences back to back, each with its
 position; ``AttentionMetadata`` says where each sequence starts and where its K/V lives.
 Q/K/V and gate/up projections are fused into one matmul each (fewer, larger GEMMs); the
 loader concatenates the Hugging Face weights accordingly (Phi-3's come fused). The
 families differ only by ``ModelConfig`` options (biases, q/k norms, partial rotary, a
-sliding window); a layer listed in ``sparse_layers`` has a sparse mixture-of-experts MLP
-(``moe.py``) in place of the dense one.
+sliding window, Gemma's activation, norms, scales and soft-caps); a layer listed in
+``sparse_layers`` has a sparse mixture-of-experts MLP (``moe.py``) in place of the dense
+one.
+
+Layers differ in their attention window (Mistral: all sliding; Gemma: sliding and global
+layers interleaved) and, for Gemma 3, in their rotary base: a forward pass builds one
+attention plan per distinct window and one cos/sin table per distinct rotary, and gives
+each layer its own.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache, partial
 
 import torch
 import torch.nn.functional as F
@@ -22,23 +31,34 @@ from memserve.workers.model.attention import (
     AttentionPlan,
     layer_kv,
     paged_attention,
+    tanh_softcap,
 )
 from memserve.workers.model.model_config import ModelConfig
 from memserve.workers.model.moe import SparseMoE
 from memserve.workers.model.rope import RotaryEmbedding, apply_rotary
 
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+}
+
 
 class RMSNorm(nn.Module):
-    """Computed in float32 like Hugging Face's LlamaRMSNorm, so low-precision runs match it."""
+    """Normalised in float32 like Hugging Face's, so low-precision runs match it: Llama's
+    (LlamaRMSNorm) scales the result by ``weight`` after casting it back; Gemma's
+    (``unit_offset``, GemmaRMSNorm) by ``1 + weight`` before, in float32."""
 
-    def __init__(self, size: int, eps: float):
+    def __init__(self, size: int, eps: float, unit_offset: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * x32.to(x.dtype)
 
 
@@ -49,11 +69,12 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        norm = partial(RMSNorm, config.head_dim, config.rms_norm_eps, config.norm_unit_offset)
+        self.q_norm = norm() if config.qk_norm else None
+        self.k_norm = norm() if config.qk_norm else None
 
     def forward(
         self,
@@ -67,7 +88,7 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         # q and k heads are adjacent: one rotation for both (fewer, larger kernels).
         qk = qkv[:, : self.num_heads + self.num_kv_heads]
-        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: each head normalised first
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3, Gemma 3: each head normalised first
             qk = torch.cat([self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1)
         qk = apply_rotary(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
@@ -78,31 +99,43 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused."""
+    """SwiGLU (or Gemma's GeGLU): down(act(gate(x)) * up(x)), with gate and up fused."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
+    """Llama's pre-norm residual blocks. With ``sandwich_norms`` (Gemma) the attention's
+    output is normalised too (Gemma's ``post_attention_layernorm``; Llama's is the MLP's
+    input norm), and the MLP has norms of its own before and after."""
+
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        norm = partial(RMSNorm, config.hidden_size, config.rms_norm_eps, config.norm_unit_offset)
+        self.input_layernorm = norm()
         self.self_attn = Attention(config, layer)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = norm()
         self.mlp: MLP | SparseMoE = SparseMoE(config) if layer in config.sparse_layers else MLP(config)
+        self.pre_feedforward_layernorm = norm() if config.sandwich_norms else None
+        self.post_feedforward_layernorm = norm() if config.sandwich_norms else None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, plan)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, plan)
+        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            x = x + attended
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(attended)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class LlamaModel(nn.Module):
@@ -110,7 +143,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_unit_offset)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -123,10 +156,19 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.rope_parameters, config.rotary_dim)
+        local = self.rotary
+        if config.local_rope_parameters is not None:
+            local = RotaryEmbedding(config.local_rope_parameters, config.rotary_dim)
+        # Each layer's rotary: Gemma 3's sliding layers have a base of their own.
+        self.layer_rotaries = tuple(local if i in config.sliding_layers else self.rotary
+                                    for i in range(config.num_layers))
+        self.layer_windows = tuple(config.layer_window(i) for i in range(config.num_layers))  # 0: no window
         # Whether CUDA graphs may capture the decode step: not a sparse MLP, whose grouped
-        # GEMM may read its per-expert offsets on the host (moe.py), nor a sliding window,
-        # which the static decode plan a graph replays does not apply.
-        self.capturable = not config.sparse_layers and config.sliding_window is None
+        # GEMM may read its per-expert offsets on the host (moe.py), nor a sliding window or
+        # soft-capped attention scores, which the static decode plan a graph replays does
+        # not apply.
+        self.capturable = (not config.sparse_layers and config.sliding_window is None
+                           and config.attn_logit_softcapping is None)
 
     @torch.inference_mode()
     def forward(
@@ -140,8 +182,9 @@ class LlamaForCausalLM(nn.Module):
         """Run T flattened new tokens through the decoder, writing their K/V into
         ``kv_cache``; returns the final-norm hidden states [T, hidden]. ``hooks`` are
         called around every layer (KV loads and saves overlap the compute)."""
-        plan = AttentionPlan.build(meta, input_ids.device, self.config.sliding_window or 0)
-        return self.forward_planned(input_ids, positions, kv_cache, plan, hooks)
+        softcap = self.config.attn_logit_softcapping or 0.0
+        plans = {w: AttentionPlan.build(meta, input_ids.device, w, softcap) for w in set(self.layer_windows)}
+        return self.forward_planned(input_ids, positions, kv_cache, plans, hooks)
 
     @torch.inference_mode()
     def forward_planned(
@@ -149,19 +192,32 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
-        plan: AttentionPlan,
+        plans: dict[int, AttentionPlan],
         hooks: LayerHooks = NO_HOOKS,
     ) -> torch.Tensor:
-        """``forward`` over an attention plan already built (a CUDA graph's static one)."""
+        """``forward`` over attention plans already built (a CUDA graph's static one), by
+        the window of the layers that use them."""
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        if self.config.scale_embeddings:
+            x = x * _rounded(self.config.hidden_size**0.5, x.dtype)
+        tables = {rotary: rotary.cos_sin(positions, x.dtype) for rotary in dict.fromkeys(self.layer_rotaries)}
         for i, layer in enumerate(self.model.layers):
             hooks.before_layer(i)
-            x = layer(x, cos, sin, kv_cache, plan)
+            cos, sin = tables[self.layer_rotaries[i]]
+            x = layer(x, cos, sin, kv_cache, plans[self.layer_windows[i]])
             hooks.after_layer(i)
         return self.model.norm(x)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] in float32 for the N hidden states that need a next token."""
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        if self.config.final_logit_softcapping is not None:
+            logits = tanh_softcap(logits, self.config.final_logit_softcapping)
+        return logits.float()
+
+
+@cache
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded to ``dtype``, as Gemma's embedding scale is (sqrt(3072) is 55.5 in bf16)."""
+    return torch.tensor(value).to(dtype).item()

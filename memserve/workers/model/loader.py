@@ -4,7 +4,8 @@ The model is created on the meta device and the loaded tensors are assigned in p
 no time is spent on random initialisation and no second copy of the weights is made.
 Checkpoint tensors are renamed and concatenated into the model's fused parameters (q/k/v,
 gate/up) and, for mixture-of-experts models, each layer's per-expert tensors are stacked
-into one tensor per projection (``moe.py``)."""
+into one tensor per projection (``moe.py``). Of a multimodal Gemma 3 checkpoint only the
+text model is read, renamed to a text-only model's names."""
 
 from __future__ import annotations
 
@@ -33,8 +34,13 @@ _FUSED = {
 _MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
                   (".w2.", ".down_proj."))
 _EXPERT_WEIGHT = re.compile(r"(?P<experts>.+\.mlp\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
-# Checkpoint entries that are derived buffers, not weights.
+# Checkpoint entries that are derived buffers, not weights, or not the text model's
+# (a multimodal Gemma 3's vision tower and projector, under either transformers' names).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_IGNORED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+# A multimodal Gemma 3's text model under its checkpoint's (or transformers 5's) names -> a text model's.
+_TEXT_MODEL_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                        ("model.language_model.", "model."))
 # Models held by this process, by (folder, dtype, device, CPU GEMM): see ``load_model``.
 _loaded: weakref.WeakValueDictionary[tuple[str, torch.dtype, str, str], LlamaForCausalLM] = (
     weakref.WeakValueDictionary())
@@ -49,11 +55,19 @@ def read_safetensors(folder: Path, dtype: torch.dtype, device: str | torch.devic
     for file in files:
         with safe_open(str(file), framework="pt", device=str(device)) as f:
             for name in f.keys():
-                if name.endswith(_IGNORED_SUFFIXES):
+                if name.endswith(_IGNORED_SUFFIXES) or name.startswith(_IGNORED_PREFIXES):
                     continue
                 tensor = f.get_tensor(name)
-                tensors[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+                tensors[_text_model_name(name)] = tensor.to(dtype) if tensor.is_floating_point() else tensor
     return tensors
+
+
+def _text_model_name(name: str) -> str:
+    """A multimodal Gemma 3's text-model weight under a text-only model's name; others unchanged."""
+    for old, new in _TEXT_MODEL_PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
 
 
 def fuse_hf_weights(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -4,12 +4,17 @@ Accepts both the transformers<5 spelling (``rope_theta`` + ``rope_scaling``) and
 transformers-5 spelling (``rope_parameters``), and normalises them into one dict.
 
 Every family is read into the same fields, options of the one decoder: Qwen3's q/k norms,
-Qwen2's q/k/v biases, Phi-3's partial rotary, and the sparse mixture-of-experts MLP of
-Qwen3-MoE and Mixtral (``sparse_layers`` lists the layers that have one). A setting that
+Qwen2's q/k/v biases, Phi-3's partial rotary, the sparse mixture-of-experts MLP of
+Qwen3-MoE and Mixtral (``sparse_layers`` lists the layers that have one), and Gemma 2/3's
+GeGLU, scaled embeddings, ``1 + w`` norms around both sublayers, soft-capped attention
+and final logits, ``query_pre_attn_scalar`` attention scale, sliding and global layers
+interleaved (``sliding_layers``) and, for Gemma 3, a rotary base of their own for the
+sliding layers (``local_rope_parameters``). A multimodal Gemma 3 folder ("gemma3") is read
+as its text model (``text_config``; the loader skips the vision weights). A setting that
 would change the output and that the decoder does not implement (another rotary scaling,
-Qwen's per-layer sliding windows) is refused here with a ValueError naming it, never
-served approximately. ``sliding_window`` is kept only where it is shorter than the
-context (where it can drop keys)."""
+Qwen's per-layer sliding windows, Gemma's bidirectional attention) is refused here with a
+ValueError naming it, never served approximately. ``sliding_window`` is kept only where
+it is shorter than the context (where it can drop keys)."""
 
 from __future__ import annotations
 
@@ -18,8 +23,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "gemma2",
+                         "gemma3_text", "gemma3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+GEMMA_TYPES = ("gemma2", "gemma3_text")
+# transformers' defaults for the Gemma keys a config.json may leave out (a multimodal Gemma 3's
+# text_config omits most of them): the values its Gemma2Config / Gemma3TextConfig assume.
+_GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma2": {"vocab_size": 256000, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+               "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 8192, "rms_norm_eps": 1e-6,
+               "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+               "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0, "bos_token_id": 2,
+               "eos_token_id": 1},
+    "gemma3_text": {"vocab_size": 262208, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                    "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072,
+                    "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
+                    "sliding_window": 4096, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+                    "bos_token_id": 2, "eos_token_id": 1},
+}
+# Gemma 2 alternates sliding and global layers; Gemma 3 has five sliding layers per global one.
+_GEMMA_SLIDING_PATTERN = {"gemma2": 2, "gemma3_text": 6}
 
 
 @dataclass(frozen=True)
@@ -47,9 +71,23 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # renormalise the chosen experts' probabilities to sum to 1
-    sliding_window: int | None = None  # Mistral: a query sees the keys of its last this many positions
+    # The sliding-window layers (Mistral: every layer; Gemma: the local ones): a query of one
+    # sees the keys of its last sliding_window positions; None where that never drops a key.
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
     # Always holds "rope_type" and "rope_theta", plus the type's own keys (factor, ...).
     rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    # Gemma 3: the rotary of the sliding layers (rope_local_base_freq); None: every layer uses rope_parameters.
+    local_rope_parameters: dict[str, Any] | None = None
+    hidden_act: str = "silu"  # the MLP's gate activation: silu (SwiGLU) or gelu_pytorch_tanh (Gemma's GeGLU)
+    # Gemma: embeddings scaled by sqrt(hidden_size); RMSNorms scale by (1 + weight) in float32;
+    # norms after the attention and around the MLP (post-attention, pre- and post-feedforward).
+    scale_embeddings: bool = False
+    norm_unit_offset: bool = False
+    sandwich_norms: bool = False
+    query_pre_attn_scalar: float | None = None  # Gemma: attention scores scaled by its -1/2 power, not head_dim's
+    attn_logit_softcapping: float | None = None  # Gemma 2: scores become cap * tanh(scores / cap) before the softmax
+    final_logit_softcapping: float | None = None  # Gemma 2/3: the same on the output logits
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -57,6 +95,15 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         """Leading dimensions of each head that are rotated (even; the rest pass through)."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def attention_scale(self) -> float:
+        """What the attention scores are multiplied by: Gemma's query_pre_attn_scalar**-0.5, else head_dim**-0.5."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_window(self, layer: int) -> int:
+        """The sliding window of ``layer``'s attention; 0 where it sees the whole context."""
+        return (self.sliding_window or 0) if layer in self.sliding_layers else 0
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelConfig":
@@ -67,20 +114,36 @@ class ModelConfig:
         model_type = d.get("model_type", "llama")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})")
+        if model_type == "gemma3":
+            return cls.from_dict(_gemma3_text_config(d))
+        gemma = model_type in GEMMA_TYPES
+        if gemma:
+            d = {**_GEMMA_DEFAULTS[model_type], **d}
+            if d.get("use_bidirectional_attention"):
+                raise ValueError("use_bidirectional_attention: Gemma's bidirectional attention is not supported")
         if d.get("use_sliding_window"):
             raise ValueError("use_sliding_window: sliding-window attention is not supported for Qwen models")
         max_position_embeddings = d.get("max_position_embeddings", 4096)
-        # Mistral, Mixtral and Phi-3 apply sliding_window to every layer when it is set; a
-        # window at least as long as the context never drops a key.
-        window = d.get("sliding_window") if model_type in ("mistral", "mixtral", "phi3") else None
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported; Llama-family models use silu")
-        rope_parameters = normalize_rope_parameters(d)
-        if rope_parameters["rope_type"] not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"rope_scaling type {rope_parameters['rope_type']!r} is not supported "
-                             f"(supported: {SUPPORTED_ROPE_TYPES})")
-        num_heads = d["num_attention_heads"]
         num_layers = d["num_hidden_layers"]
+        # Mistral, Mixtral and Phi-3 apply sliding_window to every layer when it is set,
+        # Gemma to its sliding layers; a window at least as long as the context never drops a key.
+        window = d.get("sliding_window") if model_type in ("mistral", "mixtral", "phi3", *GEMMA_TYPES) else None
+        if gemma:  # its layer kinds also choose Gemma 3's rotary, whatever the window
+            sliding = _gemma_sliding_layers(model_type, d)
+        else:
+            sliding = tuple(range(num_layers)) if window is not None else ()
+        if window is not None and (window >= max_position_embeddings or not sliding):
+            window = None
+        # Gemma's activation key is hidden_activation (its configs may also carry an unused hidden_act).
+        hidden_act = d["hidden_activation"] if gemma else d.get("hidden_act", "silu")
+        if hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(f"hidden_act {hidden_act!r} is not supported (supported: {SUPPORTED_ACTIVATIONS})")
+        rope_parameters, local_rope_parameters = _rope_fields(model_type, d)
+        for rope in [p for p in (rope_parameters, local_rope_parameters) if p is not None]:
+            if rope["rope_type"] not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(f"rope_scaling type {rope['rope_type']!r} is not supported "
+                                 f"(supported: {SUPPORTED_ROPE_TYPES})")
+        num_heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         # Qwen2 always has q/k/v biases and no config key for them; Llama's attention_bias covers o_proj too.
@@ -100,14 +163,63 @@ class ModelConfig:
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_proj_bias=attention_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             partial_rotary_factor=d.get("partial_rotary_factor") or rope_parameters.get("partial_rotary_factor", 1.0),
             rope_parameters=rope_parameters,
+            local_rope_parameters=local_rope_parameters,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            sliding_window=window if window is not None and window < max_position_embeddings else None,
+            sliding_window=window,
+            sliding_layers=sliding,
+            hidden_act=hidden_act,
+            scale_embeddings=gemma,
+            norm_unit_offset=gemma,
+            sandwich_norms=gemma,
+            query_pre_attn_scalar=d["query_pre_attn_scalar"] if gemma else None,
+            # transformers' Gemma 3 attention ignores attn_logit_softcapping (its checkpoints set none).
+            attn_logit_softcapping=d.get("attn_logit_softcapping") if model_type == "gemma2" else None,
+            final_logit_softcapping=d.get("final_logit_softcapping") if gemma else None,
             **_moe_fields(model_type, d, num_layers),
         )
+
+
+def _gemma3_text_config(d: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal Gemma 3 config's text model, as a "gemma3_text" config; the token ids
+    its top level names win over the text model's."""
+    if not d.get("text_config"):
+        raise ValueError("model_type 'gemma3' without a text_config is not supported")
+    top = {k: d[k] for k in ("bos_token_id", "eos_token_id") if d.get(k) is not None}
+    return {**d["text_config"], **top, "model_type": "gemma3_text"}
+
+
+def _gemma_sliding_layers(model_type: str, d: dict[str, Any]) -> tuple[int, ...]:
+    """The sliding-window layers of a Gemma model: its ``layer_types``, else every
+    pattern-th layer global (Gemma 2: every other one; Gemma 3: ``sliding_window_pattern``)."""
+    num_layers = d["num_hidden_layers"]
+    layer_types = d.get("layer_types")
+    if layer_types is not None:
+        unknown = set(layer_types) - {"sliding_attention", "full_attention"}
+        if unknown or len(layer_types) != num_layers:
+            raise ValueError(f"layer_types {layer_types!r}: expected {num_layers} of sliding_attention / full_attention")
+        return tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
+    pattern = d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or _GEMMA_SLIDING_PATTERN[model_type]
+    return tuple(i for i in range(num_layers) if (i + 1) % pattern)
+
+
+def _rope_fields(model_type: str, d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(rope of the global layers, rope of Gemma 3's sliding layers or None). Gemma 3's
+    transformers-5 configs hold one rope dict per layer type; older ones give the sliding
+    layers ``rope_local_base_freq`` and no scaling (``rope_scaling`` is the global layers')."""
+    if model_type != "gemma3_text":
+        return normalize_rope_parameters(d), None
+    by_type = d.get("rope_parameters") or {}
+    if "full_attention" in by_type or "sliding_attention" in by_type:
+        defaults = _GEMMA_DEFAULTS[model_type]
+        return (normalize_rope_parameters({"rope_parameters": by_type.get("full_attention"),
+                                           "rope_theta": defaults["rope_theta"]}),
+                normalize_rope_parameters({"rope_parameters": by_type.get("sliding_attention"),
+                                           "rope_theta": defaults["rope_local_base_freq"]}))
+    return normalize_rope_parameters(d), {"rope_type": "default", "rope_theta": d["rope_local_base_freq"]}
 
 
 def _moe_fields(model_type: str, d: dict[str, Any], num_layers: int) -> dict[str, Any]:

@@ -3,7 +3,9 @@
 // Each query row (one new token of a sequence) attends to its sequence's first
 // context_lens[row] tokens, held in the cache blocks its block table names; with a
 // sliding window W > 0, to the last W of them only (Mistral's window: the key at
-// position j is seen by the query at position p when p - j < W). Nothing is
+// position j is seen by the query at position p when p - j < W). With a soft-cap
+// C > 0 (Gemma 2's attn_logit_softcapping), each scaled score s becomes C * tanh(s / C)
+// before the softmax. Nothing is
 // gathered: every K and V vector is read once, where it lies, for all the query heads
 // that share its KV head (GQA). Work items are (row, KV head, partition of up to
 // PARTITION tokens) so that one long sequence still keeps every thread busy; each item
@@ -39,7 +41,7 @@ constexpr int64_t MAX_DIM = 256;
 template <typename T, int64_t DIM>
 void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                      int64_t window) {
+                      int64_t window, double softcap) {
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t D = DIM > 0 ? DIM : dim;
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), group = heads / kv_heads;
@@ -63,6 +65,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
   std::vector<float> part_max(parts * kv_heads * group), part_sum(parts * kv_heads * group);
   std::vector<float> part_acc(parts * kv_heads * group * dim);
   const float fscale = static_cast<float>(scale);
+  const float cap = static_cast<float>(softcap);
 
   at::parallel_for(0, parts * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(group * PARTITION), query(group * dim);
@@ -104,6 +107,9 @@ void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
       }
       for (int64_t g = 0; g < group; ++g) {
         float* sg = &scores[g * PARTITION];
+        if (cap > 0.0f) {
+          for (int64_t i = 0; i < count; ++i) sg[i] = cap * std::tanh(sg[i] / cap);
+        }
         float m = sg[0];
         for (int64_t i = 1; i < count; ++i) m = std::max(m, sg[i]);
         float total = 0.0f;
@@ -166,7 +172,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
 
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                            int64_t window) {
+                            int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && out.is_contiguous() && out.sizes() == q.sizes(),
               "q and out: contiguous [rows, heads, dim]");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
@@ -183,12 +189,12 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
   const int64_t dim = q.size(2);
   if (q.scalar_type() == at::kFloat) {
     (dim == 64 ? decode_attention<float, 64> : dim == 128 ? decode_attention<float, 128> : decode_attention<float, 0>)(
-        out, q, k_cache, v_cache, block_tables, context_lens, scale, window);
+        out, q, k_cache, v_cache, block_tables, context_lens, scale, window, softcap);
   } else if (q.scalar_type() == at::kBFloat16) {
     (dim == 64    ? decode_attention<c10::BFloat16, 64>
      : dim == 128 ? decode_attention<c10::BFloat16, 128>
                   : decode_attention<c10::BFloat16, 0>)(out, q, k_cache, v_cache, block_tables, context_lens, scale,
-                                                        window);
+                                                        window, softcap);
   } else {
     TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only");
   }
@@ -198,7 +204,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
 
 TORCH_LIBRARY(memserve, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale, int window=0) -> ()");
+        "Tensor context_lens, float scale, int window=0, float softcap=0.0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(memserve, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
