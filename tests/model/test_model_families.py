@@ -3,8 +3,10 @@ with partial rotary; Mistral with a sliding window; Gemma 2 and 3 with sliding a
 layers, soft-caps and Gemma 3's two rotary bases) through the real engine on the CPU:
 tiny random models saved by transformers must decode greedily exactly like transformers,
 on a cold cache, on a prefix hit (the same prompts again, their blocks found cached),
-after a round trip of their cached blocks through the host tier, and with prompts
-prefilled in chunks of 16 tokens that share their steps with other requests' decodes.
+after a round trip of their cached blocks through the host tier, after a PD handoff (the
+prompts' KV computed by one engine and sent over a real KV transfer endpoint to another,
+which decodes over it), and with prompts prefilled in chunks of 16 tokens that share
+their steps with other requests' decodes.
 Windows and soft-caps are also checked logit for logit through each attention path, an
 attention soft-cap small enough to change transformers' tokens must change memserve's
 alike, a multimodal Gemma 3 folder serves its text model, and Gemma 3's keys shift
@@ -15,6 +17,8 @@ refused by name."""
 from __future__ import annotations
 
 import re
+import secrets
+import threading
 from pathlib import Path
 
 import pytest
@@ -22,7 +26,9 @@ import torch
 from helpers.engine_generate import generate
 
 from memserve.config import EngineConfig
+from memserve.ipc.kv_transfer import KVTransferEndpoint
 from memserve.kvcache.address import Tier, addr_tier
+from memserve.kvcache.mempool import KVFlags
 from memserve.testing.random_models import (
     TINY_ARCHITECTURES,
     TINY_SIZES,
@@ -79,9 +85,9 @@ def transformers_greedy(hf, prompts: list[list[int]]) -> list[list[int]]:
     return reference
 
 
-def engine_for(folder: Path, **options) -> Engine:
+def engine_for(folder: Path, instance: int = 0, **options) -> Engine:
     cfg = EngineConfig(model=str(folder), dtype="float32", num_blocks=64, max_num_seqs=8, **options)
-    return build_engine(cfg, folder)
+    return build_engine(cfg, folder, instance)
 
 
 def test_cold_then_prefix_hit_match_transformers(family):
@@ -116,6 +122,46 @@ def test_host_tier_round_trip_matches_transformers(family):
     assert [tokens for tokens, _ in back] == reference
     assert [cached for _, cached in back] == [(n - 1) // BLOCK_SIZE * BLOCK_SIZE for n in PROMPT_LENGTHS]
     assert engine.stats()["num_swapped_in"] > 0
+
+
+def test_pd_handoff_matches_transformers(family):
+    """A prefill engine computes the prompts and sends each one's cached blocks, with
+    their tokens, over a KV transfer endpoint (frames over ZeroMQ, as between hosts) to a
+    decode engine, which finds the prefixes cached and decodes transformers' tokens."""
+    folder, prompts, reference = family
+    prefill, decode = engine_for(folder, 0), engine_for(folder, 1)
+    sender, receiver = KVTransferEndpoint(prefill.mempool), KVTransferEndpoint(decode.mempool)
+    serving = threading.Event()
+    serving.set()
+
+    def serve() -> None:  # the decode worker's endpoint, on its own thread as in a worker's loop
+        while serving.is_set():
+            receiver.serve(timeout_ms=2)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    try:
+        sender.connect(1, receiver.address)
+        generate(prefill, prompts, 1)
+        held = [prefill.kv_connector.hold_prefix(p) for p in prompts]
+        tickets = [secrets.token_hex(8) for _ in prompts]
+        for ticket, src in zip(tickets, held):
+            receiver.expect(ticket, 0, len(src))
+        thread.start()
+        for prompt, src, ticket in zip(prompts, held, tickets):
+            if src:
+                prefill.mempool.transfer_with_insert(1, prompt[:len(src) * BLOCK_SIZE], src, flags=KVFlags.RELEASE,
+                                                     ticket=ticket)
+            prefill.kv_connector.free(src)
+    finally:
+        serving.clear()
+        if thread.is_alive():
+            thread.join(10)
+        sender.close()
+        receiver.close()
+    got = generate(decode, prompts, NEW_TOKENS)
+    assert [tokens for tokens, _ in got] == reference
+    assert [cached for _, cached in got] == [(n - 1) // BLOCK_SIZE * BLOCK_SIZE for n in PROMPT_LENGTHS]
+    assert prefill.mempool.stats()["device"]["used"] == 0  # every block sent was let go
 
 
 CONFIG = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 6,
