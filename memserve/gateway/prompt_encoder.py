@@ -106,7 +106,8 @@ class PromptEncoder:
         """Raises ``ChatTemplateError`` when the template refuses the conversation.
         ``tools`` (function definitions) are rendered too, and cost as their JSON does;
         ``template_kwargs``: the request's ``chat_template_kwargs``."""
-        cost = sum(len(m["content"]) + MESSAGE_COST_CHARS for m in messages) + (len(orjson.dumps(tools)) if tools else 0)
+        cost = sum(len(m["content"]) + len(m.get("reasoning_content", "")) + MESSAGE_COST_CHARS for m in messages) \
+            + (len(orjson.dumps(tools)) if tools else 0)
         try:
             return await self._run(cost, _encode_chat, messages, self.max_prompt_chars(max_model_len), tools,
                                    add_generation_prompt, template_kwargs)

@@ -350,11 +350,13 @@ def _tool_calls(value: Any, index: int) -> list[dict]:
 
 def _message(message: Any, index: int) -> dict:
     """What the chat template sees of one message: role, content and the optional
-    ``name``, ``tool_call_id`` and ``tool_calls``; other keys are ignored."""
+    ``name``, ``tool_call_id``, ``tool_calls`` and ``reasoning_content`` (an answer's
+    reasoning sent back, which templates such as Qwen3's render in the turn that calls
+    tools); other keys are ignored."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise bad_request(f"'messages[{index}]' must be an object with a string 'role'", f"messages[{index}].role")
     cleaned = {"role": message["role"], "content": _message_content(message.get("content"), index)}
-    for key in ("name", "tool_call_id"):
+    for key in ("name", "tool_call_id", "reasoning_content"):
         value = message.get(key)
         if value is None:
             continue
