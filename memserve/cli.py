@@ -16,6 +16,7 @@ from memserve.gateway.routing.pd_topology import PD_MODES, parse_instances
 from memserve.gateway.routing.router import ROUTING_POLICIES
 from memserve.gateway.tool_parsers import AUTO as TOOL_PARSER_AUTO
 from memserve.gateway.tool_parsers import PARSERS as TOOL_PARSERS
+from memserve.ipc.same_host import KV_SAME_HOST_TRANSPORTS
 from memserve.kvcache.eviction import EVICTION_POLICIES
 from memserve.text.truncation import DEFAULT_TRUNCATION, TRUNCATION_MODES
 from memserve.workers.engine.policies import SCHEDULE_POLICIES, make_schedule_policy
@@ -82,6 +83,12 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
                    help="prefill-to-decode KV transfers (MemServe §4.3, §5.2): after the prefill, one frame per "
                         "run of aggregated blocks, or one per layer's K or V of each block; by-layer: one "
                         "message per layer during the prefill, overlapping its compute")
+    p.add_argument("--kv-same-host-transport", default="shm", choices=KV_SAME_HOST_TRANSPORTS,
+                   help="KV transfers between workers on one machine: shm (the receiver copies the blocks "
+                        "straight out of the sender's KV pool, mapped once per connection: shared memory on "
+                        "CPU, CUDA IPC on a GPU both see; ZeroMQ carries only the control messages) or zmq (the "
+                        "blocks as ZeroMQ frames, as between machines). shm falls back to frames for a peer "
+                        "that cannot map the pool")
     p.add_argument("--pd-mode", default="pd-caching-3", choices=PD_MODES,
                    help="disaggregated prefill/decode caching (MemServe Table 4): pd-basic (transfer only), "
                         "pd-caching-1 (cache at prefill), pd-caching-2 (decode caches too: incremental "
@@ -266,6 +273,7 @@ def _run_up(args: argparse.Namespace) -> int:
         enable_prefix_caching=not args.no_prefix_cache,
         kv_layout=args.kv_layout,
         transfer_mode=args.transfer_mode,
+        kv_same_host_transport=args.kv_same_host_transport,
         schedule_policy=args.schedule_policy,
         schedule_policy_options=args.schedule_policy_options,
         cost_model=args.cost_model,

@@ -41,6 +41,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kv_layout: str = "aggregated"  # aggregated | layer-major
     transfer_mode: str = "by-request-agg"  # PD handoffs: by-request-agg | by-request | by-layer (workers/engine/pd_sender.py)
+    # KV transfers to workers on this machine: shm (the receiver copies out of the sender's
+    # mapped pool: ipc/same_host.py, workers/kv_share.py) | zmq (frames, as to other hosts)
+    kv_same_host_transport: str = "shm"
     schedule_policy: str = "fcfs"  # workers/engine/policies/__init__.py
     schedule_policy_options: str = ""  # e.g. cacheopt's "disable=PA,GR;reserve=8" (workers/engine/policies/cacheopt/options.py)
     cost_model: str | None = None  # JSON or preset: cacheopt weighs swap against recompute by it

@@ -1,4 +1,5 @@
-"""KV transfer between instances over ZeroMQ (MemServe §4.3).
+"""KV transfer between instances over ZeroMQ, or in place between workers on one host
+(MemServe §4.3).
 
 Each worker owns one ``KVTransferEndpoint``: a ROUTER socket that serves requests from
 other instances, and one DEALER per peer for its own requests. The worker's event loop
@@ -38,11 +39,35 @@ The receiver's engine collects
 what arrived (addresses, tokens, the sender's ``private`` payload) with
 ``drain_received``; it then holds one reference on each received block, unless the
 sender set ``KVFlags.RELEASE``.
+
+Same-host peers (``same_host.py``). An endpoint given ``shared`` (its worker's pools, as
+peers map them) opens each connection with a ``KVShare``: its pools' description, host
+identity and process. A receiver on the same host maps those pools and answers which
+tiers it mapped; from then on a transfer whose blocks all sit in mapped tiers sends no
+frames: its ``KVData`` (or each ``KVLayer``) names the sender's blocks (``src``), and the
+receiver copies them out of the mapped pool into the blocks of its grant, then answers as
+before. ZeroMQ carries the handshake, the allocation, the headers and the answers; a peer
+that cannot map (another host, the transport off at either end) gets frames.
+
+A receiver reads the sender's blocks after the message left the sender, so:
+
+- the sender holds them until the receiver answered, or its process is gone, or the
+  message's ``read_by`` deadline passed: a transfer cancelled in between *lingers*, its
+  future not done (the caller still holds the blocks) until one of those happens. Only
+  the message that completes a transfer lingers: a by-layer transfer cancelled before its
+  last layer went out is never delivered, so what its earlier layers read is never used;
+- the receiver copies only over the connection whose ``KVShare`` it mapped, and voids a
+  copy that ended after ``read_by`` (answered as failed, its blocks freed), so it never
+  delivers blocks read after the sender let them go.
+
+A sender whose handshake named the peer's process fails a transfer as soon as that
+process is gone (``PeerGone``) instead of at the timeout: nothing it held is read again.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -54,19 +79,61 @@ import zmq
 
 from memserve.ipc.curve import protect
 from memserve.ipc.messages import decode, encode, register
-from memserve.kvcache.address import Tier, addr_block, addr_tier
+from memserve.ipc.same_host import (
+    MappedPeer,
+    ProcessRef,
+    SharedPools,
+    host_identity,
+    same_host,
+)
+from memserve.kvcache.address import Tier, addr_block, addr_tier, make_addrs
 from memserve.kvcache.blocks import MemPoolError
 from memserve.kvcache.hashing import block_hashes
 from memserve.kvcache.mempool import KVFlags, MemPool
 from memserve.kvcache.mover import Buffer
+
+log = logging.getLogger("memserve.kv_transfer")
 
 
 class TransferError(MemPoolError):
     """A transfer failed at the receiver or timed out."""
 
 
-# Seconds between checks, while waiting for an answer, whether a by-layer transfer was cancelled.
+class PeerGone(TransferError):
+    """The receiver's process is gone: it reads none of the sender's blocks any more."""
+
+
+# Seconds between checks, while waiting for an answer, whether a transfer was cancelled or
+# its receiver's process is gone; also between the sender thread's rounds (``_tend``) over
+# lingering transfers and unanswered handshakes.
 CANCEL_POLL_S = 0.05
+# Seconds between a receiver's checks that the senders whose pools it maps still run.
+PEER_CHECK_S = 1.0
+
+
+@dataclass
+class KVShare:
+    """First message of a connection from an endpoint with ``shared`` pools: their
+    description for the receiver to map, with what shows it is on the same host."""
+
+    kind: ClassVar[str] = "kv_share"
+    transfer_id: int
+    src_instance: int
+    host: str  # same_host.host_identity()
+    pid: int
+    started: int  # the sender's ProcessRef
+    clock: float  # the sender's monotonic clock when it sent this
+    pools: dict[str, Any]
+
+
+@dataclass
+class KVShareReply:
+    kind: ClassVar[str] = "kv_share_reply"
+    transfer_id: int
+    tiers: list[int]  # the sender's tiers mapped here (none: frames only)
+    pid: int = 0  # the receiver's ProcessRef, on the same host only
+    started: int = 0
+    error: str | None = None  # why nothing was mapped
 
 
 @dataclass
@@ -102,6 +169,10 @@ class KVData:
     first_block: int = 0  # the blocks sent are blocks first_block.. of tokens
     ticket: str = ""
     cache_salt: str | None = None  # the tokens' request's: their blocks are named with it
+    # Same host: the sender's blocks, read by the receiver from its mapping of the sender's
+    # pool (no frames follow), no later than ``read_by`` (the host's monotonic clock).
+    src: list[int] | None = None
+    read_by: float = 0.0
 
 
 @dataclass
@@ -123,6 +194,8 @@ class KVLayer:
     tokens: list[int] | None = None
     first_block: int = 0
     cache_salt: str | None = None
+    src: list[int] | None = None  # as in ``KVData``: this layer of the sender's blocks, read in place
+    read_by: float = 0.0
 
 
 @dataclass
@@ -133,7 +206,7 @@ class KVDone:
     error: str | None = None
 
 
-for _cls in (KVAllocRequest, KVAllocReply, KVData, KVLayer, KVDone):
+for _cls in (KVShare, KVShareReply, KVAllocRequest, KVAllocReply, KVData, KVLayer, KVDone):
     register(_cls)
 
 
@@ -161,6 +234,38 @@ class _Grant:
         return self.pinned + self.addrs
 
 
+@dataclass(eq=False)
+class _Link:
+    """The sender's connection to one peer."""
+
+    instance: int
+    sock: zmq.Socket
+    share_tid: int = 0  # the request id of the unanswered KVShare
+    tiers: frozenset[int] = frozenset()  # the tiers the peer mapped: their blocks go in place
+    process: ProcessRef | None = None  # the peer's process, when its handshake answer named it
+
+
+@dataclass
+class _Lingering:
+    """An in-place transfer the sender gave up on while its receiver may still read the
+    sender's blocks: ``fail(error)`` settles it once it cannot."""
+
+    link: _Link
+    read_by: float
+    fail: Callable[[BaseException], None]
+    error: BaseException
+
+
+@dataclass
+class _Mapped:
+    """A sender's pools mapped by this receiver, read only for messages that come over the
+    connection (``identity``) whose ``KVShare`` mapped them."""
+
+    identity: bytes
+    peer: MappedPeer
+    process: ProcessRef
+
+
 @dataclass
 class ReceivedKV:
     """Blocks another instance sent here, for the receiving engine."""
@@ -175,13 +280,15 @@ class ReceivedKV:
 
 class LayerStream:
     """The sender's side of one by-layer transfer. The engine thread calls ``send`` with
-    each layer's bytes (a copy it owns) as its step computes them, and ``cancel`` when the
-    request is gone; the endpoint's sender thread does the rest in order. ``future`` ends
-    with the receiver's answer to the last layer (the blocks' addresses there)."""
+    each layer's bytes (a copy it owns) as its step computes them or, ``in_place`` (the
+    receiver maps this worker's device pool), ``send_blocks`` with the blocks holding the
+    layer, and ``cancel`` when the request is gone; the endpoint's sender thread does the
+    rest in order. ``future`` ends with the receiver's answer to the last layer (the
+    blocks' addresses there); in place, the caller holds the blocks until it is done."""
 
     def __init__(self, endpoint: KVTransferEndpoint, instance: int, num_blocks: int, num_layers: int, ticket: str,
                  tokens: list[int] | None, first_block: int, clock: Callable[[], float] = time.monotonic,
-                 cache_salt: str | None = None) -> None:
+                 cache_salt: str | None = None, in_place: bool = False) -> None:
         self.endpoint = endpoint
         self.instance = instance
         self.num_blocks = num_blocks
@@ -197,22 +304,37 @@ class LayerStream:
         self.clock = clock
         self.first_layer_at: float | None = None
         self.done_at: float | None = None  # when it ended (the receiver's answer, or the failure)
+        self.in_place = in_place
+        self.reading = False  # the last layer went in place: the receiver may be reading the blocks
 
     def send(self, layer: int, buffer: memoryview) -> None:
         """Queue layer ``layer`` (layers go in order; the last one completes the transfer)."""
+        self._hand(layer, buffer)
+
+    def send_blocks(self, layer: int, blocks: list[int]) -> None:
+        """In place: layer ``layer`` of this worker's device ``blocks`` is computed; the
+        receiver reads it from the pool (``send``'s order and completion)."""
+        shared = self.endpoint.shared
+        assert shared is not None  # in place only where this worker's pools are shared
+        shared.publish()
+        self._hand(layer, make_addrs(self.endpoint.pool.instance_id, Tier.DEVICE, blocks))
+
+    def _hand(self, layer: int, payload: memoryview | list[int]) -> None:
         if self.first_layer_at is None:
             self.first_layer_at = self.clock()
         self.handed += 1
-        self.endpoint._sender.submit(self.endpoint._send_layer, self, layer, buffer)
+        self.endpoint._sender.submit(self.endpoint._send_layer, self, layer, payload)
 
     def cancel(self, reason: str) -> None:
-        """Fail the transfer: a wait for the receiver stops, no further layer goes out."""
+        """Fail the transfer: a wait for the receiver stops, no further layer goes out (a
+        last layer sent in place lingers: see the module docstring)."""
         self.cancelled.set()
-        self.endpoint._sender.submit(self.endpoint._settle, self, None, TransferError(reason))
+        self.endpoint._sender.submit(self.endpoint._cancel_stream, self, TransferError(reason))
 
 
 class KVTransferEndpoint:
-    """One worker's end of the KV transfer network, bound to ``pool``."""
+    """One worker's end of the KV transfer network, bound to ``pool``; ``shared``: the
+    worker's pools as same-host peers map them (None: frames to every peer)."""
 
     def __init__(
         self,
@@ -220,19 +342,27 @@ class KVTransferEndpoint:
         bind: str = "tcp://127.0.0.1:*",
         context: zmq.Context | None = None,
         timeout_s: float = 30.0,
+        shared: SharedPools | None = None,
     ) -> None:
         self.pool = pool
         self.timeout_s = timeout_s
+        self.shared = shared
         self._ctx = context or zmq.Context.instance()
         self._server = self._ctx.socket(zmq.ROUTER)
         self._server.setsockopt(zmq.LINGER, 0)
         protect(self._server, bind, server=True)
         self._server.bind(bind)
         self.address: str = self._server.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._peers: dict[int, zmq.Socket] = {}
+        self._me = ProcessRef.current()
+        self._peers: dict[int, _Link] = {}
+        self._lingering: dict[int, _Lingering] = {}  # request id -> transfer; sender thread only
+        self._tend_timer: threading.Timer | None = None  # submits the next ``_tend``; sender thread only
+        self._mapped: dict[int, _Mapped] = {}  # sender instance -> its pools mapped here
+        self._next_peer_check = 0.0
         self._received: list[ReceivedKV] = []
         self._grants: dict[str, _Grant] = {}
         self._ids = itertools.count(1)
+        self.counts = {"in_place_sent": 0, "in_place_received": 0}
         # Peer sockets live on this one thread: ZeroMQ sockets are not shared across threads.
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-send")
         pool.attach_transfer(self)
@@ -247,22 +377,49 @@ class KVTransferEndpoint:
 
     def _connect(self, instance: int, address: str) -> None:
         if instance in self._peers:
-            self._peers.pop(instance).close(linger=0)
+            self._peers.pop(instance).sock.close(linger=0)
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         protect(sock, address, server=False)
         sock.connect(address)
-        self._peers[instance] = sock
+        link = self._peers[instance] = _Link(instance, sock)
+        if self.shared is None:
+            return
+        try:
+            pools = self.shared.describe()
+        except Exception as exc:  # noqa: BLE001 - nothing to map: frames it is
+            log.info("KV pools not shared with instance %d (%s: %s)", instance, type(exc).__name__, exc)
+            return
+        link.share_tid = next(self._ids)
+        sock.send(encode(KVShare(link.share_tid, self.pool.instance_id, host_identity(), self._me.pid,
+                                 self._me.started, time.monotonic(), pools)))
+        self._schedule_tend()
 
     def close(self) -> None:
         self._sender.submit(self._close_peers).result()
         self._sender.shutdown()
         self._server.close(linger=0)
+        for mapped in self._mapped.values():
+            mapped.peer.close()
+        self._mapped.clear()
 
     def _close_peers(self) -> None:
-        for sock in self._peers.values():
-            sock.close(linger=0)
+        if self._tend_timer is not None:
+            self._tend_timer.cancel()
+        for tid in list(self._lingering):
+            self._lingering.pop(tid).fail(TransferError("the transfer endpoint was closed"))
+        for link in self._peers.values():
+            link.sock.close(linger=0)
         self._peers.clear()
+
+    def same_host_tiers(self, instance: int) -> frozenset[int]:
+        """This worker's tiers whose blocks go to ``instance`` in place, once the
+        connection's handshake is answered (waited for here)."""
+        return self._await(self._sender.submit(lambda: self._link(instance).tiers))
+
+    def stats(self) -> dict[str, int]:
+        """Transfers sent and received in place (same host) so far."""
+        return dict(self.counts)
 
     def expect(self, ticket: str, src_instance: int, max_blocks: int, ttl_s: float | None = None,
                pinned: list[int] | None = None) -> None:
@@ -318,31 +475,53 @@ class KVTransferEndpoint:
                    ticket: str, tokens: list[int] | None = None, first_block: int = 0,
                    frame_nbytes: int | None = None,
                    cancelled: threading.Event | None = None, cache_salt: str | None = None) -> Future[list[int]]:
-        """``send`` without waiting: the blocks' bytes are taken here (they must stay held
-        until the future is done); allocation, sending and waiting for the receiver run on
-        the sender thread, so the engine keeps stepping meanwhile. Frames are one per run
-        of consecutive blocks, or pieces of ``frame_nbytes`` (MemServe's unaggregated
-        by-request transfer: one network call per layer's K or V of each block). Setting
-        ``cancelled`` gives up waiting for the receiver (a dead or frozen one would hold
-        the sender thread, and the blocks, until the timeout). ``cache_salt``: the salt
-        ``tokens``' blocks are named with (the receiver indexes them under it)."""
+        """``send`` without waiting: the blocks' bytes are taken here, or read in place by
+        a same-host receiver (they must stay held until the future is done); allocation,
+        sending and waiting for the receiver run on the sender thread, so the engine keeps
+        stepping meanwhile. Frames are one per run of consecutive blocks, or pieces of
+        ``frame_nbytes`` (MemServe's unaggregated by-request transfer: one network call
+        per layer's K or V of each block). Setting ``cancelled`` gives up waiting for the
+        receiver (a dead or frozen one would hold the sender thread, and the blocks, until
+        the timeout); in place, the future then ends once the receiver cannot read the
+        blocks any more. ``cache_salt``: the salt ``tokens``' blocks are named with (the
+        receiver indexes them under it)."""
         self.pool.check_held(src, "transfer")
         if dst is not None and len(dst) != len(src):
             raise MemPoolError(f"transfer: {len(src)} source blocks but {len(dst)} destinations")
-        buffers: Sequence[Buffer] = self.pool.read_blocks(src)
-        if frame_nbytes:
-            buffers = split_frames(buffers, frame_nbytes)
-        return self._sender.submit(self._send, instance, len(src), dst, flags, private, ticket, tokens, first_block,
-                                   buffers, cancelled, cache_salt)
+        tiers = self._mapped_tiers(instance)
+        in_place = bool(tiers) and all(addr_tier(a) in tiers for a in src)
+        buffers: Sequence[Buffer] = ()
+        if in_place:
+            assert self.shared is not None  # only an endpoint that shares has mapped tiers
+            self.shared.publish()
+            self.counts["in_place_sent"] += 1
+        else:
+            buffers = self.pool.read_blocks(src)
+            if frame_nbytes:
+                buffers = split_frames(buffers, frame_nbytes)
+        future: Future[list[int]] = Future()
+        self._sender.submit(self._send, future, instance, list(src) if in_place else None, len(src), dst, flags,
+                            private, ticket, tokens, first_block, buffers, cancelled, cache_salt)
+        return future
 
     def open_layers(self, instance: int, num_blocks: int, num_layers: int, ticket: str,
                     tokens: list[int] | None = None, first_block: int = 0,
                     clock: Callable[[], float] = time.monotonic, cache_salt: str | None = None) -> LayerStream:
         """Start a by-layer transfer of ``num_blocks`` blocks to ``instance``: the receiver
-        allocates them now, on the sender thread, while the sender's step is still ahead."""
-        stream = LayerStream(self, instance, num_blocks, num_layers, ticket, tokens, first_block, clock, cache_salt)
+        allocates them now, on the sender thread, while the sender's step is still ahead.
+        In place when the receiver maps this worker's device pool."""
+        in_place = Tier.DEVICE in self._mapped_tiers(instance)
+        if in_place:
+            self.counts["in_place_sent"] += 1
+        stream = LayerStream(self, instance, num_blocks, num_layers, ticket, tokens, first_block, clock, cache_salt,
+                             in_place)
         self._sender.submit(self._open_layers, stream)
         return stream
+
+    def _mapped_tiers(self, instance: int) -> frozenset[int]:
+        """The tiers ``instance`` maps, as known now (none while its handshake is unanswered)."""
+        link = self._peers.get(instance)  # the sender thread's: one read of a dict and a field
+        return link.tiers if link is not None else frozenset()
 
     def _await(self, future: Future) -> Any:
         """The result of a sender-thread job, serving incoming requests meanwhile (two
@@ -353,37 +532,66 @@ class KVTransferEndpoint:
 
     # The methods below run on the sender thread, the only one that touches peer sockets.
 
+    def _link(self, instance: int, cancelled: threading.Event | None = None) -> _Link:
+        """The connection to ``instance``, its handshake answered (waited for here; a
+        handshake that fails leaves the link to frames)."""
+        link = self._peers.get(instance)
+        if link is None:
+            raise MemPoolError(f"no transfer peer for instance {instance}: call connect() first")
+        if link.share_tid:
+            try:
+                self._wait(link, link.share_tid, cancelled)
+            except TransferError:
+                if cancelled is None or not cancelled.is_set():
+                    link.share_tid = 0
+                raise
+        return link
+
     def _allocate(self, instance: int, size: int, tier: Tier, ticket: str,
                   cancelled: threading.Event | None = None) -> list[int]:
-        peer = self._peer(instance)
+        link = self._link(instance, cancelled)
         tid = next(self._ids)
-        peer.send(encode(KVAllocRequest(tid, self.pool.instance_id, size, int(tier), ticket)))
-        reply = self._wait(peer, tid, cancelled)
+        link.sock.send(encode(KVAllocRequest(tid, self.pool.instance_id, size, int(tier), ticket)))
+        reply = self._wait(link, tid, cancelled)
         if reply.error:
             raise TransferError(f"instance {instance} could not allocate {size} blocks: {reply.error}")
         return list(reply.addrs)
 
-    def _send(self, instance: int, num_blocks: int, dst: Sequence[int] | None, flags: int, private: Any, ticket: str,
-              tokens: list[int] | None, first_block: int, buffers: Sequence[Buffer],
-              cancelled: threading.Event | None = None, cache_salt: str | None = None) -> list[int]:
-        if cancelled is not None and cancelled.is_set():
-            raise TransferError(f"the transfer to instance {instance} was cancelled")
-        peer = self._peer(instance)
-        if dst is None:
-            dst = self._allocate(instance, num_blocks, Tier.HOST if flags & KVFlags.HOST else Tier.DEVICE, ticket,
-                                 cancelled)
-        tid = next(self._ids)
-        mover = self.pool.mover
-        assert mover is not None  # send_async read the blocks through it
-        header = KVData(tid, self.pool.instance_id, list(dst), int(flags), mover.block_nbytes,
-                        private, tokens, first_block, ticket, cache_salt)
-        # copy=False: the frames point into the mover's memory. They are safe to reuse
-        # once the receiver answers, which means it has received every frame.
-        peer.send_multipart([encode(header), *buffers], copy=False)
-        done = self._wait(peer, tid, cancelled)
-        if done.error:
-            raise TransferError(f"transfer to instance {instance} failed: {done.error}")
-        return list(dst)
+    def _send(self, future: Future[list[int]], instance: int, src: list[int] | None, num_blocks: int,
+              dst: Sequence[int] | None, flags: int, private: Any, ticket: str, tokens: list[int] | None,
+              first_block: int, buffers: Sequence[Buffer], cancelled: threading.Event | None,
+              cache_salt: str | None) -> None:
+        """Send a transfer and settle ``future``; ``src``: the blocks, read in place (no
+        ``buffers``)."""
+        try:
+            if cancelled is not None and cancelled.is_set():
+                raise TransferError(f"the transfer to instance {instance} was cancelled")
+            link = self._link(instance, cancelled)
+            if src is not None and not {addr_tier(a) for a in src} <= link.tiers:
+                raise TransferError(f"instance {instance} reconnected: it no longer maps this pool")
+            if dst is None:
+                dst = self._allocate(instance, num_blocks, Tier.HOST if flags & KVFlags.HOST else Tier.DEVICE,
+                                     ticket, cancelled)
+            tid = next(self._ids)
+            mover = self.pool.mover
+            assert mover is not None  # send_async checked the blocks through it
+            read_by = time.monotonic() + self.timeout_s if src is not None else 0.0
+            header = KVData(tid, self.pool.instance_id, list(dst), int(flags), mover.block_nbytes,
+                            private, tokens, first_block, ticket, cache_salt, src, read_by)
+            # copy=False: the frames point into the mover's memory. They are safe to reuse
+            # once the receiver answers, which means it has received every frame.
+            link.sock.send_multipart([encode(header), *buffers], copy=False)
+            try:
+                done = self._wait(link, tid, cancelled)
+            except TransferError as exc:
+                if src is not None and self._linger(tid, link, read_by, future.set_exception, exc):
+                    return
+                raise
+            if done.error:
+                raise TransferError(f"transfer to instance {instance} failed: {done.error}")
+            future.set_result(list(dst))
+        except Exception as exc:  # noqa: BLE001 - the transfer's failure, reported through its future
+            future.set_exception(exc)
 
     def _open_layers(self, stream: LayerStream) -> None:
         try:
@@ -392,28 +600,46 @@ class KVTransferEndpoint:
         except Exception as exc:  # noqa: BLE001 - the transfer's failure, reported through its future
             self._settle(stream, None, exc)
 
-    def _send_layer(self, stream: LayerStream, layer: int, buffer: memoryview) -> None:
+    def _send_layer(self, stream: LayerStream, layer: int, payload: memoryview | list[int]) -> None:
+        """Send one layer: its bytes, or (a list) the sender's blocks to read it from."""
         if stream.future.done() or stream.dst is None:
             return  # failed or cancelled: the receiver frees what it allocated
         final = layer == stream.num_layers - 1
+        src, frames = (payload, []) if isinstance(payload, list) else (None, [payload])
         try:
-            peer = self._peer(stream.instance)
+            link = self._link(stream.instance)
+            if src is not None and Tier.DEVICE not in link.tiers:
+                raise TransferError(f"instance {stream.instance} reconnected: it no longer maps this pool")
             tid = next(self._ids)
+            read_by = time.monotonic() + self.timeout_s if src is not None else 0.0
             header = KVLayer(tid, self.pool.instance_id, stream.dst, layer, stream.num_layers, stream.ticket, final,
                              tokens=stream.tokens if final else None, first_block=stream.first_block,
-                             cache_salt=stream.cache_salt if final else None)
-            peer.send_multipart([encode(header), buffer], copy=False)  # the buffer is the stream's own copy
+                             cache_salt=stream.cache_salt if final else None, src=src, read_by=read_by)
+            link.sock.send_multipart([encode(header), *frames], copy=False)  # a frame is the stream's own copy
             if final:
-                done = self._wait(peer, tid, stream.cancelled)
+                stream.reading = src is not None
+                try:
+                    done = self._wait(link, tid, stream.cancelled)
+                except TransferError as exc:
+                    if src is not None and self._linger(tid, link, read_by,
+                                                        lambda e: self._settle(stream, None, e), exc):
+                        return
+                    raise
                 if done.error:
                     raise TransferError(f"transfer to instance {stream.instance} failed: {done.error}")
                 self._settle(stream, stream.dst, None)
         except Exception as exc:  # noqa: BLE001 - as above
             self._settle(stream, None, exc)
 
+    def _cancel_stream(self, stream: LayerStream, error: TransferError) -> None:
+        """``LayerStream.cancel``: fail the stream, unless its last layer lingers."""
+        if not stream.reading:
+            self._settle(stream, None, error)
+
     @staticmethod
     def _settle(stream: LayerStream, result: list[int] | None, error: BaseException | None) -> None:
         """End a by-layer transfer (once: later outcomes are ignored); sender thread only."""
+        stream.reading = False
         if stream.future.done():
             return
         stream.done_at = stream.clock()
@@ -423,15 +649,71 @@ class KVTransferEndpoint:
         else:
             stream.future.set_exception(error)
 
-    def _peer(self, instance: int) -> zmq.Socket:
-        sock = self._peers.get(instance)
-        if sock is None:
-            raise MemPoolError(f"no transfer peer for instance {instance}: call connect() first")
-        return sock
+    def _linger(self, tid: int, link: _Link, read_by: float, fail: Callable[[BaseException], None],
+                error: TransferError) -> bool:
+        """Keep an in-place transfer given up on (``error``) unsettled while its receiver
+        may still read the blocks; False when it cannot any more."""
+        if isinstance(error, PeerGone) or time.monotonic() > read_by:
+            return False
+        self._lingering[tid] = _Lingering(link, read_by, fail, error)
+        self._schedule_tend()
+        return True
 
-    def _wait(self, peer: zmq.Socket, tid: int, cancelled: threading.Event | None = None) -> Any:
+    def _schedule_tend(self) -> None:
+        """Have ``_tend`` run on this thread in ``CANCEL_POLL_S`` (one pending at a time)."""
+        if self._tend_timer is None:
+            self._tend_timer = threading.Timer(CANCEL_POLL_S, self._submit_tend)
+            self._tend_timer.daemon = True
+            self._tend_timer.start()
+
+    def _submit_tend(self) -> None:
+        """The timer's job (its own thread)."""
+        try:
+            self._sender.submit(self._tend)
+        except RuntimeError:  # the endpoint closed meanwhile
+            pass
+
+    def _tend(self) -> None:
+        """Read the answers waiting on links with an unanswered handshake or a lingering
+        transfer, and settle lingering transfers whose receiver is gone or whose deadline
+        passed; again in ``CANCEL_POLL_S`` while there are any."""
+        self._tend_timer = None
+        links = [link for link in self._peers.values() if link.share_tid]
+        links += [x.link for x in self._lingering.values() if x.link not in links]
+        for link in links:
+            while not link.sock.closed and link.sock.poll(0, zmq.POLLIN):
+                self._take(link)
+        now = time.monotonic()
+        for tid, lingering in list(self._lingering.items()):
+            process = lingering.link.process
+            if now > lingering.read_by or process is None or not process.alive():
+                del self._lingering[tid]
+                lingering.fail(lingering.error)
+        if self._lingering or any(link.share_tid for link in self._peers.values()):
+            self._schedule_tend()
+
+    def _take(self, link: _Link) -> Any:
+        """One reply from ``link``. A handshake's answer sets the link up; an answer to a
+        lingering transfer settles it."""
+        reply = decode(link.sock.recv())
+        if isinstance(reply, KVShareReply) and reply.transfer_id == link.share_tid:
+            link.share_tid = 0
+            peer = ProcessRef(reply.pid, reply.started)
+            if reply.pid and peer.alive():
+                link.process = peer
+            if reply.error is None and link.process is not None:
+                link.tiers = frozenset(reply.tiers)
+            else:
+                log.info("KV transfers to instance %d go as frames: %s", link.instance,
+                         reply.error or "its process is not visible here")
+        lingering = self._lingering.pop(reply.transfer_id, None)
+        if lingering is not None:
+            lingering.fail(lingering.error)
+        return reply
+
+    def _wait(self, link: _Link, tid: int, cancelled: threading.Event | None = None) -> Any:
         """The reply to request ``tid`` (late answers to requests that timed out are
-        skipped); gives up early once ``cancelled`` is set."""
+        skipped); gives up early once ``cancelled`` is set or the peer's process is gone."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             remaining = deadline - time.monotonic()
@@ -441,8 +723,12 @@ class KVTransferEndpoint:
                 if cancelled.is_set():
                     raise TransferError(f"transfer request {tid} was cancelled")
                 remaining = min(remaining, CANCEL_POLL_S)
-            if peer.poll(int(remaining * 1000), zmq.POLLIN):  # whole ms, as pyzmq would round
-                reply = decode(peer.recv())
+            if link.process is not None:
+                if not link.process.alive():
+                    raise PeerGone(f"the receiver of transfer request {tid} (pid {link.process.pid}) is gone")
+                remaining = min(remaining, CANCEL_POLL_S)
+            if link.sock.poll(int(remaining * 1000), zmq.POLLIN):  # whole ms, as pyzmq would round
+                reply = self._take(link)
                 if reply.transfer_id == tid:
                     return reply
 
@@ -452,6 +738,10 @@ class KVTransferEndpoint:
         """Handle the requests waiting (waiting up to ``timeout_ms`` for the first);
         returns how many were handled."""
         self.reclaim_expired()
+        now = time.monotonic()
+        if self._mapped and now >= self._next_peer_check:
+            self._next_peer_check = now + PEER_CHECK_S
+            self._unmap_dead()
         handled = 0
         if not self._server.poll(timeout_ms, zmq.POLLIN):
             return 0
@@ -467,16 +757,64 @@ class KVTransferEndpoint:
             if isinstance(header, KVAllocRequest):
                 reply: Any = self._on_alloc(header)
             elif isinstance(header, KVData):
-                reply = self._on_data(header, data)
+                reply = self._on_data(header, data, identity.bytes)
             elif isinstance(header, KVLayer):
-                reply = self._on_layer(header, data)
+                reply = self._on_layer(header, data, identity.bytes)
                 if reply is None:  # a layer on its way: no answer
                     handled += 1
                     continue
+            elif isinstance(header, KVShare):
+                reply = self._on_share(header, identity.bytes)
             else:
                 continue
             self._server.send_multipart([identity, encode(reply)])
             handled += 1
+
+    def _on_share(self, msg: KVShare, identity: bytes) -> KVShareReply:
+        """Map a same-host sender's pools for the transfers that come over this connection."""
+        if not same_host(msg.host):
+            return KVShareReply(msg.transfer_id, [], error="the sender is on another host")
+        sender = ProcessRef(msg.pid, msg.started)
+        refused = None
+        if self.shared is None:
+            refused = "the same-host transport is off here"
+        elif not sender.alive():
+            refused = "the sender's process is not visible here (another pid namespace)"
+        elif not 0 <= time.monotonic() - msg.clock < self.timeout_s:
+            refused = "the monotonic clocks differ (another time namespace)"
+        else:
+            try:
+                peer = self.shared.open(msg.pools)
+            except Exception as e:  # noqa: BLE001 - frames for this sender, not our crash
+                refused = f"its pools cannot be mapped here: {type(e).__name__}: {e}"
+        if refused is not None:
+            return KVShareReply(msg.transfer_id, [], self._me.pid, self._me.started, refused)
+        old = self._mapped.pop(msg.src_instance, None)
+        if old is not None:
+            old.peer.close()
+        self._mapped[msg.src_instance] = _Mapped(identity, peer, sender)
+        return KVShareReply(msg.transfer_id, sorted(peer.tiers), self._me.pid, self._me.started)
+
+    def _unmap_dead(self) -> None:
+        """Unmap the pools of senders whose process is gone (their memory goes with them)."""
+        for instance in [i for i, m in self._mapped.items() if not m.process.alive()]:
+            self._mapped.pop(instance).peer.close()
+
+    def _copy_in(self, msg: KVData | KVLayer, identity: bytes, layer: int | None) -> None:
+        """Copy the sender's blocks ``msg.src`` (every layer, or ``layer``) into ``msg.dst``
+        from the sender's pools mapped over this connection, by the sender's deadline."""
+        mapped = self._mapped.get(msg.src_instance)
+        if mapped is None or mapped.identity != identity:
+            raise MemPoolError("no pool of the sender is mapped over this connection")
+        assert msg.src is not None  # an in-place message
+        if len(msg.src) != len(msg.dst):
+            raise MemPoolError(f"{len(msg.src)} source blocks for {len(msg.dst)} destinations")
+        self.pool.check_held(msg.dst, "transfer")
+        if time.monotonic() > msg.read_by:
+            raise TransferError("the sender's read deadline passed before the copy")
+        mapped.peer.copy_in(list(msg.src), list(msg.dst), layer)
+        if time.monotonic() > msg.read_by:  # the sender may have reused its blocks meanwhile
+            raise TransferError("the copy ended after the sender's read deadline")
 
     def _on_alloc(self, req: KVAllocRequest) -> KVAllocReply:
         grant = self._grants.get(req.ticket)
@@ -491,7 +829,7 @@ class KVTransferEndpoint:
             return KVAllocReply(req.transfer_id, [], str(e))
         return KVAllocReply(req.transfer_id, grant.addrs)
 
-    def _on_data(self, msg: KVData, frames: list[zmq.Frame]) -> KVDone:
+    def _on_data(self, msg: KVData, frames: list[zmq.Frame], identity: bytes) -> KVDone:
         pool = self.pool
         grant = self._grants.get(msg.ticket)
         if grant is None or grant.src_instance != msg.src_instance or not grant.addrs or list(msg.dst) != grant.addrs:
@@ -499,21 +837,26 @@ class KVTransferEndpoint:
         del self._grants[msg.ticket]
         pinned = grant.pinned
         try:
-            buffers = [f.buffer for f in frames]
-            nbytes = sum(len(b) for b in buffers)
             mover = pool.mover
-            if mover is None or msg.block_nbytes != mover.block_nbytes or nbytes != len(msg.dst) * msg.block_nbytes:
-                raise MemPoolError(
-                    f"block layout mismatch: sender {msg.block_nbytes} B/block, {nbytes} B for {len(msg.dst)} blocks; "
-                    f"receiver {mover.block_nbytes if mover else 'no mover'} B/block"
-                )
-            pool.write_blocks(msg.dst, buffers)
+            if mover is None or msg.block_nbytes != mover.block_nbytes:
+                raise MemPoolError(f"block layout mismatch: sender {msg.block_nbytes} B/block, receiver "
+                                   f"{mover.block_nbytes if mover else 'no mover'} B/block")
+            if msg.src is not None:
+                self._copy_in(msg, identity, None)
+                self.counts["in_place_received"] += 1
+            else:
+                buffers = [f.buffer for f in frames]
+                nbytes = sum(len(b) for b in buffers)
+                if nbytes != len(msg.dst) * msg.block_nbytes:
+                    raise MemPoolError(f"block layout mismatch: {nbytes} B for {len(msg.dst)} blocks of "
+                                       f"{msg.block_nbytes} B")
+                pool.write_blocks(msg.dst, buffers)
         except Exception as e:  # noqa: BLE001 - any failure is the sender's answer, not our crash
             pool.free_mem(pinned + msg.dst)
             return KVDone(msg.transfer_id, error=f"{type(e).__name__}: {e}")
         return self._deliver(msg, pinned)
 
-    def _on_layer(self, msg: KVLayer, frames: list[zmq.Frame]) -> KVDone | None:
+    def _on_layer(self, msg: KVLayer, frames: list[zmq.Frame], identity: bytes) -> KVDone | None:
         """Write one layer into the blocks allocated for the ticket; the last layer's
         message completes the transfer (or answers the first error met on the way)."""
         grant = self._grants.get(msg.ticket)
@@ -522,11 +865,16 @@ class KVTransferEndpoint:
                                                  "ticket") if msg.final else None
         if grant.error is None:
             try:
-                tiers = {addr_tier(a) for a in msg.dst}
-                mover = self.pool.mover
-                if len(frames) != 1 or len(tiers) != 1 or mover is None or not hasattr(mover, "write_layer"):
-                    raise MemPoolError("a by-layer message holds one frame for blocks of one tier of a runner's pool")
-                mover.write_layer(Tier(tiers.pop()), [addr_block(a) for a in msg.dst], msg.layer, frames[0].buffer)
+                if msg.src is not None:
+                    self._copy_in(msg, identity, msg.layer)
+                else:
+                    tiers = {addr_tier(a) for a in msg.dst}
+                    mover = self.pool.mover
+                    if len(frames) != 1 or len(tiers) != 1 or mover is None or not hasattr(mover, "write_layer"):
+                        raise MemPoolError("a by-layer message holds one frame for blocks of one tier of a "
+                                           "runner's pool")
+                    mover.write_layer(Tier(tiers.pop()), [addr_block(a) for a in msg.dst], msg.layer,
+                                      frames[0].buffer)
                 grant.layers.add(msg.layer)
             except Exception as e:  # noqa: BLE001 - answered with the last layer
                 grant.error = f"{type(e).__name__}: {e}"
@@ -538,6 +886,8 @@ class KVTransferEndpoint:
         if error is not None:
             self.pool.free_mem(grant.pinned + msg.dst)
             return KVDone(msg.transfer_id, error=error)
+        if msg.src is not None:
+            self.counts["in_place_received"] += 1
         return self._deliver(msg, grant.pinned)
 
     def _deliver(self, msg: KVData | KVLayer, pinned: list[int]) -> KVDone:

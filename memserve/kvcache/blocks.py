@@ -48,6 +48,18 @@ def contiguous_runs(blocks: Sequence[int]) -> list[tuple[int, int]]:
     return runs
 
 
+def paired_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(src_first, dst_first, count)`` for each run over which ``src[i]`` and ``dst[i]``
+    both go up by one: one copy per run of a block-to-block copy."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst):
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
 class BlockPool:
     """Free list plus reference counts for ``num_blocks`` blocks with ids ``0..n-1``.
 

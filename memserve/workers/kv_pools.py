@@ -3,19 +3,56 @@ to copy blocks between tiers and to read/write them for transfers.
 
 Aggregated layout (default): ``[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]``
 so a run of consecutive blocks is one contiguous buffer. Layer-major layout
-``[num_layers, 2, num_blocks, ...]`` is kept for comparison (MemServe Figs. 11-12)."""
+``[num_layers, 2, num_blocks, ...]`` is kept for comparison (MemServe Figs. 11-12).
+
+With ``--kv-same-host-transport shm`` a CPU worker's pools live in memfds (``shares``),
+which same-host peers map to copy blocks out of (``kv_share.py``); each memfd stays open
+as long as its ``KVPools``, and its pages are reserved when it is made, as ``torch.zeros``
+touches them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import math
+import os
+import secrets
+import weakref
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
 from memserve.config import EngineConfig
 from memserve.kvcache.address import Tier
-from memserve.kvcache.blocks import contiguous_runs
-from memserve.workers.model.attention import allocate_kv_cache, layer_kv
+from memserve.kvcache.blocks import contiguous_runs, paired_runs
+from memserve.workers.model.attention import allocate_kv_cache, kv_cache_shape, layer_kv
+
+log = logging.getLogger("memserve.worker")
+
+
+@dataclass(frozen=True)
+class HostShare:
+    """The memfd a CPU pool lives in: a peer opens it as ``/proc/<pid>/fd/<fd>`` and checks
+    the name (a reused fd number is never mapped)."""
+
+    fd: int
+    name: str
+    nbytes: int
+
+
+def shared_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, HostShare]:
+    """A zeroed CPU tensor in a memfd of its own; raises (OSError, or RuntimeError from
+    torch) where none can be made."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    name = f"memserve-kv-{secrets.token_hex(8)}"
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        flat = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8)
+    except BaseException:
+        os.close(fd)
+        raise
+    return flat.view(dtype).view(shape), HostShare(fd, name, nbytes)
 
 
 @dataclass
@@ -25,6 +62,11 @@ class KVPools:
     block_nbytes: int  # one block: every layer's K and V for block_size tokens
     num_device_blocks: int  # the device blocks the MemPool hands out: 0 .. num_device_blocks - 1
     scratch_block: int | None = None  # a device block past those, written by CUDA graphs' padding rows
+    shares: dict[Tier, HostShare] = field(default_factory=dict)  # the CPU pools that live in memfds
+
+    def __post_init__(self) -> None:
+        for share in self.shares.values():
+            weakref.finalize(self, os.close, share.fd)
 
     @classmethod
     def create(cls, model_config, cfg: EngineConfig, dtype: torch.dtype, device: torch.device,
@@ -33,40 +75,69 @@ class KVPools:
         block_bytes = 2 * shape[0] * shape[1] * shape[2] * shape[3] * torch.finfo(dtype).bits // 8
         num_blocks = cfg.num_blocks or max(1, int(cfg.kv_cache_gb * 2**30) // block_bytes)
 
-        def pool(n: int, dev: torch.device) -> torch.Tensor:
+        shares: dict[Tier, HostShare] = {}
+        # CPU workers' pools go in memfds for same-host peers; a CUDA worker shares its
+        # device pool by IPC handle, and its host tier is pinned memory of its own.
+        share = cfg.kv_same_host_transport == "shm" and device.type == "cpu"
+
+        def pool(tier: Tier, n: int, dev: torch.device) -> torch.Tensor:
+            if share:
+                try:
+                    t, shares[tier] = shared_zeros(
+                        kv_cache_shape(n, shape[0], cfg.block_size, shape[2], shape[3], cfg.kv_layout), dtype)
+                    return t
+                except (OSError, RuntimeError) as exc:  # no memfd, or /proc cannot reopen it
+                    log.warning("the %s KV pool is private (%s): same-host peers get its blocks as frames",
+                                tier.name.lower(), exc)
             return allocate_kv_cache(n, shape[0], cfg.block_size, shape[2], shape[3], dtype, dev, cfg.kv_layout)
 
-        pools = {Tier.DEVICE: pool(num_blocks + int(scratch_block), device)}
+        pools = {Tier.DEVICE: pool(Tier.DEVICE, num_blocks + int(scratch_block), device)}
         if cfg.num_host_blocks:
-            host = pool(cfg.num_host_blocks, torch.device("cpu"))
+            host = pool(Tier.HOST, cfg.num_host_blocks, torch.device("cpu"))
             pools[Tier.HOST] = host.pin_memory() if device.type == "cuda" else host
-        return cls(pools, cfg.kv_layout, block_bytes, num_blocks, num_blocks if scratch_block else None)
+        return cls(pools, cfg.kv_layout, block_bytes, num_blocks, num_blocks if scratch_block else None, shares)
 
     @property
     def device(self) -> torch.Tensor:
         return self.pools[Tier.DEVICE]
 
+    @property
+    def block_dim(self) -> int:
+        """The pools' dimension that indexes blocks."""
+        return 0 if self.layout == "aggregated" else 2
+
     def _blocks(self, pool: torch.Tensor, start: int, length: int) -> torch.Tensor:
-        if self.layout == "aggregated":
-            return pool[start : start + length]
-        return pool[:, :, start : start + length]
+        return pool.narrow(self.block_dim, start, length)
 
     # ----------------------------------------------------------- BlockMover
     def copy_blocks(self, src_tier: Tier, src_blocks: list[int], dst_tier: Tier, dst_blocks: list[int]) -> None:
-        self._copy(self.pools[src_tier], src_blocks, self.pools[dst_tier], dst_blocks,
-                   0 if self.layout == "aggregated" else 2)
+        self.copy_from(self.pools, src_tier, src_blocks, dst_tier, dst_blocks)
 
     def copy_layer(self, src_tier: Tier, src_blocks: list[int], dst_tier: Tier, dst_blocks: list[int],
                    layer: int) -> None:
         """``copy_blocks`` of one layer's K and V only (layer-wise preloading)."""
-        src, dst = self.pools[src_tier], self.pools[dst_tier]
-        if self.layout == "aggregated":
+        self.copy_from(self.pools, src_tier, src_blocks, dst_tier, dst_blocks, layer)
+
+    def copy_from(self, src_pools: dict[Tier, torch.Tensor], src_tier: Tier, src_blocks: list[int], dst_tier: Tier,
+                  dst_blocks: list[int], layer: int | None = None) -> None:
+        """Copy blocks of ``src_pools`` (these pools, or a same-host peer's of this layout)
+        into these: every layer, or only ``layer``'s K and V."""
+        src, dst = src_pools[src_tier], self.pools[dst_tier]
+        if layer is None:
+            self._copy(src, src_blocks, dst, dst_blocks, self.block_dim)
+        elif self.layout == "aggregated":
             self._copy(src[:, layer], src_blocks, dst[:, layer], dst_blocks, 0)
         else:
             self._copy(src[layer], src_blocks, dst[layer], dst_blocks, 1)
 
     @staticmethod
     def _copy(src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor, dst_blocks: list[int], dim: int) -> None:
+        if src.device.type == dst.device.type == "cpu":
+            # A CPU gather (index_select) of whole blocks runs at a few hundred MB/s; a slice
+            # per run of blocks consecutive at both ends copies as fast as memcpy.
+            for s, d, n in paired_runs(src_blocks, dst_blocks):
+                dst.narrow(dim, d, n).copy_(src.narrow(dim, s, n))
+            return
         src_idx = torch.tensor(src_blocks, device=src.device)
         dst_idx = torch.tensor(dst_blocks, device=dst.device)
         # Into host memory the copy must be complete on return (a save frees its source

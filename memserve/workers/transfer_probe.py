@@ -2,10 +2,13 @@
 
 A receiver runs in its own process (as another worker would) with a real MemPool over
 the same KV pool layout; this process sends through a ``KVTransferEndpoint`` over
-``ipc://`` sockets in a private directory. Each timed transfer is a full
-``MemPool.transfer``: the remote allocation round trip, the data message with one frame
-per run of blocks, the receiver's write into its pool and its answer. The receiver is
-told to expect each ticket (as the gateway does) before the clock starts."""
+``ipc://`` sockets in a private directory, on the same-host path the config names
+(``kv_same_host_transport``): shm, the receiver copying the blocks out of this process's
+pool, which it maps when the probe starts; zmq, the blocks as frames. Each timed transfer
+is a full ``MemPool.transfer``: the remote allocation round trip, the data message (one
+frame per run of blocks, or the blocks' addresses in place), the receiver's write into
+its pool and its answer. The receiver is told to expect each ticket (as the gateway
+does) before the clock starts."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from memserve.ipc.kv_transfer import KVTransferEndpoint
 from memserve.kvcache.address import Tier
 from memserve.kvcache.mempool import KVFlags, MemPool
 from memserve.workers.kv_pools import KVPools
+from memserve.workers.kv_share import shared_pools
 from memserve.workers.model.dtype import resolve_dtype
 from memserve.workers.model.model_config import ModelConfig
 
@@ -37,7 +41,7 @@ def _endpoint(model_dir: str, cfg: EngineConfig, instance: int, bind: str) -> KV
                            torch.device(cfg.device))
     pools.device.fill_(1)  # fault the pages in: untouched ones all read as one cached zero page
     pool = MemPool(instance, {Tier.DEVICE: pools.num_device_blocks}, cfg.block_size, mover=pools)
-    return KVTransferEndpoint(pool, bind=bind)
+    return KVTransferEndpoint(pool, bind=bind, shared=shared_pools(pools, cfg.kv_same_host_transport))
 
 
 def _receiver_main(conn: Any, model_dir: str, cfg: dict, bind: str) -> None:
@@ -64,6 +68,7 @@ class TransferProbe:
         self.cfg = EngineConfig(**{**vars(cfg), "num_blocks": max_blocks, "num_host_blocks": 0})
         self.sync = sync
         self._tickets = itertools.count()
+        self.in_place = False  # set on entering: whether the receiver reads this pool in place
 
     def __enter__(self) -> "TransferProbe":
         self._runtime = tempfile.mkdtemp(prefix="memserve-profile-")
@@ -77,6 +82,7 @@ class TransferProbe:
             self.__exit__()
             raise RuntimeError("the transfer receiver process did not start")
         self.sender.connect(RECEIVER, self._conn.recv())
+        self.in_place = bool(self.sender.same_host_tiers(RECEIVER))
         return self
 
     def __exit__(self, *exc: object) -> None:

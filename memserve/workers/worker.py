@@ -52,6 +52,7 @@ from memserve.workers.engine.pd_receiver import KVReceiver
 from memserve.workers.engine.pd_sender import HandoffSender
 from memserve.workers.heartbeat import HeartbeatThread
 from memserve.workers.kv_event_publisher import KVEventPublisher, KVEventsConfig
+from memserve.workers.kv_share import shared_pools
 from memserve.workers.step_serving import ServeBetweenLayers
 from memserve.workers.warmup import warm_up
 
@@ -113,7 +114,9 @@ class Worker:
         # directory: no other user can reach it, and it listens on no port.
         bind = f"ipc://{self.cfg.runtime_dir}/kv-{self.id}" if self.cfg.runtime_dir \
             else f"tcp://{self.cfg.internal_host}:*"
-        self.endpoint = KVTransferEndpoint(e.mempool, bind)
+        # Same-host peers map this worker's pools and copy blocks out of them (kv_share.py).
+        self.endpoint = KVTransferEndpoint(e.mempool, bind,
+                                           shared=shared_pools(e.runner.pools, self.cfg.engine.kv_same_host_transport))
         e.kv_connector.add_step_hooks(ServeBetweenLayers(self.endpoint.serve).for_step)
         self.sender, self.receiver = HandoffSender(e, self.endpoint), KVReceiver(e, self.endpoint)
         self.channel.watch(self.endpoint.socket)
@@ -258,8 +261,9 @@ class Worker:
         mempool.event_tokens = self.kv_publisher.translator.event_tokens
 
     def _stats(self) -> dict:
-        """The engine's statistics and the KV handoffs' (both sides)."""
-        return {**self.engine.stats(), "pd": {**self.sender.stats(), **self.receiver.stats()}}
+        """The engine's statistics and the KV handoffs' (both sides, and how many went in place)."""
+        return {**self.engine.stats(), "pd": {**self.sender.stats(), **self.receiver.stats(),
+                                              **self.endpoint.stats()}}
 
     def _step(self) -> list[RequestOutput]:
         """One engine step; a failure fails the requests in flight, not the worker."""

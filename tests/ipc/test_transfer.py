@@ -1,4 +1,6 @@
-"""KV transfer between two real processes over ZeroMQ (MemServe §4.3)."""
+"""KV transfer between two real processes (MemServe §4.3), on both paths: zmq (the blocks
+as frames, between numpy movers) and shm (real KV pools in shared memory, which the
+receiver maps and copies the blocks out of; ZeroMQ carries the control messages)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from typing import Any
 
 import pytest
 import zmq
+from helpers.kv_pools import TestPools, make_pools
 from helpers.mempool import BS, NumpyBlockMover, prompt
 
 from memserve.ipc.kv_transfer import KVAllocRequest, KVTransferEndpoint, TransferError
@@ -21,20 +24,27 @@ from memserve.kvcache.address import (
     make_addr,
 )
 from memserve.kvcache.mempool import KVFlags, MemPool, MemPoolError
+from memserve.workers.kv_share import SharedKVPools
 
 SENDER, RECEIVER = 0, 1
 TIERS = {Tier.DEVICE: 32, Tier.HOST: 16}
+TRANSPORTS = ["zmq", "shm"]
 
 
-def make_instance(instance: int) -> tuple[MemPool, NumpyBlockMover, KVTransferEndpoint]:
-    mover = NumpyBlockMover(TIERS, block_nbytes=4096)
-    pool = MemPool(instance, TIERS, BS, mover=mover)
-    return pool, mover, KVTransferEndpoint(pool, timeout_s=20)
+def make_instance(instance: int, transport: str = "zmq") -> tuple[MemPool, NumpyBlockMover | TestPools,
+                                                                   KVTransferEndpoint]:
+    if transport == "zmq":
+        mover: NumpyBlockMover | TestPools = NumpyBlockMover(TIERS, block_nbytes=4096)
+        pool = MemPool(instance, TIERS, BS, mover=mover)
+        return pool, mover, KVTransferEndpoint(pool, timeout_s=20)
+    pools = make_pools(TIERS, BS)
+    pool = MemPool(instance, TIERS, BS, mover=pools)
+    return pool, pools, KVTransferEndpoint(pool, timeout_s=20, shared=SharedKVPools(pools))
 
 
-def receiver_main(conn: Any) -> None:
+def receiver_main(conn: Any, transport: str) -> None:
     """The other worker: serves its endpoint and answers the test's questions."""
-    pool, mover, endpoint = make_instance(RECEIVER)
+    pool, mover, endpoint = make_instance(RECEIVER, transport)
     conn.send(endpoint.address)
     while True:
         endpoint.serve(timeout_ms=5)
@@ -73,19 +83,22 @@ def receiver_main(conn: Any) -> None:
     endpoint.close()
 
 
-@pytest.fixture(scope="module")
-def peer():
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def peer(request):
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
-    proc = ctx.Process(target=receiver_main, args=(child_conn,), daemon=True)
+    proc = ctx.Process(target=receiver_main, args=(child_conn, request.param), daemon=True)
     proc.start()
-    pool, mover, endpoint = make_instance(SENDER)
+    pool, mover, endpoint = make_instance(SENDER, request.param)
     try:
         assert conn.poll(60), "receiver did not start"
         endpoint.connect(RECEIVER, conn.recv())
         peer = Peer(conn, pool, mover, endpoint)
         peer.ask("connect", SENDER, endpoint.address)
+        # shm: the receiver maps both tiers, so every transfer here reads in place.
+        assert endpoint.same_host_tiers(RECEIVER) == ({Tier.DEVICE, Tier.HOST} if request.param == "shm" else set())
         yield peer
+        assert (endpoint.stats()["in_place_sent"] > 0) == (request.param == "shm")
         conn.send(("stop",))
         proc.join(10)
     finally:
@@ -95,7 +108,7 @@ def peer():
 
 
 class Peer:
-    def __init__(self, conn, pool: MemPool, mover: NumpyBlockMover, endpoint: KVTransferEndpoint) -> None:
+    def __init__(self, conn, pool: MemPool, mover: NumpyBlockMover | TestPools, endpoint: KVTransferEndpoint) -> None:
         self.conn, self.pool, self.mover, self.endpoint = conn, pool, mover, endpoint
 
     def ask(self, *cmd: Any) -> Any:

@@ -1,7 +1,7 @@
 """scripts/gpu_check and scripts/gpu_wheels, which run where this suite cannot (a GPU
 machine without network; the registry): both parse, and gpu_check's dry run takes every
 step on the CPU (dependencies resolved from .whl/ if it is there, a tiny random model, the
-CUDA tests skipping, both benchmarks for a few steps) and reports each as ok."""
+CUDA tests skipping, each benchmark for a few steps) and reports each as ok."""
 
 from __future__ import annotations
 
@@ -26,5 +26,6 @@ def test_dry_run_takes_every_step(tmp_path):
     summary = (tmp_path / "summary.txt").read_text().splitlines()
     rows = summary[[line.split()[:1] for line in summary].index(["step"]) + 1 :]
     steps = {line.split()[0]: line.split()[1] for line in rows}
-    assert steps == {"setup": "ok", "tests": "ok", "decode": "ok", "preload": "ok"}, "\n".join(summary)
+    assert steps == {"setup": "ok", "tests": "ok", "decode": "ok", "preload": "ok", "transfer": "ok"}, \
+        "\n".join(summary)
     assert "skipped" in (tmp_path / "tests.log").read_text()  # no CUDA here: the CUDA tests skip, cleanly

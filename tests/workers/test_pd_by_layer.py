@@ -5,7 +5,8 @@ every layer's K and V in the blocks the receiver allocated, bit for bit; a trans
 missing a layer or cancelled fails and leaves the receiver no block held. On real
 workers (prefill,decode, pd-caching-2): the prefill step sends one message per layer of
 only the blocks the decode instance lacks, greedy answers equal the prefill instance's
-alone, and aborts leave no block held."""
+alone, and aborts leave no block held, with the layers read in place out of the prefill
+instance's pool (shm) or sent as frames (zmq)."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def pair(request):
     sender[2].connect(1, receiver[2].address)
     layers_seen: list[KVLayer] = []
     on_layer = receiver[2]._on_layer
-    receiver[2]._on_layer = lambda msg, frames: (layers_seen.append(msg), on_layer(msg, frames))[1]
+    receiver[2]._on_layer = lambda msg, *rest: (layers_seen.append(msg), on_layer(msg, *rest))[1]
     yield sender, receiver, layers_seen
     sender[2].close()
     receiver[2].close()
@@ -119,8 +120,9 @@ BLOCK_BYTES = NUM_LAYERS * 2 * 3 * 64 * BLOCK * 4
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
 
-async def by_layer_scenario() -> None:
-    async with pd_cluster(["prefill", "decode"], "pd-caching-2", transfer_mode="by-layer") as (client, tok):
+async def by_layer_scenario(transport: str) -> None:
+    async with pd_cluster(["prefill", "decode"], "pd-caching-2", transfer_mode="by-layer",
+                          kv_same_host_transport=transport) as (client, tok):
         prompts, answers = [], []
         for n, users in enumerate(user_turns(2, 2)):
             messages = []
@@ -139,6 +141,7 @@ async def by_layer_scenario() -> None:
         assert stats["blocks_skipped"] > 0  # the second turns: the decode instance had their first blocks
         assert stats["blocks_sent"] + stats["blocks_skipped"] == total
         assert stats["bytes_sent"] == stats["blocks_sent"] * BLOCK_BYTES
+        assert (stats["in_place_sent"] >= 4) == (transport == "shm"), stats
         assert await wait_stats(client, DECODE, "resumed", 4) == 4  # reported with its next heartbeat
 
         for i, prompt in enumerate(prompts):  # the prefill instance alone (colocated) answers the same
@@ -162,5 +165,6 @@ async def by_layer_scenario() -> None:
         assert await settled(client) == {PREFILL: 0, DECODE: 0}
 
 
-def test_by_layer_handoff_on_real_workers():
-    asyncio.run(by_layer_scenario())
+@pytest.mark.parametrize("transport", ["shm", pytest.param("zmq", marks=pytest.mark.slow)])
+def test_by_layer_handoff_on_real_workers(transport):
+    asyncio.run(by_layer_scenario(transport))

@@ -6,7 +6,8 @@ timeout); a prefill instance killed mid-prefill (the request is retried on the o
 prefill instance). With one instance of each role, the survivor of either takes the
 other's requests over. Afterwards no worker holds a block for any of them. The first
 three run with by-request-agg and with by-layer transfers (where the decode instance is
-named, and receives KV, before the prefill ends)."""
+named, and receives KV, before the prefill ends). The decode failures run with the KV
+read in place (shm, the default) and as ZeroMQ frames (zmq)."""
 
 from __future__ import annotations
 
@@ -40,9 +41,10 @@ def live_leaks(client) -> dict[int, int]:
     return {i: n for i, n in leaks(client).items() if client.cluster.states()[i] == "ok"}
 
 
-async def decode_failures(transfer_mode: str) -> None:
+async def decode_failures(transfer_mode: str, transport: str = "shm") -> None:
     async with pd_cluster(["prefill", "decode", "decode"], "pd-caching-2", heartbeat_timeout_s=10.0,
-                          handoff_timeout_s=HANDOFF_TIMEOUT_S, transfer_mode=transfer_mode) as (client, tok):
+                          handoff_timeout_s=HANDOFF_TIMEOUT_S, transfer_mode=transfer_mode,
+                          kv_same_host_transport=transport) as (client, tok):
         prompt = tok.encode_chat([{"role": "user", "content": user_turns(1, 1)[0][0]}])
         reference, _, _, _ = await collect(client.generate("ref", prompt, long_answer(40), instance=0))
 
@@ -88,10 +90,14 @@ async def decode_failures(transfer_mode: str) -> None:
         assert not any(v for i, v in left.items() if i != 2), left
 
 
-# by-layer is the slower variant of the same failure paths: `make test-all` runs it.
-@pytest.mark.parametrize("transfer_mode", ["by-request-agg", pytest.param("by-layer", marks=pytest.mark.slow)])
-def test_decode_instance_failures(transfer_mode):
-    asyncio.run(decode_failures(transfer_mode))
+# by-layer and zmq are slower variants of the same failure paths: `make test-all` runs them.
+@pytest.mark.parametrize("transfer_mode,transport", [
+    ("by-request-agg", "shm"),
+    pytest.param("by-request-agg", "zmq", marks=pytest.mark.slow),
+    pytest.param("by-layer", "shm", marks=pytest.mark.slow),
+])
+def test_decode_instance_failures(transfer_mode, transport):
+    asyncio.run(decode_failures(transfer_mode, transport))
 
 
 async def prefill_failure(transfer_mode: str) -> None:

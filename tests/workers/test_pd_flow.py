@@ -4,7 +4,8 @@ client sees the same tokens as when the prefill instance serves the request alon
 as output and the seed's draws carry over); the second turn's KV transfer moves only the
 blocks the decode instance lacks; the decode-phase KV returns to the prefill instance,
 whose next prefill reports it cached; aborts during the handoff and during decoding
-leave no block held on either instance."""
+leave no block held on either instance. On both same-host paths: the decode instance
+reading the KV out of the prefill instance's pool (shm), and ZeroMQ frames (zmq)."""
 
 from __future__ import annotations
 
@@ -52,8 +53,8 @@ async def conversation(client, tok, name: str, users: list[str]) -> list[tuple[l
     return turns
 
 
-async def scenario() -> None:
-    async with pd_cluster(["prefill", "decode"], "pd-caching-3") as (client, tok):
+async def scenario(transport: str) -> None:
+    async with pd_cluster(["prefill", "decode"], "pd-caching-3", kv_same_host_transport=transport) as (client, tok):
         conversations = user_turns(2, 2)
         results = [await conversation(client, tok, f"c{n}", users) for n, users in enumerate(conversations)]
         assert client.pd.counts["handoffs"] == 4 and not client.pd.counts["handoff_failed"]
@@ -73,6 +74,8 @@ async def scenario() -> None:
         assert stats["blocks_sent"] + stats["blocks_skipped"] == total_blocks
         assert stats["bytes_sent"] == stats["blocks_sent"] * BLOCK_BYTES
         assert 4 <= stats["messages"] <= stats["blocks_sent"]  # by-request-agg: a frame per run of blocks
+        # shm: the handoffs and the returns all read in place, the other way round too
+        assert (stats["in_place_sent"] >= 4) == (stats["in_place_received"] > 0) == (transport == "shm"), stats
 
         # The same prompts on the prefill instance alone give the same tokens.
         for n, turns in enumerate(results):
@@ -101,8 +104,10 @@ async def scenario() -> None:
         assert await settled(client) == {PREFILL: 0, DECODE: 0}
 
 
-def test_disaggregated_flow_matches_the_prefill_instance_alone():
-    asyncio.run(scenario())
+# zmq is the slower variant of the same flow: `make test-all` runs it.
+@pytest.mark.parametrize("transport", ["shm", pytest.param("zmq", marks=pytest.mark.slow)])
+def test_disaggregated_flow_matches_the_prefill_instance_alone(transport):
+    asyncio.run(scenario(transport))
 
 
 async def handoff_during_a_long_prefill() -> None:

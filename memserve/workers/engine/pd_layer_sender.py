@@ -10,7 +10,9 @@ of the blocks the receiver lacks and hands the copy to the endpoint's sender thr
 which sends it while layer i+1 computes. A copy, not a view of the pool: the blocks may
 be freed and reused before the send ends, and the copy of one layer is small next to
 computing it; reading layer i while layer i+1 writes would be safe (disjoint memory),
-freeing the blocks under a send would not.
+freeing the blocks under a send would not. Except in place (a same-host receiver that
+maps this worker's pool): the receiver reads layer i out of the blocks themselves, which
+the sender then holds until the transfer ends (``pd_sender.py``).
 
 Only that final step sends, the earlier chunks of a chunked prompt included (their KV is
 complete by then): one message per layer whatever the chunking, each block written once
@@ -40,7 +42,10 @@ class _StepSends:
 
     def after_layer(self, layer: int) -> None:
         for stream, blocks in self.sends:
-            stream.send(layer, self.read_layer(blocks, layer))
+            if stream.in_place:
+                stream.send_blocks(layer, blocks)
+            else:
+                stream.send(layer, self.read_layer(blocks, layer))
 
 
 class LayerSender:

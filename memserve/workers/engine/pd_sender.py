@@ -19,9 +19,10 @@ decode instance.
 ``--transfer-mode by-layer``: the gateway names the decode instance before the prefill
 (its ``HandoffStart`` arrives ahead of the ``AddRequest``), and the KV goes out layer by
 layer during the prefill step (``pd_layer_sender.py``); the blocks are freed when the
-request leaves, since the sends carry copies. A request whose destination comes only
-after its first token (the early naming failed) is sent after the step, one frame per
-layer's K or V of each block, as in by-request."""
+request leaves, since the sends carry copies, or, sent in place (a same-host receiver
+reads them out of this worker's pool), when the transfer ends. A request whose
+destination comes only after its first token (the early naming failed) is sent after the
+step, one frame per layer's K or V of each block, as in by-request."""
 
 from __future__ import annotations
 
@@ -169,16 +170,18 @@ class HandoffSender:
         return outputs
 
     def _sent_by_layer(self, request_id: str, addrs: list[int]) -> None:
-        """The prefill step handed every layer to the sender thread (copies): free the
-        blocks now and watch the transfer like any send."""
-        self.kv.free(addrs)
+        """The prefill step handed every layer to the sender thread: free the blocks now
+        (copies went) or when the transfer ends (in place), and watch it like any send."""
         start, stream = self._streams.pop(request_id)
+        if not stream.in_place:
+            self.kv.free(addrs)
         if stream.handed < stream.num_layers:  # the step failed and ran again: the layers went only in part
             stream.cancel("the prefill step did not send every layer")
         nbytes = stream.num_blocks * self.kv.block_nbytes
         self.counts["blocks_skipped"] += start.first_block
-        self._watch(_Sending(start, [], stream.future, stream.first_layer_at or self.clock(), nbytes,
-                             stream.num_layers, stream.num_blocks, self.clock(), stream))
+        self._watch(_Sending(start, addrs if stream.in_place else [], stream.future,
+                             stream.first_layer_at or self.clock(), nbytes, stream.num_layers, stream.num_blocks,
+                             self.clock(), stream))
 
     def start(self, msg: HandoffStart) -> HandoffDone | None:
         """Send a parked request's KV from block ``first_block`` on; an answer now when
