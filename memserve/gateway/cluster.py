@@ -39,13 +39,17 @@ WORKER_MODULE = "memserve.workers.worker"
 
 class WorkerProcess(Protocol):
     """A started worker as Cluster sees it: ``subprocess.Popen``'s liveness and stop
-    calls, and the node it runs on."""
+    calls, and the node it runs on: ``node`` for people (a host name or IP), ``node_id``
+    to tell nodes apart (a Ray node ID: nodes may share an IP)."""
 
     @property
     def pid(self) -> int | None: ...
 
     @property
     def node(self) -> str: ...
+
+    @property
+    def node_id(self) -> str: ...
 
     @property
     def returncode(self) -> int | None: ...
@@ -66,7 +70,7 @@ Launch = Callable[[WorkerConfig, dict[str, str]], WorkerProcess]
 class LocalProcess(subprocess.Popen[bytes]):
     """A worker process on this machine, whose node is this machine's hostname."""
 
-    node = platform.node() or "local"
+    node = node_id = platform.node() or "local"
 
 
 def launch_local(config: WorkerConfig, env: dict[str, str]) -> LocalProcess:
@@ -97,6 +101,12 @@ class WorkerHandle:
     def node(self) -> str:
         """Where the worker runs (empty while its launcher does not know yet)."""
         return self.process.node if self.process is not None else ""
+
+    @property
+    def node_id(self) -> str:
+        """Which node the worker runs on, as the launcher names nodes apart (empty while
+        it does not know yet)."""
+        return self.process.node_id if self.process is not None else ""
 
     def state(self, now: float, heartbeat_timeout_s: float, busy_s: float = 0.0) -> str:
         """``starting``, ``dead``, ``degraded`` (heartbeats late, or one engine step

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 from memserve.gateway.cluster import Cluster, WorkerHandle
 from memserve.gateway.engine_protocol import EngineUnavailable
+from memserve.gateway.link_probe import measure_links
 from memserve.gateway.pd_flow import HANDOFF_TIMEOUT_S, PDFlow
 from memserve.gateway.request_retry import Move, RequestProgress
 from memserve.gateway.request_stream import RETRY, RequestStream
@@ -48,6 +49,7 @@ from memserve.ipc.messages import (
     WorkerReady,
     choice_request_id,
 )
+from memserve.ipc.probe import ProbeDone, ProbeTransfer
 from memserve.kvcache.address import Tier
 from memserve.kvcache.events import KVEvents
 from memserve.kvcache.mirror import PromptTreeMirror
@@ -85,7 +87,7 @@ class ZmqEngineClient:
         self.moves: Counter[str] = Counter()  # requests moved off a dead worker, by kind (request_retry.Move)
         self._tasks: list[asyncio.Task] = []
         self._start_error: str | None = None
-        self._transfers: dict[int, asyncio.Future[TransferDone | TransferExpected]] = {}
+        self._transfers: dict[int, asyncio.Future[TransferDone | TransferExpected | ProbeDone]] = {}
         self.transfer_ids = itertools.count(1)
         roles = [h.config.role for h in cluster.workers.values()]
         self.pd = PDFlow(self, pd_mode, handoff_timeout_s) if is_disaggregated(roles) else None
@@ -110,6 +112,7 @@ class ZmqEngineClient:
             await asyncio.sleep(0.05)
         self.max_model_len = min(h.max_model_len for h in self.cluster.workers.values())
         await self._announce_peers()
+        await self.measure_links(list(self.cluster.workers))
 
     async def _announce_peers(self) -> None:
         """Tell every worker where the others' KV transfer endpoints are."""
@@ -117,6 +120,27 @@ class ZmqEngineClient:
         for h in self.cluster.workers.values():
             if h.alive:
                 await self.channel.send(h.instance_id, peers)
+
+    async def _rejoin(self, instance: int) -> None:
+        """A restarted worker is ready: everyone learns its new KV endpoint, then its links
+        are measured (it may run on another node now)."""
+        await self._announce_peers()
+        await self.measure_links([instance])
+
+    async def measure_links(self, instances: list[int]) -> None:
+        """When the live workers span nodes, measure the KV link between each of
+        ``instances`` and every other live worker, and have the router price pulls over
+        them by it (``link_probe.py``); on one node the cost model's transfer(), profiled
+        on one machine, stands for every pair. The worker of ``instances`` sends: a
+        restarted one has nothing cached that the probe's blocks could evict."""
+        live = {i: h for i, h in self.cluster.workers.items() if h.alive}
+        if len({h.node_id for h in live.values()}) < 2:
+            return
+        pairs: list[tuple[int, int]] = []
+        for a in (i for i in instances if i in live):
+            pairs += [(a, b) for b in live if b != a and (b, a) not in pairs]
+        self.router.use_links(await measure_links(
+            self, [(a, b, min(live[a].num_blocks, live[b].num_blocks)) for a, b in pairs]))
 
     async def close(self) -> None:
         for h in self.cluster.workers.values():
@@ -242,7 +266,7 @@ class ZmqEngineClient:
             raise RuntimeError(f"prefix transfer {src} -> {dst} failed: {reply.error}")
         return reply.num_blocks
 
-    async def ask(self, worker: int, msg: ExpectTransfer | TransferPrefix, timeout_s: float):
+    async def ask(self, worker: int, msg: ExpectTransfer | TransferPrefix | ProbeTransfer, timeout_s: float):
         """Send a transfer message and wait for the worker's answer to it."""
         answer = self._transfers[msg.transfer_id] = asyncio.get_running_loop().create_future()
         try:
@@ -325,6 +349,7 @@ class ZmqEngineClient:
                 "state": states[h.instance_id],
                 "pid": h.process.pid if h.process is not None else None,
                 "node": h.node,  # where it runs: this machine's hostname, or its Ray node's IP
+                "node_id": h.node_id,  # the hostname again, or the Ray node's ID (nodes may share an IP)
                 "heartbeat_age_s": round(time.monotonic() - h.last_heartbeat, 3) if h.ready else None,
                 "restarts": h.restarts,
                 "num_running": s.get("num_running", 0),
@@ -393,14 +418,14 @@ class ZmqEngineClient:
             stream = self.streams.get(msg.request_id)
             if stream is not None and instance_id in (stream.worker, stream.peer):
                 stream.queue.put_nowait(msg)
-        elif isinstance(msg, (TransferDone, TransferExpected)):
+        elif isinstance(msg, (TransferDone, TransferExpected, ProbeDone)):
             future = self._transfers.get(msg.transfer_id)
             if future is not None and not future.done():
                 future.set_result(msg)
         elif isinstance(msg, WorkerReady):
             self.cluster.mark_ready(instance_id, msg.num_blocks, msg.max_model_len, msg.stats, msg.transfer_addr)
-            if self.max_model_len:  # a restarted worker: everyone learns its new endpoint
-                asyncio.get_running_loop().create_task(self._announce_peers())
+            if self.max_model_len:  # a restarted worker
+                self._tasks.append(asyncio.get_running_loop().create_task(self._rejoin(instance_id)))
             log.info("worker %d ready: %d KV blocks of %d tokens, context %d", instance_id, msg.num_blocks,
                      msg.block_size, msg.max_model_len)
         elif isinstance(msg, WorkerError):
@@ -429,4 +454,5 @@ class ZmqEngineClient:
             if h.instance_id in (stream.worker, stream.peer):
                 stream.queue.put_nowait(RETRY)  # the request's own loop moves or fails it
         self.mirrors[h.instance_id].reset()
+        self.router.forget_links(h.instance_id)
         self.cluster.restart(h)

@@ -38,10 +38,10 @@ class WorkerActor:
         self._process: subprocess.Popen[bytes] | None = None
         self._started = asyncio.Event()
 
-    async def start(self, args: list[str], config: dict, env: dict[str, str]) -> tuple[int, str]:
+    async def start(self, args: list[str], config: dict, env: dict[str, str]) -> tuple[int, str, str]:
         """Run ``python ARGS CONFIG_JSON`` here, with ``env`` over this node's environment
         (the CurveZMQ keys come this way, never through a file) and ``config``'s sockets
-        on this node's IP. Returns the worker's pid and the node's IP."""
+        on this node's IP. Returns the worker's pid, the node's IP and its Ray node ID."""
         node_ip = ray.util.get_node_ip_address()
         worker = replace(WorkerConfig.from_dict(config), internal_host=node_ip)
         try:
@@ -49,7 +49,7 @@ class WorkerActor:
                                              env={**os.environ, **env})
         finally:
             self._started.set()
-        return self._process.pid, node_ip
+        return self._process.pid, node_ip, ray.get_runtime_context().get_node_id()
 
     async def watch(self) -> int:
         """The worker's exit code, once it has exited."""

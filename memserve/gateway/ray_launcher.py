@@ -88,6 +88,7 @@ class RayWorkerProcess:
         self._exited = actor.watch.remote()
         self._pid: int | None = None
         self._node = ""
+        self._node_id = ""
         self.returncode: int | None = None
 
     @property
@@ -102,10 +103,17 @@ class RayWorkerProcess:
         self._learn_start()
         return self._node
 
+    @property
+    def node_id(self) -> str:
+        """The Ray node ID of the worker's node (several nodes may share an IP); empty
+        until the actor has started it."""
+        self._learn_start()
+        return self._node_id
+
     def _learn_start(self) -> None:
         if self._pid is None and _ready(self._started):
             try:
-                self._pid, self._node = ray.get(self._started)
+                self._pid, self._node, self._node_id = ray.get(self._started)
             except RayError:  # the actor is gone: ``poll`` says so
                 pass
 

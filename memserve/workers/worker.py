@@ -22,6 +22,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from concurrent.futures import Future
 
 from memserve.config import WorkerConfig
@@ -42,6 +43,8 @@ from memserve.ipc.messages import (
     WorkerError,
     WorkerReady,
 )
+from memserve.ipc.probe import ProbeDone, ProbeTransfer
+from memserve.kvcache.blocks import MemPoolError
 from memserve.kvcache.events import KVEvents
 from memserve.kvcache.mempool import KVFlags
 from memserve.model_files.generation import eos_token_ids
@@ -87,7 +90,8 @@ class Worker:
         self.heartbeat: HeartbeatThread | None = None
         self.sender: HandoffSender | None = None  # disaggregated prefill/decode, both sides
         self.receiver: KVReceiver | None = None
-        self._pushes: list[tuple[TransferPrefix, list[int], Future]] = []  # prefix transfers in flight
+        # Prefix pushes and link probes in flight: what asked for each, its held blocks, its send.
+        self._pushes: list[tuple[TransferPrefix | ProbeTransfer, list[int], Future]] = []
         self.kv_publisher: KVEventPublisher | None = None  # --kv-events-config: vLLM-format KV events
 
     def prepare(self) -> None:
@@ -206,6 +210,9 @@ class Worker:
         if isinstance(msg, TransferPrefix):
             self._push_prefix(msg)
             return []
+        if isinstance(msg, ProbeTransfer):
+            self._probe_link(msg)
+            return []
         log.warning("worker %d: unexpected message %r", self.id, msg)
         return []
 
@@ -222,16 +229,33 @@ class Worker:
             self.channel.send(TransferDone(msg.transfer_id, 0))
             return
         tokens = msg.token_ids[: (skip + len(addrs)) * self.cfg.engine.block_size]
+        self._push(msg, addrs, lambda: self.endpoint.send_async(
+            msg.dst_instance, addrs, None, KVFlags.RELEASE, None, msg.ticket, tokens, skip, cache_salt=msg.cache_salt))
+
+    def _probe_link(self, msg: ProbeTransfer) -> None:
+        """Send ``msg.num_blocks`` blocks of the pool, whatever they hold, to another
+        instance, which frees them: the gateway times it to price prefix pulls over that
+        link (``gateway/link_probe.py``)."""
         try:
-            sent = self.endpoint.send_async(msg.dst_instance, addrs, None, KVFlags.RELEASE, None, msg.ticket, tokens,
-                                            skip, cache_salt=msg.cache_salt)
+            addrs = self.engine.mempool.alloc_mem(msg.num_blocks)
+        except MemPoolError as exc:  # no room: the link stays unmeasured
+            self.channel.send(ProbeDone(msg.transfer_id, 0, str(exc)))
+            return
+        self._push(msg, addrs, lambda: self.endpoint.send_async(
+            msg.dst_instance, addrs, None, KVFlags.RELEASE, None, msg.ticket))
+
+    def _push(self, msg: TransferPrefix | ProbeTransfer, addrs: list[int], send: Callable[[], Future]) -> None:
+        """Start sending held blocks ``addrs``; ``_finish_pushes`` answers ``msg`` when the
+        send ends, and frees them."""
+        try:
+            sent = send()
         except Exception as exc:
             sent = Future()
             sent.set_exception(exc)
         self._pushes.append((msg, addrs, sent))
 
     def _finish_pushes(self) -> None:
-        """Report the prefix transfers that ended and drop their references."""
+        """Report the prefix transfers and link probes that ended and drop their references."""
         pending = []
         for msg, addrs, sent in self._pushes:
             if not sent.done():
@@ -240,8 +264,14 @@ class Worker:
             self.engine.kv_connector.free(addrs)
             error = sent.exception()
             if error is not None:
-                log.warning("worker %d: prefix transfer to %d failed: %s", self.id, msg.dst_instance, error)
-            self.channel.send(TransferDone(msg.transfer_id, 0 if error else len(addrs), str(error) if error else None))
+                log.warning("worker %d: transfer to %d failed: %s", self.id, msg.dst_instance, error)
+            reason = str(error) if error else None
+            if isinstance(msg, ProbeTransfer):
+                mover = self.engine.mempool.mover
+                sent_bytes = 0 if error or mover is None else len(addrs) * mover.block_nbytes
+                self.channel.send(ProbeDone(msg.transfer_id, sent_bytes, reason))
+            else:
+                self.channel.send(TransferDone(msg.transfer_id, 0 if error else len(addrs), reason))
         self._pushes = pending
 
     def _start_kv_publisher(self) -> None:

@@ -15,6 +15,7 @@ import psutil
 import pytest
 from helpers.live_server import all_ok, wait_until, workers
 from helpers.paths import REPO
+from helpers.ray_processes import assert_gone, ray_processes
 
 from memserve.bench.server_process import start_server, stop_server
 
@@ -24,7 +25,6 @@ pytestmark = pytest.mark.slow
 
 CHAT = {"messages": [{"role": "user", "content": "Name three colours of the rainbow."}],
         "temperature": 0, "max_tokens": 24}
-RAY_PROCESSES = ("raylet", "gcs_server")
 
 
 def answer(server) -> str:
@@ -40,11 +40,10 @@ def test_ray_workers_serve_like_local_ones_and_are_restarted(memserve_server, tm
     local = answer(memserve_server)
     server = start_server(["--ray", "--cpu-workers", "2", "--num-blocks", "256"], tmp_path / "memserve.log",
                           threads=1, cwd=REPO)
-    ray_processes = [p for p in psutil.Process(server.process.pid).children(recursive=True)
-                     if p.name() in RAY_PROCESSES]
+    started = ray_processes(server.process.pid)
     left: list[psutil.Process] = []
     try:
-        assert ray_processes, "the gateway started no local Ray instance"
+        assert started, "the gateway started no local Ray instance"
         before = workers(server)
         assert sorted(before) == [0, 1]
         assert all(w["alive"] and w["node"] and w["pid"] for w in before.values()), before
@@ -64,5 +63,4 @@ def test_ray_workers_serve_like_local_ones_and_are_restarted(memserve_server, tm
     finally:
         status = stop_server(server)
     assert status == 0
-    _, alive = psutil.wait_procs(ray_processes + left, timeout=30)
-    assert not alive, f"left behind: {alive}"
+    assert_gone(started + left)

@@ -9,13 +9,24 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
 import time
-import urllib.request
 
 import pytest
 from helpers.paths import REPO
+from helpers.routed_chat import (
+    HEARTBEAT_S,
+    MAX_TOKENS,
+    ask,
+    chat,
+    decisions,
+    holder_of_last_request,
+    messages,
+    routed,
+    routed_counts,
+    router_metrics,
+    second_turn_after_a_busy_start,
+)
 from openai import AsyncOpenAI
 
 from memserve.bench.server_process import start_server, stop_server
@@ -29,14 +40,6 @@ from memserve.costmodel.model import (
 )
 
 NUM_BLOCKS = 128
-HEARTBEAT_S = 1.0  # WorkerConfig.heartbeat_s
-MAX_TOKENS = 8
-SYSTEM = ("You answer questions about the city of Lyon, briefly and precisely, in one sentence. Lyon lies in "
-          "eastern France, at the confluence of two rivers, and is known for its old town, its silk weaving "
-          "history, its traditional restaurants called bouchons, the Festival of Lights every December and the "
-          "basilica of Notre-Dame de Fourviere on its hill. Keep every answer short, factual and friendly.")
-TURNS = ["What river runs through Lyon?", "And which second river joins it there?"]
-LONG = "Now tell me a long story about the old town."
 _reference: dict[str, list[str]] = {}  # texts of the conversation, per policy
 
 
@@ -66,89 +69,12 @@ def cost_server(tmp_path_factory):
     stop_server(handle)
 
 
-def router_metrics(server) -> dict[str, float]:
-    with urllib.request.urlopen(server.base_url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return {m[0]: float(m[1]) for m in re.findall(r"^(memserve_router_\S+) (\S+)$", text, re.MULTILINE)}
-
-
-def routed(server, instance: int) -> float:
-    return router_metrics(server).get(f'memserve_router_routed_requests_total{{instance="{instance}"}}', 0.0)
-
-
-def decisions(server, reason: str) -> float:
-    metrics = router_metrics(server)
-    return sum(v for k, v in metrics.items() if k.startswith("memserve_router_decisions_total") and
-               f'reason="{reason}"' in k)
-
-
-def holder_of_last_request(server, before: dict[int, float]) -> int:
-    moved = [i for i in range(3) if routed(server, i) > before[i]]
-    assert len(moved) == 1, moved
-    return moved[0]
-
-
-def wait_idle(server, timeout_s: float = 20.0) -> None:
-    """Until no worker runs or queues a request (the dropped stream was aborted
-    everywhere), as the heartbeats report it."""
-    time.sleep(HEARTBEAT_S)  # no stale heartbeat from before the drop
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        workers = server.get_json("/health")["workers"]
-        if all(w["num_running"] == 0 and w["num_waiting"] == 0 for w in workers):
-            return
-        time.sleep(0.2)
-    raise AssertionError("workers still busy")
-
-
-def messages(answers: list[str], upto: int, last: str | None = None) -> list[dict]:
-    msgs = [{"role": "system", "content": SYSTEM}]
-    for turn, answer in zip(TURNS[:upto], answers):
-        msgs += [{"role": "user", "content": turn}, {"role": "assistant", "content": answer}]
-    return msgs + [{"role": "user", "content": last or TURNS[upto]}]
-
-
-async def ask(client: AsyncOpenAI, server, msgs: list[dict]) -> tuple[str, int]:
-    r = await client.chat.completions.create(model=server.model, messages=msgs, max_tokens=MAX_TOKENS,
-                                             temperature=0)
-    details = r.usage.prompt_tokens_details
-    return r.choices[0].message.content, (details.cached_tokens or 0) if details else 0
-
-
-async def streaming_while(client: AsyncOpenAI, server, msgs: list[dict], body) -> object:
-    """Run ``body()`` while a long streamed request decodes (it is dropped after)."""
-    stream = await client.chat.completions.create(model=server.model, messages=msgs, max_tokens=400, stream=True,
-                                                  temperature=0, extra_body={"ignore_eos": True})
-    try:
-        async for _ in stream:  # its first token: it is decoding on its worker
-            break
-        return await body()
-    finally:
-        await stream.close()
-
-
 def test_next_turn_goes_to_the_worker_holding_its_prefix(tree_server):
-    async def scenario() -> list[str]:
-        async with AsyncOpenAI(base_url=tree_server.base_url + "/v1", api_key="x") as client:
-            other = [{"role": "user", "content": LONG}]
-
-            async def first_turn():  # worker 0 is busy: the conversation starts elsewhere
-                before = {i: routed(tree_server, i) for i in range(3)}
-                answer, _ = await ask(client, tree_server, messages([], 0))
-                return answer, holder_of_last_request(tree_server, before)
-
-            first, holder = await streaming_while(client, tree_server, other, first_turn)
-            assert holder != 0
-            await asyncio.to_thread(wait_idle, tree_server)
-            hits = decisions(tree_server, "cache_hit")
-            before = {i: routed(tree_server, i) for i in range(3)}
-            second, cached = await ask(client, tree_server, messages([first], 1))  # all idle now
-            assert holder_of_last_request(tree_server, before) == holder  # least-load would take worker 0
-            assert decisions(tree_server, "cache_hit") == hits + 1
-            assert cached > 0
-            return [first, second]
-
-    _reference["prompt-tree"] = asyncio.run(scenario())
+    turn = asyncio.run(second_turn_after_a_busy_start(tree_server))
+    assert turn.first_on != 0  # worker 0 was busy: the conversation started elsewhere
+    assert turn.second_on == turn.first_on  # all idle: least-load would take worker 0
+    assert turn.cache_hits == 1 and turn.cached_tokens > 0
+    _reference["prompt-tree"] = turn.texts
 
 
 def test_a_killed_holder_stops_receiving_requests_at_once(tree_server):
@@ -158,18 +84,14 @@ def test_a_killed_holder_stops_receiving_requests_at_once(tree_server):
         pytest.skip("needs the conversation of the previous test")
     first, second = _reference["prompt-tree"]
     workers = {w["instance_id"]: w for w in tree_server.get_json("/health")["workers"]}
-    before = {i: routed(tree_server, i) for i in range(3)}
+    before = routed_counts(tree_server)
 
-    async def turn() -> str:
-        async with AsyncOpenAI(base_url=tree_server.base_url + "/v1", api_key="x") as client:
-            return (await ask(client, tree_server, messages([first], 1)))[0]
-
-    assert asyncio.run(turn()) == second  # cached: it goes to the holder
+    assert chat(tree_server, messages([first], 1))[0] == second  # cached: it goes to the holder
     holder = holder_of_last_request(tree_server, before)
     os.kill(workers[holder]["pid"], signal.SIGKILL)
     time.sleep(HEARTBEAT_S)
-    before = {i: routed(tree_server, i) for i in range(3)}
-    assert asyncio.run(turn()) == second
+    before = routed_counts(tree_server)
+    assert chat(tree_server, messages([first], 1))[0] == second
     assert routed(tree_server, holder) == before[holder]
     assert decisions(tree_server, "fallback") == 0
 

@@ -1,14 +1,15 @@
 """The Ray launcher on real Ray, with a worker-like process in place of the model worker.
 
-On a local instance (``ray.init(num_cpus=2)``): an actor in the worker's bundle starts it
-on its node, the gateway learns its pid and node, the CurveZMQ keys reach it through the
-actor call (and nothing else of the gateway's environment does), its sockets are set to
-listen on the node's IP; a worker whose actor is killed, or that is terminated or killed
-through the launcher, polls as exited, a new actor takes its bundle, and no process is
-left behind, Ray's own included. On a cluster of several Ray nodes on this machine
-(``ray.cluster_utils.Cluster``): spread placement puts the workers on different nodes, a
-worker whose node leaves polls as exited, and its new actor starts on the node that Ray
-places its bundle on next. Skipped where Ray is not installed."""
+On a local instance (``ray.init(num_cpus=2)``, some 8 s): an actor in the worker's
+bundle starts it on its node, the gateway learns its pid, node and node ID, the CurveZMQ
+keys reach it through the actor call (and nothing else of the gateway's environment
+does), its sockets are set to listen on the node's IP; a worker whose actor is killed,
+or that is terminated or killed through the launcher, polls as exited, a new actor takes
+its bundle, and no process is left behind, Ray's own included. On a cluster of several Ray nodes on this machine
+(``ray.cluster_utils.Cluster``; slow: two nodes' processes, 12-15 s): spread placement
+puts the workers on different nodes, a worker whose node leaves polls as exited, and its
+new actor starts on the node that Ray places its bundle on next. Each test shuts its Ray
+down, so no Ray process outlives it. Skipped where Ray is not installed."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from helpers.ray_processes import assert_gone, ray_processes
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'memserve[ray]')")
 
@@ -31,24 +33,17 @@ from memserve.gateway.cluster import plan_workers
 from memserve.gateway.ray_launcher import RayLauncher
 from memserve.ipc.curve import ENV_VAR, CurveKeys
 
-RAY_PROCESSES = ("raylet", "gcs_server")
-
-
-def _descendants(names: tuple[str, ...]) -> list[psutil.Process]:
-    return [p for p in psutil.Process().children(recursive=True) if p.name() in names]
-
 
 @pytest.fixture
 def ray_node():
     """A fresh local Ray instance of 2 CPUs (never someone's running cluster); after the
     tests, Ray is shut down and none of its processes is left."""
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    ray_processes = _descendants(RAY_PROCESSES)
-    assert ray_processes, "ray.init started no raylet/gcs_server under this process"
+    started = ray_processes()
+    assert started, "ray.init started no raylet/gcs_server under this process"
     yield ray.util.get_node_ip_address()
     ray.shutdown()
-    _, alive = psutil.wait_procs(ray_processes, timeout=30)
-    assert not alive, f"Ray processes left after ray.shutdown(): {alive}"
+    assert_gone(started)
 
 
 def _until(predicate, timeout_s: float, what: str):
@@ -87,6 +82,7 @@ def test_an_actor_starts_watches_and_ends_a_worker(ray_node: str, tmp_path: Path
         pid = _until(lambda: worker.pid, 60, "the actor to start worker 0")
         started.append(pid)
         assert worker.node == ray_node and worker.poll() is None
+        assert worker.node_id == ray.get_runtime_context().get_node_id()
         path = Path(str(report).format(id=0))
         config, seen_keys, not_forwarded, actor_pid = _until(
             lambda: path.exists() and json.loads(path.read_text()), 30, "worker 0's report")
@@ -115,6 +111,7 @@ def test_an_actor_starts_watches_and_ends_a_worker(ray_node: str, tmp_path: Path
         assert _gone(pid)
 
 
+@pytest.mark.slow
 def test_a_worker_whose_node_leaves_is_exited_and_starts_on_another(tmp_path: Path) -> None:
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     pids: list[int] = []
@@ -140,12 +137,11 @@ def test_a_worker_whose_node_leaves_is_exited_and_starts_on_another(tmp_path: Pa
         pids.append(_until(lambda: restarted.pid, 60, "the worker to start on the node that joined"))
         assert placement_group_table(launcher.group)["bundles_to_node_id"][lost] == joining.node_id
         assert restarted.poll() is None
-        ray_processes = _descendants(RAY_PROCESSES)
+        started = ray_processes()
         launcher.close()
     finally:
         ray.shutdown()
         cluster.shutdown()
     for pid in pids:
         _until(lambda pid=pid: _gone(pid), 30, f"worker pid {pid} to end")
-    _, alive = psutil.wait_procs(ray_processes, timeout=30)
-    assert not alive, f"Ray processes left after the cluster's shutdown: {alive}"
+    assert_gone(started)

@@ -2,8 +2,8 @@
 only healthy workers, degraded ones as a last resort, none left is a 503 with
 Retry-After; each policy's choice by hand-computed expectation (least-load, session,
 prompt-tree, cost = MemServe eqs. 1-2 with its pull flipping exactly at the predicted
-break-even); the load-imbalance guard; the queued-work ledger (chunked prefills); the
-/metrics export."""
+break-even, priced over the measured link of the two workers when there is one); the
+load-imbalance guard; the queued-work ledger (chunked prefills); the /metrics export."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from helpers.routing import BS, PROMPT, linear_cost, view
 from prometheus_client import CollectorRegistry, generate_latest
 
+from memserve.costmodel.model import BandwidthCost
 from memserve.gateway.engine_protocol import EngineUnavailable
 from memserve.gateway.routing.policies import exec_s
 from memserve.gateway.routing.queued_work import QueuedWork
@@ -157,6 +158,32 @@ def test_cost_pulls_exactly_when_eq2_holds(latency: float, expected: RouteDecisi
     router = Router.named("cost", cost=linear_cost(2.0, transfer_latency_s=latency))
     _queued_behind_4_then_96_tokens(router)
     assert router.route(RouteRequest("r", PROMPT), [view(0, cached=PROMPT[:32]), view(1)]) == expected
+
+
+def test_a_pull_is_priced_by_the_link_measured_between_its_two_workers():
+    """As above, worker 0 holds 8 blocks (32 bytes) with 100 s queued behind a 4 s step,
+    and the cost model moves 2 bytes/s: idle workers 1 and 2 would both pull (4 + 16 =
+    20 <= 32) and tie, worker 1 winning on its id. The links measured from worker 0 move
+    0.5 bytes/s to worker 1 (4 + 64 > 32: no pull there, 64 + 32 = 96 with the copy
+    charge) and 8 bytes/s to worker 2 (4 + 4 + 32 + 32 = 72): worker 2 pulls, and the
+    TTFT predicted for the request counts its link: 4 + 4 + exec(64, 0.5) = 40. Once
+    worker 2 restarts its links are forgotten: a pull to it is priced by the cost model
+    again, 4 + 16 + 32 = 52."""
+    router = Router.named("cost", cost=linear_cost(2.0), clock=lambda: 0.0)
+    router.use_links({(0, 1): BandwidthCost(0.0, 0.5), (1, 0): BandwidthCost(0.0, 0.5),
+                      (0, 2): BandwidthCost(0.0, 8.0), (2, 0): BandwidthCost(0.0, 8.0)})
+    _queued_behind_4_then_96_tokens(router)
+    workers = [view(0, cached=PROMPT[:32]), view(1), view(2)]
+    assert router.route(RouteRequest("r", PROMPT), workers) == RouteDecision(2, "pull", pull_from=0, pull_blocks=8)
+    router.observe("r", 1, at=50.0)
+    assert router.ttft.predicted_sum_s == 40.0
+
+    router.release("r")
+    router.forget_links(2)
+    assert set(router.links) == {(0, 1), (1, 0)}
+    assert router.route(RouteRequest("r2", PROMPT), workers) == RouteDecision(2, "pull", pull_from=0, pull_blocks=8)
+    router.observe("r2", 1, at=50.0)
+    assert router.ttft.predicted_sum_s == 40.0 + 52.0
 
 
 def test_a_pull_is_charged_as_a_copy():

@@ -104,8 +104,9 @@ class CostAware:
     cheaper of recomputing with its own cached ratio y_p and pulling the longest prefix
     held elsewhere (ratio y_p') then computing the rest. The pull is taken exactly when
     eq. 2 holds: ``transfer <= exec(x, y_p) - exec(x, y_p')``. The transfer is priced
-    at every block the source holds, since a prefix push moves all of them, and starts
-    when the source's current step ends (workers serve pushes between steps).
+    at every block the source holds, since a prefix push moves all of them, over the
+    link between the two workers (``RoutingContext.transfer_s``), and starts when the
+    source's current step ends (workers serve pushes between steps).
 
     A prefix pending on a worker (routed there, still being prefilled) is priced as
     cached on it: the request waits behind that prefill, which the worker's queued work
@@ -158,8 +159,7 @@ class CostAware:
             exec_here, pull = own, None
             if source is not None and source.stored_blocks > c.cached_blocks and c.view.state == "ok":
                 pulled = exec_s(cost, x, source.stored_blocks, ctx.block_size, ctx.step_tokens, c.decode_s)
-                transfer = source.step_s + cost.transfer_s(source.stored_blocks * ctx.block_size
-                                                           * cost.kv_bytes_per_token)
+                transfer = source.step_s + ctx.transfer_s(source.instance_id, c.instance_id, source.stored_blocks)
                 if transfer <= own - pulled:  # eq. 2
                     exec_here, pull = transfer + pulled, source
             held = max((o.cached_blocks for o in candidates if o is not c), default=0)

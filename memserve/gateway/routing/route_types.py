@@ -5,10 +5,11 @@ Kept apart from ``router.py`` so policies and the router can import them both.""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from memserve.costmodel.model import CostModel
+from memserve.costmodel.model import BandwidthCost, CostModel
 from memserve.kvcache.mirror import PromptTreeMirror
 
 # Why a worker was chosen; /metrics counts decisions by policy and reason.
@@ -102,6 +103,17 @@ class RoutingContext:
     balance: Balance
     block_size: int
     step_tokens: int | None = None  # the workers' token budget per step: longer prefills run in chunks
+    # The KV links the gateway measured, by (source, destination) worker (gateway/link_probe.py).
+    links: Mapping[tuple[int, int], BandwidthCost] = field(default_factory=dict)
+
+    def transfer_s(self, src: int, dst: int, blocks: int) -> float:
+        """MemServe eq. 2's transfer() of ``blocks`` KV blocks from worker ``src`` to
+        ``dst``: over their link as measured when it was, else as the cost model's profile
+        measured a transfer between two processes of one machine."""
+        assert self.cost is not None, "transfers are priced by a cost model"
+        nbytes = blocks * self.block_size * self.cost.kv_bytes_per_token
+        link = self.links.get((src, dst))
+        return link(nbytes) if link is not None and nbytes > 0 else self.cost.transfer_s(nbytes)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 
-from memserve.costmodel.model import CostModel
+from memserve.costmodel.model import BandwidthCost, CostModel
 from memserve.gateway.engine_protocol import EngineUnavailable
 from memserve.gateway.routing.pending_prefixes import PendingPrefixes
 from memserve.gateway.routing.policies import ROUTING_POLICIES, LeastLoad, exec_s
@@ -75,6 +75,9 @@ class Router:
         self.pulls: Counter[str] = Counter()
         self.pending_hits = 0  # decisions that counted a prompt still in flight on the chosen worker as cached
         self.ttft = TTFTErrors()
+        # Measured KV links by (source, destination): pulls over them are priced by their own
+        # figure rather than the cost model's transfer() (gateway/link_probe.py).
+        self.links: dict[tuple[int, int], BandwidthCost] = {}
 
     @classmethod
     def named(cls, name: str, cost: CostModel | None = None, balance: Balance | None = None,
@@ -91,6 +94,15 @@ class Router:
         self.ledger.use_cost_model(cost)
         if self.awaiting is not None:
             self.policy, self.awaiting = self.awaiting, None
+
+    def use_links(self, links: dict[tuple[int, int], BandwidthCost]) -> None:
+        """Price pulls between these pairs of workers by their measured links from now on."""
+        self.links.update(links)
+
+    def forget_links(self, instance: int) -> None:
+        """Worker ``instance`` is restarting, perhaps on another node: pulls to and from it
+        are priced by the cost model again until its links are measured anew."""
+        self.links = {pair: link for pair, link in self.links.items() if instance not in pair}
 
     def candidates(self, request: RouteRequest, workers: list[WorkerView]) -> list[Candidate]:
         """The workers that may take ``request`` now, scored with their cached prefix
@@ -133,15 +145,16 @@ class Router:
         self.pending.discard(request.request_id)  # re-routed: its old claim was never computed
         candidates, hashes = self._scored(request, workers)
         block_size = candidates[0].view.mirror.block_size
-        ctx = RoutingContext(self.cost, self.balance, block_size, self.ledger.step_tokens)
+        ctx = RoutingContext(self.cost, self.balance, block_size, self.ledger.step_tokens, self.links)
         decision = self.policy.choose(request, candidates, ctx)
-        self._record(request, decision, candidates, block_size)
+        self._record(request, decision, candidates, ctx)
         self.pending.add(request.request_id, decision.instance, hashes)
         return decision
 
     def _record(self, request: RouteRequest, decision: RouteDecision, candidates: list[Candidate],
-                block_size: int) -> None:
+                ctx: RoutingContext) -> None:
         x = len(request.prompt_token_ids)
+        block_size = ctx.block_size
         chosen = next(c for c in candidates if c.instance_id == decision.instance)
         cached_blocks = decision.pull_blocks if decision.reason == PULL else chosen.cached_blocks
         predicted = None
@@ -150,8 +163,7 @@ class Router:
                                                  chosen.decode_s)
             if decision.reason == PULL:
                 source = next(c for c in candidates if c.instance_id == decision.pull_from)
-                predicted += source.step_s + self.cost.transfer_s(cached_blocks * block_size
-                                                                  * self.cost.kv_bytes_per_token)
+                predicted += source.step_s + ctx.transfer_s(source.instance_id, decision.instance, cached_blocks)
         self.ledger.admit(request.request_id, decision.instance, x, min(cached_blocks * block_size, max(x - 1, 0)),
                           request.max_tokens, request.n, predicted)
         self.decisions[decision.reason] += 1
