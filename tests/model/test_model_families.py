@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.engine_generate import generate
+from helpers.one_thread import one_intra_op_thread  # noqa: F401 (autouse fixture)
 
 from memserve.config import EngineConfig
 from memserve.ipc.kv_transfer import KVTransferEndpoint
@@ -48,15 +49,6 @@ NEW_TOKENS = 10
 PROMPT_LENGTHS = (5, 40, 17, 70)
 CHUNK = 16
 BLOCK_SIZE = 16  # EngineConfig's default
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_intra_op_thread():
-    """Tiny models: a second OpenMP thread on a shared 2-core machine only slows them down."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

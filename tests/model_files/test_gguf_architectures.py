@@ -17,6 +17,7 @@ import pytest
 import torch
 from helpers.engine_generate import generate
 from helpers.llama_cpp_gguf import write_gguf
+from helpers.one_thread import one_intra_op_thread  # noqa: F401 (autouse fixture)
 from safetensors.numpy import load_file
 
 from memserve.config import EngineConfig
@@ -48,15 +49,6 @@ GGUF_OPTIONS: dict[str, dict[str, Any]] = {
     "gemma2": {"query_pre_attn_scalar": 32, "tie_word_embeddings": True},
     "gemma3_text": {"query_pre_attn_scalar": 32, "num_hidden_layers": 6, "sliding_window_pattern": 6},
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_intra_op_thread():
-    """Tiny models: a second OpenMP thread on a shared 2-core machine only slows them down."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module", params=list(TINY_ARCHITECTURES))
