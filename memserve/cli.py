@@ -8,6 +8,7 @@ import importlib.util
 import logging
 import os
 import sys
+from collections.abc import Callable
 
 from memserve.config import EngineConfig, ServeConfig
 from memserve.gateway.reasoning import PARSERS as REASONING_PARSERS
@@ -109,6 +110,11 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-shared-prefill-hold", action="store_true",
                    help="admit a request at once even when a running prefill is computing blocks of its "
                         "prompt (by default it waits for them and finds them cached)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculative decoding by prompt lookup, vLLM's option and keys: e.g. '{\"method\": "
+                        "\"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
+                        "\"prompt_lookup_min\": 2}'; greedy requests without logprobs, penalties or "
+                        "grammars take drafts (docs/speculative_decoding.md); off by default")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-cache", action="store_true", help="disable context caching (the baseline)")
     p.add_argument("--kv-layout", default="aggregated", choices=["aggregated", "layer-major"])
@@ -245,6 +251,9 @@ def _run_up(args: argparse.Namespace) -> int:
     kv_events_config = _kv_events_config(args)
     if kv_events_config is False:
         return 2
+    speculative_config = _speculative_config(args)
+    if speculative_config is False:
+        return 2
     ray_error = _ray_error(args)
     if ray_error:
         print(f"memserve: {ray_error}", file=sys.stderr)
@@ -282,6 +291,7 @@ def _run_up(args: argparse.Namespace) -> int:
         preload_buffer_layers=args.preload_buffer_layers,
         cache_ttl_s=args.cache_ttl,
         max_pinned_fraction=args.max_pinned_fraction,
+        speculative_config=speculative_config,
         seed=args.seed,
     )
     cfg = ServeConfig(
@@ -377,29 +387,43 @@ def _ray_error(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _kv_events_config(args: argparse.Namespace) -> dict | None | bool:
-    """``--kv-events-config`` checked here (not in every worker): the dict, None when
-    absent, False (after an error message) when bad."""
-    if args.kv_events_config is None:
+def _json_option(flag: str, text: str | None, check: Callable[[dict], object]) -> dict | None | bool:
+    """A JSON-object option checked here (not in every worker) by ``check``, which raises
+    ValueError or TypeError when it is bad: the dict, None when absent, False (after an
+    error message) when bad."""
+    if text is None:
         return None
     import json
 
+    try:
+        d = json.loads(text)
+        if not isinstance(d, dict):
+            raise TypeError("must be a JSON object")
+        check(d)
+    except (ValueError, TypeError) as exc:
+        print(f"memserve: {flag}: {exc}", file=sys.stderr)
+        return False
+    return d
+
+
+def _speculative_config(args: argparse.Namespace) -> dict | None | bool:
+    from memserve.workers.engine.ngram_proposer import NgramConfig
+
+    return _json_option("--speculative-config", args.speculative_config, NgramConfig.from_dict)
+
+
+def _kv_events_config(args: argparse.Namespace) -> dict | None | bool:
     from memserve.workers.kv_event_publisher import KVEventsConfig, instance_endpoint
 
-    try:
-        d = json.loads(args.kv_events_config)
-        if not isinstance(d, dict):
-            raise ValueError("must be a JSON object")
+    def check(d: dict) -> None:
         cfg = KVEventsConfig.from_dict(d)
         workers = len(args.gpus.split(",")) if args.gpus else max(args.cpu_workers, 1)
         for i in range(workers):
             instance_endpoint(cfg.endpoint, i)
             if cfg.replay_endpoint:
                 instance_endpoint(cfg.replay_endpoint, i)
-    except (ValueError, TypeError) as exc:
-        print(f"memserve: --kv-events-config: {exc}", file=sys.stderr)
-        return False
-    return d
+
+    return _json_option("--kv-events-config", args.kv_events_config, check)
 
 
 def _add_profile(sub: argparse._SubParsersAction) -> None:

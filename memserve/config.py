@@ -50,6 +50,8 @@ class EngineConfig:
     eviction_policy: str = "lru"  # kvcache/eviction.py
     cache_ttl_s: float | None = None  # cached blocks unused this long are dropped (kvcache/retention.py)
     max_pinned_fraction: float = 0.25  # of each tier, at most, pinned by cache_control (kvcache/pinning.py); 0: off
+    # vLLM's --speculative-config for n-gram drafts (workers/engine/ngram_proposer.py); None: off
+    speculative_config: dict | None = None
     seed: int = 0
 
     @property

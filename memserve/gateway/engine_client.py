@@ -379,6 +379,9 @@ class ZmqEngineClient:
                 "evicted_blocks": self.mirrors[h.instance_id].removed_blocks,
                 "demoted_blocks": self.mirrors[h.instance_id].demoted_blocks,
                 "pd": s.get("pd", {}),  # KV handoffs sent (prefill) and received (decode)
+                # N-gram speculative decoding (--speculative-config): drafts proposed and accepted.
+                "spec_decode": {"draft_tokens": s.get("spec_draft_tokens_total", 0),
+                                "accepted_tokens": s.get("spec_accepted_tokens_total", 0)},
             })
         return {"workers": workers, "spare_workers": self.cluster.spare_states(),
                 "num_requests_in_flight": len(self.streams), "moved_requests": dict(self.moves),

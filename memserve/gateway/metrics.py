@@ -95,8 +95,17 @@ class EngineStatsCollector(Collector):
         pinned = GaugeMetricFamily("memserve_kv_pinned_blocks", "Cached KV blocks per tier that requests pinned "
                                    "with cache_control (at most --max-pinned-fraction of each tier)",
                                    labels=["instance", "tier"])
+        drafts = CounterMetricFamily("memserve_spec_decode_num_draft_tokens",
+                                     "Draft tokens proposed by n-gram speculative decoding (--speculative-config)",
+                                     labels=["instance"])
+        accepted = CounterMetricFamily("memserve_spec_decode_num_accepted_tokens",
+                                       "Draft tokens the model agreed with (each one an output token without a step "
+                                       "of its own)", labels=["instance"])
         for worker in workers:
             instance = str(worker.get("instance_id"))
+            spec = worker.get("spec_decode", {})
+            drafts.add_metric([instance], spec.get("draft_tokens", 0))
+            accepted.add_metric([instance], spec.get("accepted_tokens", 0))
             for tier, count in worker.get("pinned_blocks", {}).items():
                 pinned.add_metric([instance, tier], count)
             role.add_metric([instance, worker.get("role", "colocated")], 1.0)
@@ -129,7 +138,7 @@ class EngineStatsCollector(Collector):
                 unheld.add_metric([instance], allocation["unheld_blocks"])
         yield from (alive, running, waiting, free_blocks, hit_rate, cached, held, tier_bytes, tier_hits, tier_read,
                     tier_write, tier_saving, save_queue, tier_queue, prefetched, prefetch_hits, role, handoff,
-                    reserve, unheld, cached_blocks, pinned)
+                    reserve, unheld, cached_blocks, pinned, drafts, accepted)
 
 
 class GatewayMetrics:

@@ -74,6 +74,7 @@ def _instance(worker: dict, node: str) -> dict:
         "save_queue": worker.get("kv_save_queue", 0),
         "preemptions_total": sum(worker.get("preemptions", {}).values()),
         "pd": {what: pd.get(what, 0) for what in ("handoffs", "blocks_sent", "bytes_sent", "messages")},
+        "spec_decode": worker.get("spec_decode", {"draft_tokens": 0, "accepted_tokens": 0}),
     }
 
 

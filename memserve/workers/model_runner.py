@@ -35,6 +35,7 @@ from memserve.kvcache.saver import InlineSaver, Saver, ThreadSaver
 from memserve.kvcache.tiered_mover import TieredMover
 from memserve.model_files.generation import eos_token_ids
 from memserve.workers.engine.layer_hooks import NO_HOOKS, ChainedHooks, LayerHooks
+from memserve.workers.engine.ngram_proposer import accept_drafts
 from memserve.workers.engine.step_plan import KVLoad, StepPlan, StepResult
 from memserve.workers.copy_stream import CopyStream, StreamMover
 from memserve.workers.kv_disk import open_disk_store
@@ -164,9 +165,9 @@ class ModelRunner:
             query_start_loc.append(query_start_loc[-1] + end - start)
             context_lens.append(end)
             tables.append(table)
-            if chunk.sample:
-                sample_rows.append(query_start_loc[-1] - 1)
-                sample_ids.append(chunk.request_id)
+            if chunk.sample:  # the last row, and with drafts the row before each of them
+                sample_rows += range(query_start_loc[-1] - 1 - chunk.num_drafts, query_start_loc[-1])
+                sample_ids += [chunk.request_id] * (1 + chunk.num_drafts)
         hooks = self._hooks_for(plan)
         hidden = None
         if self.graphs is not None and len(input_ids) == len(plan.chunks):  # one new token each: pure decode
@@ -199,8 +200,11 @@ class ModelRunner:
         tokens = self.sampler.sample(logits, params, [self._generators.get(r) for r in sample_ids],
                                      self._histories.rows(sample_ids), self._grammars.rows(sample_ids))
         self._grammars.accept(sample_ids, tokens)
-        return StepResult(dict(zip(sample_ids, tokens)),
-                          sampled_logprobs(logprob_rows, log_probs, tokens, params, sample_ids), prompt_logprobs)
+        result = StepResult(dict(zip(sample_ids, tokens)),
+                            sampled_logprobs(logprob_rows, log_probs, tokens, params, sample_ids), prompt_logprobs)
+        if len(tokens) > len(result.sampled):
+            accept_drafts(plan.chunks, tokens, result)
+        return result
 
     def add_step_hooks(self, make: Callable[[StepPlan], LayerHooks | None]) -> None:
         """Have ``make(plan)`` give each step's extra layer hooks, called after ``hooks``."""

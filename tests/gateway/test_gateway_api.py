@@ -437,6 +437,9 @@ async def test_metrics(tokenizer: Tokenizer) -> None:
     assert value("memserve_cache_hit_rate", instance="0") == 0.25
     assert value("memserve_cached_tokens_total", instance="0") == 48
     assert value("memserve_shared_prefill_holds_total", instance="0") == 3
+    assert value("memserve_spec_decode_num_draft_tokens_total", instance="0") == 40
+    assert value("memserve_spec_decode_num_accepted_tokens_total", instance="0") == 25
+    assert value("memserve_spec_decode_num_draft_tokens_total", instance="1") == 0
     assert value("memserve_worker_alive", instance="1") == 1
 
 

@@ -36,7 +36,7 @@ class FakeEngine:
         self.workers = [
             {"instance_id": 0, "alive": True, "num_running": 2, "num_waiting": 1,
              "free_blocks": {"device": 100, "host": 400}, "cache_hit_rate": 0.25, "cached_tokens_total": 48,
-             "num_held_admissions": 3},
+             "num_held_admissions": 3, "spec_decode": {"draft_tokens": 40, "accepted_tokens": 25}},
             {"instance_id": 1, "alive": True, "num_running": 0, "num_waiting": 0,
              "free_blocks": {"device": 128}, "cache_hit_rate": 0.0, "cached_tokens_total": 0},
         ]

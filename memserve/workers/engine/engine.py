@@ -25,6 +25,7 @@ from memserve.kvcache.prefetch import LookAhead
 from memserve.kvcache.retention import Retention
 from memserve.workers.engine.kv_connector import KVConnector
 from memserve.workers.engine.kv_manager import KVCacheManager
+from memserve.workers.engine.ngram_proposer import NgramConfig, NgramProposer
 from memserve.workers.engine.parallel_sampling import name_first_choice
 from memserve.workers.engine.policies import make_schedule_policy
 from memserve.workers.engine.runner import Runner
@@ -83,10 +84,11 @@ class Engine:
         cfg = self.cfg
         limits = SchedulerConfig(cfg.max_num_seqs, max_num_batched_tokens or cfg.max_num_batched_tokens,
                                  self.max_model_len, cfg.long_prefill_token_threshold, cfg.hold_shared_prefills)
+        proposer = NgramProposer(NgramConfig.from_dict(cfg.speculative_config)) if cfg.speculative_config else None
         return Scheduler(KVCacheManager(mempool, KVConnector(mempool, self.runner), enable_prefix_caching,
                                         self.retention),
                          make_schedule_policy(cfg.schedule_policy, cfg.schedule_policy_options, self.policy_cost),
-                         limits, self.eos_token_ids, self.clock)
+                         limits, self.eos_token_ids, self.clock, proposer)
 
     def add_request(self, req: AddRequest, arrival_time: float | None = None) -> RequestOutput | None:
         """Queue a request; ``arrival_time`` on this engine's clock (default: now)."""

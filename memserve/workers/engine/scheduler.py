@@ -22,6 +22,12 @@ prefix, and waits (``WAITING_FOR_KV``) while the slower-tier part of that prefix
 in, or, with layer-wise preloading, only until the runner says the copy may stream under
 its prefill (``stream_loads``).
 
+Speculative decoding. With a proposer (``--speculative-config``), a decoding request that
+can draft (``ngram_proposer.can_draft``) computes its next token plus the drafts the
+proposer guesses, within the step's budget and the request's limits; the drafts' slots
+are allocated with the step's, or dropped when the pool has no room for them. ``update``
+appends the drafts the runner kept and then its next token, checking each for a stop.
+
 Plain decodes. A step in which every running request decodes one token, none finishes
 and nothing waits, loads or is queued for the runner needs no plan: ``decode_plain``
 records what ``schedule`` and ``update`` would (the same slots, tokens and full blocks, in
@@ -40,6 +46,7 @@ from typing import Callable
 
 from memserve.ipc.messages import RequestOutput
 from memserve.workers.engine.kv_manager import KVCacheManager
+from memserve.workers.engine.ngram_proposer import NgramIndex, NgramProposer, can_draft
 from memserve.workers.engine.parallel_sampling import fork_choices
 from memserve.workers.engine.policies import PreemptKind, SchedulePolicy
 from memserve.workers.engine.sequence import Sequence, SequenceStatus
@@ -63,8 +70,12 @@ class SchedulerConfig:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, policy: SchedulePolicy, config: SchedulerConfig,
-                 eos_token_ids: set[int], clock: Callable[[], float]) -> None:
+                 eos_token_ids: set[int], clock: Callable[[], float], proposer: NgramProposer | None = None) -> None:
         self.kv = kv
+        self.proposer = proposer  # drafts for decoding requests (speculative decoding); None: off
+        self._ngrams: dict[str, NgramIndex] = {}
+        self.draft_tokens_total = 0
+        self.accepted_tokens_total = 0
         self.policy = policy
         self.config = config
         self.eos_token_ids = eos_token_ids
@@ -161,6 +172,9 @@ class Scheduler:
         while i < len(running) and budget > 0:
             seq = running[i]
             num_new = self._num_new_tokens(seq, budget)
+            drafts = self._drafts(seq, budget) if self.proposer is not None and num_new == 1 else []
+            if drafts and not self._room_for_drafts(seq, len(drafts), len(running) - i - 1):
+                drafts = []  # no room for guesses: decode the one token
             while not allocate_slots(seq, num_new):
                 victim = self.policy.victim(self.running, seq)
                 self.running.remove(victim)
@@ -169,8 +183,8 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                chunks.append(self._chunk(seq, num_new))
-                budget -= num_new
+                chunks.append(self._chunk(seq, num_new, drafts))
+                budget -= num_new + len(drafts)
                 i += 1
         if len(plan.preempted_ids) == made_room:  # no running request went short
             self._admit(plan, budget)
@@ -253,11 +267,38 @@ class Scheduler:
             if seq.num_held_steps:
                 self.num_held_admissions += 1
 
-    def _chunk(self, seq: Sequence, num_new: int) -> ScheduledChunk:
+    def _chunk(self, seq: Sequence, num_new: int, drafts: list[int] | None = None) -> ScheduledChunk:
         start = seq.num_computed_tokens
         end = start + num_new
-        return ScheduledChunk(seq.request_id, seq.token_slice(start, end), start,
-                              self.kv.block_ids(seq.request_id), end == len(seq.prompt_token_ids) + len(seq.output_token_ids))
+        chunk = ScheduledChunk(seq.request_id, seq.token_slice(start, end), start,
+                               self.kv.block_ids(seq.request_id), end == len(seq.prompt_token_ids) + len(seq.output_token_ids))
+        if drafts:
+            chunk.token_ids += drafts
+            chunk.num_drafts = len(drafts)
+            self.draft_tokens_total += len(drafts)
+        return chunk
+
+    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """Guesses of the tokens after a decoding request's next one, as many as its
+        limits leave room for: each accepted draft is an output token and a computed
+        position, and the step after the drafts still samples one token."""
+        if seq.num_computed_tokens != seq.num_tokens - 1 or not can_draft(seq.params):
+            return []
+        assert self.proposer is not None
+        limit = min(budget - 1, seq.params.max_tokens - len(seq.output_token_ids) - 1,
+                    self.config.max_model_len - seq.num_tokens - 1)
+        index = self._ngrams.setdefault(seq.request_id, NgramIndex())
+        return self.proposer.propose(index, seq.all_token_ids, limit)
+
+    def _room_for_drafts(self, seq: Sequence, num_drafts: int, others: int) -> bool:
+        """Allocate the slots of ``seq``'s next token and drafts, unless the drafts need
+        blocks that the ``others`` requests still to be scheduled this step may need for
+        their own next token: a guess never preempts a request."""
+        bs = self.kv.block_size
+        extra = -(-(seq.num_computed_tokens + 1 + num_drafts) // bs) - len(self.kv.block_ids(seq.request_id))
+        if extra > 0 and self.kv.available_blocks() < extra + others:
+            return False
+        return self.kv.allocate_slots(seq, 1 + num_drafts)
 
     def _preempt(self, seq: Sequence) -> None:
         kind = self.policy.preempt_kind(seq)
@@ -280,7 +321,8 @@ class Scheduler:
         not one. The policy must leave such steps alone (``SchedulePolicy.plain_decodes``)
         and no token may stop a request (stop tokens, EOS), so that only the length
         limits end one."""
-        if (not self.policy.plain_decodes or self.kv.gate is not None or len(self.policy) or self.loading
+        if (not self.policy.plain_decodes or self.proposer is not None or self.kv.gate is not None
+                or len(self.policy) or self.loading
                 or self._unseen or self._finished_ids or not self.running
                 or len(self.running) > self.config.max_num_batched_tokens or not self.kv.settled):
             return 0
@@ -334,11 +376,21 @@ class Scheduler:
             seq = requests.get(chunk.request_id)
             if seq is None or seq.status is not running:
                 continue  # aborted while the step ran
-            seq.num_computed_tokens += len(chunk.token_ids)
             token = sampled.get(chunk.request_id)
-            if token is not None:
-                seq.output_token_ids.append(token)
-                self._check_stop(seq, token)
+            tokens = [] if token is None else [*result.accepted_drafts.get(chunk.request_id, ()), token]
+            seq.num_computed_tokens += len(chunk.token_ids) - chunk.num_drafts
+            for i, t in enumerate(tokens):
+                if i:  # an accepted draft before it: its K/V was computed too
+                    seq.num_computed_tokens += 1
+                seq.output_token_ids.append(t)
+                self._check_stop(seq, t)
+                if seq.status is SequenceStatus.FINISHED:
+                    tokens = tokens[:i + 1]
+                    break
+            if chunk.num_drafts and token is not None:
+                kept = len(result.accepted_drafts.get(chunk.request_id, ()))
+                self.accepted_tokens_total += kept
+                self._ngrams[chunk.request_id].record(chunk.num_drafts, kept)
             cache_full_blocks(seq)
             if token is not None and seq.params.n > 1:
                 self._fork(seq)
@@ -346,7 +398,7 @@ class Scheduler:
                 self.running.remove(seq)
                 self._release(seq)
             if token is not None:
-                outputs.append(self._output(seq, [token]))
+                outputs.append(self._output(seq, tokens))
                 outputs[-1].logprobs, outputs[-1].prompt_logprobs = result.logprobs_of(chunk.request_id)
         return outputs
 
@@ -380,6 +432,7 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         self.kv.free(seq)
         self._requests.pop(seq.request_id, None)
+        self._ngrams.pop(seq.request_id, None)
         self._unseen.discard(seq.request_id)
         self._finished_ids.append(seq.request_id)
 
@@ -415,5 +468,7 @@ class Scheduler:
             "prompt_tokens_total": self.prompt_tokens_total,
             "cached_tokens_total": self.cached_tokens_total,
             "cache_hit_rate": self.cached_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else 0.0,
+            "spec_draft_tokens_total": self.draft_tokens_total,
+            "spec_accepted_tokens_total": self.accepted_tokens_total,
             **self.policy.stats(),
         }

@@ -35,6 +35,9 @@ class ScheduledChunk:
     start_pos: int  # position of token_ids[0] (tokens before it are in the KV cache)
     block_ids: list[int]  # the request's device block table, covering start_pos + len(token_ids)
     sample: bool  # True when the last token's logits give the request's next token
+    # The last num_drafts of token_ids are guesses of the tokens after the first one
+    # (``ngram_proposer.py``): the runner keeps those its greedy choice agrees with.
+    num_drafts: int = 0
 
 
 @dataclass
@@ -83,6 +86,8 @@ class StepResult:
     # whole prompt (given once, in the step that samples the first token).
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Drafts the model agreed with (request id -> tokens): they come before its next token.
+    accepted_drafts: dict[str, list[int]] = field(default_factory=dict)
 
     def logprobs_of(self, request_id: str) -> tuple[list[TokenLogprobs] | None, list[TokenLogprobs] | None]:
         """What a request's output of this step carries: its sampled token's and its
@@ -92,5 +97,6 @@ class StepResult:
 
     def merge(self, other: StepResult) -> None:
         self.sampled.update(other.sampled)
+        self.accepted_drafts.update(other.accepted_drafts)
         self.logprobs.update(other.logprobs)
         self.prompt_logprobs.update(other.prompt_logprobs)

@@ -33,7 +33,12 @@ SDPA in float32 and 1.4-2x in bf16 (benchmarks/micro/prefill_attention_micro.py)
 
 On CPU, decode rows go to a compiled kernel (cpu_kernels, csrc/paged_decode.cpp) that
 reads each row's blocks in place, unless ``--cpu-attention torch`` or it cannot be built;
-the grouped, gathered SDPA path below is then what runs.
+the grouped, gathered SDPA path below is then what runs. A chunk of at most
+KERNEL_MAX_QUERIES tokens (a decode with speculative drafts, a short follow-up prompt) is
+attended as that many kernel rows, query j seeing the keys up to its own position: a
+sequence's rows are adjacent work items, so its blocks are read from DRAM about once and
+from cache after, while a prefill plan costs a dozen ops per sequence and layer (16
+decodes with 4 drafts each measured several times slower through it).
 
 On CPU, a decode group of at least DECODE_CHUNK_MIN_TOKENS padded context tokens (and
 more than one chunk) never has its padded context materialised: it is gathered and
@@ -103,6 +108,9 @@ DECODE_GROUP_MAX_PAD_SHARE = 0.25
 # and attended DECODE_CHUNK_BLOCKS block columns at a time (see the module docstring).
 DECODE_CHUNK_MIN_TOKENS = 8192
 DECODE_CHUNK_BLOCKS = 16
+# On CPU with the kernel, a chunk of at most this many queries is attended as decode rows
+# (one per query); longer chunks take the blocked prefill, which reads the keys once.
+KERNEL_MAX_QUERIES = 8
 # Queries per block of the CPU prefill path: from 64 to 128 measured the same or better
 # at 1 and 2 threads; 256 rows of scores per query head fall out of the L2 cache.
 PREFILL_QUERY_BLOCK = 128
@@ -257,18 +265,23 @@ class AttentionPlan:
             xformers = XformersBatch(block_tables[:, :max_blocks], bias)
             return cls(meta.layout, slots // bs, slots % bs, [], [], xformers)
 
-        decode_seqs = [i for i, q in enumerate(query_lens) if q == 1]
+        use_kernel = device.type == "cpu" and meta.cpu_attention == "kernel" and cpu_kernels.available()
+        most_rows = KERNEL_MAX_QUERIES if use_kernel else 1  # a chunk of at most this many queries: decode rows
+        decode_seqs = [i for i, q in enumerate(query_lens) if q <= most_rows]
         blocked = device.type == "cpu" and torch.backends.mkldnn.is_available()
         prefills = [
             _plan_prefill(slice(starts[i], starts[i + 1]), block_tables[i], ctx[i], bs, device, blocked, window,
                           softcap)
             for i, q in enumerate(query_lens)
-            if q > 1
+            if q > most_rows
         ]
-        if decode_seqs and device.type == "cpu" and meta.cpu_attention == "kernel" and cpu_kernels.available():
-            lens = [ctx[i] for i in decode_seqs]
-            kernel = KernelDecodes(_as_index([starts[i] for i in decode_seqs], device),
-                                   block_tables[_as_index(decode_seqs, device), : _blocks_for(max(lens), bs)],
+        if decode_seqs and use_kernel:
+            # Query j of a chunk of q tokens ending at ctx sees the first ctx - q + 1 + j keys.
+            rows = [(starts[i] + j, i, ctx[i] - query_lens[i] + 1 + j) for i in decode_seqs
+                    for j in range(query_lens[i])]
+            lens = [n for _, _, n in rows]
+            kernel = KernelDecodes(_as_index([t for t, _, _ in rows], device),
+                                   block_tables[_as_index([i for _, i, _ in rows], device), : _blocks_for(max(lens), bs)],
                                    torch.tensor(lens, dtype=torch.long))
             return cls(meta.layout, slots // bs, slots % bs, [], prefills, None, blocked, kernel, window=window,
                        softcap=softcap)
