@@ -130,6 +130,31 @@ def test_config_follows_vllm_and_refuses_what_it_does_not_know():
             NgramConfig.from_dict(bad)
 
 
+def test_drafts_per_batch_size_follow_vllms_schedule():
+    cfg = NgramConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4,
+                                 "num_speculative_tokens_per_batch_size": [[5, 8, 1], [1, 2, 6], [16, 64, 0]]})
+    assert [cfg.max_drafts(b) for b in (1, 2, 3, 5, 8, 9, 15, 16, 100)] == [4, 4, 4, 1, 1, 1, 1, 0, 0]
+    assert NgramConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3}).max_drafts(500) == 3
+    for bad in ([[2, 4, 1]], [[1, 4, 1], [4, 8, 0]], [[1, 4, -1]], [[1, 4]]):
+        with pytest.raises(ValueError):
+            NgramConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3,
+                                   "num_speculative_tokens_per_batch_size": bad})
+
+
+def test_a_batch_past_the_schedule_decodes_without_drafts():
+    spec = {**SPEC, "num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 64, 0]]}
+    prompt = [7, 100, 101, 102, 103, 104, 100, 101]
+    engine, runner = make_engine(spec=spec)
+    for rid, first in (("a", 7), ("b", 8)):  # no block in common: admitted together
+        params = SamplingParams(max_tokens=8, temperature=0.0)
+        assert engine.add_request(AddRequest(rid, [first, *prompt[1:]], params)) is None
+    run_to_end(engine)
+    assert not any(c.num_drafts for p in runner.plans for c in p.chunks)
+    engine, runner = make_engine(spec=spec)  # alone: it drafts
+    assert generate(engine, prompt) == generate(make_engine(spec=None)[0], prompt)
+    assert any(c.num_drafts for p in runner.plans for c in p.chunks)
+
+
 def test_only_plain_greedy_requests_draft():
     assert can_draft(SamplingParams(temperature=0.0))
     for params in (SamplingParams(temperature=0.7), SamplingParams(temperature=0.0, logprobs=2),

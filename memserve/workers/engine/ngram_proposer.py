@@ -34,11 +34,15 @@ from memserve.workers.engine.step_plan import ScheduledChunk, StepResult
 class NgramConfig:
     """vLLM's ``--speculative-config`` for ``method: ngram``: up to ``num_speculative_tokens``
     drafts, found after the longest earlier match of the last ``prompt_lookup_max`` down to
-    ``prompt_lookup_min`` tokens."""
+    ``prompt_lookup_min`` tokens. ``per_batch_size`` (vLLM's
+    ``num_speculative_tokens_per_batch_size``): inclusive ranges of running requests
+    ``(first, last, k)`` with at most k drafts each, sorted, the first starting at 1; a batch
+    size past a range takes the k of the range before it."""
 
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    per_batch_size: tuple[tuple[int, int, int], ...] = ()
 
     @classmethod
     def from_dict(cls, d: dict) -> NgramConfig:
@@ -47,17 +51,34 @@ class NgramConfig:
         method = d.pop("method", None)
         if method != "ngram":
             raise ValueError(f"speculative method {method!r} is not supported; memserve drafts by 'ngram'")
-        known = {"num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        known = {"num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                 "num_speculative_tokens_per_batch_size"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown speculative-config keys {unknown}; expected some of {sorted(known)}")
         if "num_speculative_tokens" not in d:
             raise ValueError("speculative-config needs num_speculative_tokens")
-        cfg = cls(**{k: int(v) for k, v in d.items()})
+        schedule = d.pop("num_speculative_tokens_per_batch_size", None) or []
+        cfg = cls(**{k: int(v) for k, v in d.items()},
+                  per_batch_size=tuple(sorted(tuple(int(x) for x in entry) for entry in schedule)))
         if cfg.num_speculative_tokens < 1 or not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
             raise ValueError("speculative-config needs num_speculative_tokens >= 1 and "
                              "1 <= prompt_lookup_min <= prompt_lookup_max")
+        ranges = cfg.per_batch_size
+        if ranges and (ranges[0][0] != 1 or any(len(r) != 3 or r[0] > r[1] or r[2] < 0 for r in ranges)
+                       or any(a[1] >= b[0] for a, b in zip(ranges, ranges[1:]))):
+            raise ValueError("num_speculative_tokens_per_batch_size needs non-overlapping [first, last, k] "
+                             "ranges of batch sizes, the first starting at 1, with k >= 0")
         return cfg
+
+    def max_drafts(self, batch_size: int) -> int:
+        """The most drafts a request takes in a step of ``batch_size`` running requests."""
+        k = self.num_speculative_tokens
+        for first, _, range_k in self.per_batch_size:
+            if first > batch_size:
+                break
+            k = min(self.num_speculative_tokens, range_k)
+        return k
 
 
 def can_draft(params: SamplingParams) -> bool:
@@ -106,8 +127,9 @@ class NgramProposer:
         self.config = config
 
     def propose(self, index: NgramIndex, tokens: list[int], limit: int) -> list[int]:
-        """Up to ``min(limit, num_speculative_tokens)`` tokens that followed the latest
-        earlier occurrence of the longest matching suffix of ``tokens``; [] for none."""
+        """Up to ``limit`` tokens that followed the latest earlier occurrence of the
+        longest matching suffix of ``tokens`` (fewer while the request's drafts are
+        seldom kept), and at most ``num_speculative_tokens``; [] for none."""
         cfg = self.config
         limit = min(limit, cfg.num_speculative_tokens)
         n_tokens = len(tokens)

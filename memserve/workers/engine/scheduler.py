@@ -168,11 +168,12 @@ class Scheduler:
         made_room = len(plan.preempted_ids)
         budget = self.policy.begin_step(self.running, now, budget)
         running, allocate_slots, chunks = self.running, self.kv.allocate_slots, plan.chunks
+        max_drafts = self.proposer.config.max_drafts(len(running)) if self.proposer is not None else 0
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
             num_new = self._num_new_tokens(seq, budget)
-            drafts = self._drafts(seq, budget) if self.proposer is not None and num_new == 1 else []
+            drafts = self._drafts(seq, min(budget - 1, max_drafts)) if max_drafts and num_new == 1 else []
             if drafts and not self._room_for_drafts(seq, len(drafts), len(running) - i - 1):
                 drafts = []  # no room for guesses: decode the one token
             while not allocate_slots(seq, num_new):
@@ -278,14 +279,14 @@ class Scheduler:
             self.draft_tokens_total += len(drafts)
         return chunk
 
-    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
-        """Guesses of the tokens after a decoding request's next one, as many as its
-        limits leave room for: each accepted draft is an output token and a computed
-        position, and the step after the drafts still samples one token."""
+    def _drafts(self, seq: Sequence, most: int) -> list[int]:
+        """At most ``most`` guesses of the tokens after a decoding request's next one, as
+        many as its limits leave room for: each accepted draft is an output token and a
+        computed position, and the step after the drafts still samples one token."""
         if seq.num_computed_tokens != seq.num_tokens - 1 or not can_draft(seq.params):
             return []
         assert self.proposer is not None
-        limit = min(budget - 1, seq.params.max_tokens - len(seq.output_token_ids) - 1,
+        limit = min(most, seq.params.max_tokens - len(seq.output_token_ids) - 1,
                     self.config.max_model_len - seq.num_tokens - 1)
         index = self._ngrams.setdefault(seq.request_id, NgramIndex())
         return self.proposer.propose(index, seq.all_token_ids, limit)
