@@ -16,6 +16,7 @@ machine falls on both alike.
     python benchmarks/micro/engine_step_profile.py [--dtype float32] [--threads 1] [--profile]
     python benchmarks/micro/engine_step_profile.py --baseline 7570ff4 --threads 1
     python benchmarks/micro/engine_step_profile.py --against "--dtype bfloat16" --threads 1
+    python benchmarks/micro/engine_step_profile.py --batches 1,4,16 --drafts 0,1,4 --prefill 0  # speculative verify steps
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpu-attention", default="kernel", choices=["kernel", "torch"], help="see memserve up --help")
     p.add_argument("--context", type=int, default=512, help="tokens in each decode sequence's KV")
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes")
+    p.add_argument("--drafts", default="0",
+                   help="speculative drafts per decoding request, e.g. 0,4: each decode batch with each count "
+                        "(its verify step: 1 + d tokens a request, logits for all of them)")
     p.add_argument("--prefill", type=int, default=256, help="mixed step: new prompt tokens after as many cached (0: no mixed step)")
     p.add_argument("--cold-prefill", type=int, default=0, help="also a step prefilling this many tokens, none cached")
     p.add_argument("--reps", type=int, default=20, help="timed steps per step kind")
@@ -113,12 +117,16 @@ def contexts(args: argparse.Namespace, batch: int) -> list[int]:
     return [args.context // 2 + i * args.context // (batch - 1) for i in range(batch)]
 
 
-def decode_plan(args: argparse.Namespace, maker: PlanMaker, batch: int):
-    return maker.plan([maker.chunk(ctx, 1) for ctx in contexts(args, batch)])
+def decode_plan(args: argparse.Namespace, maker: PlanMaker, batch: int, drafts: int = 0):
+    chunks = [maker.chunk(ctx, 1 + drafts) for ctx in contexts(args, batch)]
+    for chunk in chunks:
+        chunk.num_drafts = drafts
+    return maker.plan(chunks)
 
 
 def step_kinds(args: argparse.Namespace, maker: PlanMaker) -> dict[str, object]:
-    kinds = {f"decode x{batch}": decode_plan(args, maker, batch) for batch in map(int, args.batches.split(","))}
+    kinds = {f"decode x{batch}" + (f", {drafts} drafts each" if drafts else ""): decode_plan(args, maker, batch, drafts)
+             for batch in map(int, args.batches.split(",")) for drafts in map(int, args.drafts.split(","))}
     if args.prefill:
         decodes = [maker.chunk(ctx, 1) for ctx in contexts(args, 7)]
         kinds[f"mixed: 7 decode + {args.prefill}-token prefill"] = maker.plan(
@@ -130,7 +138,7 @@ def step_kinds(args: argparse.Namespace, maker: PlanMaker) -> dict[str, object]:
 
 def blocks_needed(args: argparse.Namespace, block_size: int) -> int:
     """Enough for the largest plan (the longest decode context is 3/2 of the mean)."""
-    per_seq = -(-(3 * args.context // 2 + 1) // block_size)
+    per_seq = -(-(3 * args.context // 2 + 1 + max(map(int, args.drafts.split(",")))) // block_size)
     largest = max(map(int, args.batches.split(",") + args.roofline.split(",") + ["7"]))
     return 2 + largest * per_seq + -(-2 * args.prefill // block_size) + -(-args.cold_prefill // block_size)
 

@@ -36,7 +36,7 @@ from memserve.kvcache.tiered_mover import TieredMover
 from memserve.model_files.generation import eos_token_ids
 from memserve.workers.engine.layer_hooks import NO_HOOKS, ChainedHooks, LayerHooks
 from memserve.workers.engine.ngram_proposer import accept_drafts
-from memserve.workers.engine.step_plan import KVLoad, StepPlan, StepResult
+from memserve.workers.engine.step_plan import KVLoad, ScheduledChunk, StepPlan, StepResult
 from memserve.workers.copy_stream import CopyStream, StreamMover
 from memserve.workers.kv_disk import open_disk_store
 from memserve.workers.kv_pools import KVPools
@@ -54,7 +54,7 @@ from memserve.workers.model.logprobs import (
     sampled_logprobs,
 )
 from memserve.workers.model.penalties import TokenHistories
-from memserve.workers.model.sampler import Sampler
+from memserve.workers.model.sampler import Sampler, verify_sampled_drafts
 
 
 class ModelRunner:
@@ -197,14 +197,43 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[sample_rows])
         params = [self._params[r] for r in sample_ids]
         logprob_rows, log_probs = log_softmax_rows(logits, params)  # raw logits, before the sampler
-        tokens = self.sampler.sample(logits, params, [self._generators.get(r) for r in sample_ids],
-                                     self._histories.rows(sample_ids), self._grammars.rows(sample_ids))
+        tokens = self._choose(logits, params, sample_ids, plan.chunks)
         self._grammars.accept(sample_ids, tokens)
         result = StepResult(dict(zip(sample_ids, tokens)),
                             sampled_logprobs(logprob_rows, log_probs, tokens, params, sample_ids), prompt_logprobs)
         if len(tokens) > len(result.sampled):
             accept_drafts(plan.chunks, tokens, result)
         return result
+
+    def _choose(self, logits: torch.Tensor, params: list[SamplingParams], sample_ids: list[str],
+                chunks: list[ScheduledChunk]) -> list[int]:
+        """The token chosen after each sampled row: the sampler's, except on the rows of a
+        sampled (not greedy) request's drafts, which speculative sampling verifies."""
+        generators = [self._generators.get(r) for r in sample_ids]
+        verified: dict[int, ScheduledChunk] = {}  # first row -> its chunk
+        row = 0
+        for chunk in chunks:
+            if chunk.sample:
+                if chunk.num_drafts and not params[row].greedy:
+                    verified[row] = chunk
+                row += 1 + chunk.num_drafts
+        if not verified:
+            return self.sampler.sample(logits, params, generators, self._histories.rows(sample_ids),
+                                       self._grammars.rows(sample_ids))
+        skip = {first + i for first, chunk in verified.items() for i in range(1 + chunk.num_drafts)}
+        own = [i for i in range(len(sample_ids)) if i not in skip]
+        tokens = [0] * len(sample_ids)
+        if own:
+            ids = [sample_ids[i] for i in own]
+            picked = self.sampler.sample(logits[own], [params[i] for i in own], [generators[i] for i in own],
+                                         self._histories.rows(ids), self._grammars.rows(ids))
+            for i, token in zip(own, picked):
+                tokens[i] = token
+        for first, chunk in verified.items():
+            end = first + 1 + chunk.num_drafts
+            tokens[first:end] = verify_sampled_drafts(logits[first:end], chunk.token_ids[-chunk.num_drafts:],
+                                                      params[first].temperature, generators[first])
+        return tokens
 
     def add_step_hooks(self, make: Callable[[StepPlan], LayerHooks | None]) -> None:
         """Have ``make(plan)`` give each step's extra layer hooks, called after ``hooks``."""

@@ -155,9 +155,11 @@ def test_a_batch_past_the_schedule_decodes_without_drafts():
     assert any(c.num_drafts for p in runner.plans for c in p.chunks)
 
 
-def test_only_plain_greedy_requests_draft():
+def test_only_greedy_and_plain_temperature_requests_draft():
     assert can_draft(SamplingParams(temperature=0.0))
-    for params in (SamplingParams(temperature=0.7), SamplingParams(temperature=0.0, logprobs=2),
+    assert can_draft(SamplingParams(temperature=0.7, seed=3))
+    for params in (SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=0.7, top_k=40),
+                   SamplingParams(temperature=0.0, logprobs=2),
                    SamplingParams(temperature=0.0, repetition_penalty=1.2), SamplingParams(temperature=0.0, n=2),
                    SamplingParams(temperature=0.0, grammar="start: /a+/"),
                    SamplingParams(temperature=0.0, logit_bias={5: 1.0}), SamplingParams(temperature=0.0, min_tokens=3)):

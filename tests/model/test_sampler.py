@@ -123,3 +123,27 @@ def test_candidate_shortcut_draws_exactly_what_a_full_sort_draws(monkeypatch):
     with_shortcut = draw()
     monkeypatch.setattr(sampler_module, "CANDIDATE_WIDTHS", ())
     assert draw() == with_shortcut
+
+
+def test_speculative_sampling_emits_what_plain_sampling_would():
+    """Draft tokens verified by speculative sampling: the first emitted token follows
+    softmax(row 0 / T) whatever the draft (likely or not), the draft is kept with its own
+    probability, and after a kept draft the second token follows row 1."""
+    rows, temperature = torch.randn(3, 8, generator=_generator(1)) * 2, 0.7
+    probs = (rows / temperature).softmax(-1)
+    trials = 2000
+    for draft in (int(probs[0].argmax()), int(probs[0].argmin())):
+        generator = _generator(draft)
+        first = torch.zeros(8)
+        second = torch.zeros(8)
+        kept = 0
+        for _ in range(trials):
+            chosen = sampler_module.verify_sampled_drafts(rows, [draft, 3], temperature, generator)
+            first[chosen[0]] += 1
+            if chosen[0] == draft:  # kept: the next token (draft 3 or its replacement) follows row 1
+                kept += 1
+                second[chosen[1]] += 1
+        assert kept / trials == pytest.approx(float(probs[0, draft]), abs=0.04)
+        assert torch.allclose(first / trials, probs[0], atol=0.04)
+        if kept > 300:
+            assert torch.allclose(second / kept, probs[1], atol=0.07)

@@ -58,17 +58,22 @@ class NgramConfig:
             raise ValueError(f"unknown speculative-config keys {unknown}; expected some of {sorted(known)}")
         if "num_speculative_tokens" not in d:
             raise ValueError("speculative-config needs num_speculative_tokens")
-        schedule = d.pop("num_speculative_tokens_per_batch_size", None) or []
-        cfg = cls(**{k: int(v) for k, v in d.items()},
-                  per_batch_size=tuple(sorted(tuple(int(x) for x in entry) for entry in schedule)))
+        bad_ranges = ValueError("num_speculative_tokens_per_batch_size needs non-overlapping [first, last, k] "
+                                "ranges of batch sizes, the first starting at 1, with k >= 0")
+        ranges: list[tuple[int, int, int]] = []
+        for entry in d.pop("num_speculative_tokens_per_batch_size", None) or []:
+            if not isinstance(entry, (list, tuple)) or len(entry) != 3:
+                raise bad_ranges
+            first, last, k = (int(x) for x in entry)
+            ranges.append((first, last, k))
+        ranges.sort()
+        if ranges and (ranges[0][0] != 1 or any(r[0] > r[1] or r[2] < 0 for r in ranges)
+                       or any(a[1] >= b[0] for a, b in zip(ranges, ranges[1:]))):
+            raise bad_ranges
+        cfg = cls(**{k: int(v) for k, v in d.items()}, per_batch_size=tuple(ranges))
         if cfg.num_speculative_tokens < 1 or not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
             raise ValueError("speculative-config needs num_speculative_tokens >= 1 and "
                              "1 <= prompt_lookup_min <= prompt_lookup_max")
-        ranges = cfg.per_batch_size
-        if ranges and (ranges[0][0] != 1 or any(len(r) != 3 or r[0] > r[1] or r[2] < 0 for r in ranges)
-                       or any(a[1] >= b[0] for a, b in zip(ranges, ranges[1:]))):
-            raise ValueError("num_speculative_tokens_per_batch_size needs non-overlapping [first, last, k] "
-                             "ranges of batch sizes, the first starting at 1, with k >= 0")
         return cfg
 
     def max_drafts(self, batch_size: int) -> int:
@@ -82,12 +87,15 @@ class NgramConfig:
 
 
 def can_draft(params: SamplingParams) -> bool:
-    """Whether drafts for a request with ``params`` are verified exactly by the greedy
-    argmax alone: greedy, one choice, and nothing that looks at or reshapes the logits
-    (log-probabilities, penalties, biases, a minimum length, a grammar)."""
-    return (params.greedy and params.n == 1 and params.logprobs is None and params.grammar is None
-            and not params.logit_bias and params.min_tokens == 0 and params.presence_penalty == 0.0
-            and params.frequency_penalty == 0.0 and params.repetition_penalty == 1.0)
+    """Whether drafts for a request with ``params`` can be verified exactly from its rows'
+    logits alone: greedy (the argmax), or sampled by temperature alone (speculative
+    sampling, ``sampler.verify_sampled_drafts``); one choice, and nothing that looks at
+    or reshapes the logits (top-k or top-p filters, log-probabilities, penalties, biases,
+    a minimum length, a grammar)."""
+    return ((params.greedy or (params.top_k == 0 and params.top_p >= 1.0)) and params.n == 1
+            and params.logprobs is None and params.grammar is None and not params.logit_bias
+            and params.min_tokens == 0 and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
+            and params.repetition_penalty == 1.0)
 
 
 # A draft token is proposed when the request's estimated chance of keeping it (its
@@ -169,8 +177,8 @@ def accept_drafts(chunks: list[ScheduledChunk], tokens: list[int], result: StepR
     the token the model chose after each sampled row, the rows of each sampling chunk in
     order (a draft chunk's last ``1 + num_drafts``). A chunk's drafts are kept up to the
     first that differs from the token chosen after the row before it; the token chosen
-    after the last one kept is the request's next token. Exact for requests whose next
-    token is their greedy argmax (``can_draft``)."""
+    after the last one kept is the request's next token. The choices are the greedy
+    argmax, or for a sampled request those of ``sampler.verify_sampled_drafts``."""
     row = 0
     for chunk in chunks:
         if not chunk.sample:

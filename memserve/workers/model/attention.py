@@ -37,8 +37,8 @@ the grouped, gathered SDPA path below is then what runs. A chunk of at most
 KERNEL_MAX_QUERIES tokens (a decode with speculative drafts, a short follow-up prompt) is
 attended as that many kernel rows, query j seeing the keys up to its own position: a
 sequence's rows are adjacent work items, so its blocks are read from DRAM about once and
-from cache after, while a prefill plan costs a dozen ops per sequence and layer (16
-decodes with 4 drafts each measured several times slower through it).
+from cache after, while a prefill plan costs a dozen ops per sequence and layer, which
+for 16 such chunks outweighed the verify step's products.
 
 On CPU, a decode group of at least DECODE_CHUNK_MIN_TOKENS padded context tokens (and
 more than one chunk) never has its padded context materialised: it is gathered and

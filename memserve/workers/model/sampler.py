@@ -50,6 +50,30 @@ class Sampler:
         return tokens.tolist()
 
 
+def verify_sampled_drafts(logits: torch.Tensor, drafts: list[int], temperature: float,
+                          generator: torch.Generator | None) -> list[int]:
+    """Speculative sampling of one request's drafts (a point-mass guess each) against
+    its rows of logits [len(drafts) + 1, V]: draft i is kept with its probability under
+    softmax(row i / temperature); the first one lost is replaced by a draw from that row
+    without it, renormalised; when all are kept the last row is sampled. Each emitted
+    token thus has exactly the distribution plain sampling gives it (Leviathan et al.,
+    2023). Returns one token per row in the form ``ngram_proposer.accept_drafts`` reads:
+    the draft itself where kept, the replacement where lost (rows after it repeat it and
+    are never read)."""
+    probs = (logits.float() / temperature).softmax(dim=-1)
+    uniforms = torch.rand(len(drafts) + 1, device=logits.device, generator=generator)
+    chosen: list[int] = []
+    for i, draft in enumerate(drafts):
+        if uniforms[i] < probs[i, draft]:
+            chosen.append(draft)
+            continue
+        residual = probs[i : i + 1].clone()
+        residual[0, draft] = 0.0
+        token = int(_inverse_cdf_of_probs(residual, uniforms[-1:]).item())
+        return chosen + [token] * (len(drafts) + 1 - len(chosen))
+    return chosen + [int(_inverse_cdf_of_probs(probs[-1:], uniforms[-1:]).item())]
+
+
 def _select(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """x[rows] for sorted distinct rows, without a copy when they are all of x's rows."""
     return x if len(rows) == x.shape[0] else x[torch.tensor(rows, device=x.device)]

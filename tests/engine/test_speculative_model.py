@@ -1,8 +1,10 @@
-"""N-gram speculative decoding on the real model: the tokens equal plain decoding's (itself
-equal to transformers', tests/model/test_model_equivalence.py) on prompts that quote
-themselves, on multi-turn ShareGPT conversations and beside requests that cannot draft
-(log-probabilities, seeded sampling), whose outputs are unchanged; the drafts are
-accepted often enough to save steps, and no block is left behind."""
+"""N-gram speculative decoding on the real model: greedy tokens equal plain decoding's
+(itself equal to transformers', tests/model/test_model_equivalence.py) on prompts that
+quote themselves, on multi-turn ShareGPT conversations and beside requests that cannot
+draft (log-probabilities, top-p sampling), whose outputs are unchanged; the drafts are
+accepted often enough to save steps; sampled requests draft too, repeatably under a seed;
+no block is left behind. (That speculative sampling keeps each token's distribution is
+tested on the sampler, tests/model/test_sampler.py.)"""
 
 from __future__ import annotations
 
@@ -87,10 +89,22 @@ def test_requests_that_cannot_draft_are_unchanged_beside_those_that_do(engines, 
     requests = {
         "greedy": (prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)),
         "logprobs": (prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)),
-        "seeded": (prompt, SamplingParams(max_tokens=24, temperature=0.8, seed=5, ignore_eos=True)),
+        "top-p": (prompt, SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)),
     }
     spec, plain = generate(engines["spec"], requests), generate(engines["plain"], requests)
     assert spec["greedy"] == plain["greedy"]
     assert [t for t, _ in spec["logprobs"]] == [t for t, _ in plain["logprobs"]] == spec["greedy"]
     assert [lp for _, lp in spec["logprobs"]] == pytest.approx([lp for _, lp in plain["logprobs"]], abs=1e-4)
-    assert spec["seeded"] == plain["seeded"]
+    assert spec["top-p"] == plain["top-p"]
+
+
+def test_sampled_requests_draft_and_repeat_under_a_seed(engines, tokenizer):
+    prompt = tokenizer.encode_chat([{"role": "user", "content": QUOTING[1]}])
+    params = SamplingParams(max_tokens=40, temperature=0.3, seed=11, ignore_eos=True)
+    engine = engines["spec"]
+    before = engine.scheduler.stats()["spec_accepted_tokens_total"]
+    first = generate(engine, {"a": (prompt, params)})["a"]
+    assert engine.scheduler.stats()["spec_accepted_tokens_total"] > before
+    assert generate(engine, {"b": (prompt, params)})["b"] == first
+    assert len(first) == 40
+    assert_no_block_held(engine)
