@@ -3,8 +3,9 @@
 Chat answers and edits quote their context: when the last n tokens of a sequence occurred
 earlier in it, the tokens that followed them then are a cheap guess of what follows now.
 The scheduler appends such a guess (the draft) to a decoding request's next token; the
-runner computes all of them in one forward pass and keeps the drafts the model's own
-greedy choice agrees with, plus the model's next token after them. A decode step on a
+runner computes all of them in one forward pass and keeps the drafts the model agrees
+with (its greedy choice, or for a request sampled by temperature, speculative sampling's
+test), plus the model's next token after them. A decode step on a
 CPU or GPU reads every weight whatever the number of tokens, so each accepted draft is
 a token for nearly nothing; a rejected one costs a few rows of compute.
 
