@@ -35,7 +35,7 @@ from memserve.kvcache.saver import InlineSaver, Saver, ThreadSaver
 from memserve.kvcache.tiered_mover import TieredMover
 from memserve.model_files.generation import eos_token_ids
 from memserve.workers.engine.layer_hooks import NO_HOOKS, ChainedHooks, LayerHooks
-from memserve.workers.engine.ngram_proposer import accept_drafts
+from memserve.workers.engine.ngram_proposer import accept_drafts, draft_rows
 from memserve.workers.engine.step_plan import KVLoad, ScheduledChunk, StepPlan, StepResult
 from memserve.workers.copy_stream import CopyStream, StreamMover
 from memserve.workers.kv_disk import open_disk_store
@@ -201,8 +201,7 @@ class ModelRunner:
         self._grammars.accept(sample_ids, tokens)
         result = StepResult(dict(zip(sample_ids, tokens)),
                             sampled_logprobs(logprob_rows, log_probs, tokens, params, sample_ids), prompt_logprobs)
-        if len(tokens) > len(result.sampled):
-            accept_drafts(plan.chunks, tokens, result)
+        accept_drafts(plan.chunks, tokens, result)
         return result
 
     def _choose(self, logits: torch.Tensor, params: list[SamplingParams], sample_ids: list[str],
@@ -210,13 +209,7 @@ class ModelRunner:
         """The token chosen after each sampled row: the sampler's, except on the rows of a
         sampled (not greedy) request's drafts, which speculative sampling verifies."""
         generators = [self._generators.get(r) for r in sample_ids]
-        verified: dict[int, ScheduledChunk] = {}  # first row -> its chunk
-        row = 0
-        for chunk in chunks:
-            if chunk.sample:
-                if chunk.num_drafts and not params[row].greedy:
-                    verified[row] = chunk
-                row += 1 + chunk.num_drafts
+        verified = {first: chunk for first, chunk in draft_rows(chunks) if not params[first].greedy}
         if not verified:
             return self.sampler.sample(logits, params, generators, self._histories.rows(sample_ids),
                                        self._grammars.rows(sample_ids))

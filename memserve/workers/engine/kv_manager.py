@@ -190,16 +190,17 @@ class KVCacheManager:
         return request_id in self._abandoned
 
     # ----------------------------------------------------------------- slots
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, reserve: int = 0) -> bool:
         """Blocks for ``num_new_tokens`` more tokens after the computed ones; False (and
-        nothing allocated) when the pool cannot provide them now."""
+        nothing allocated) when the pool cannot provide them now while keeping ``reserve``
+        more blocks allocatable (what other requests of the step may still need)."""
         blocks = self._blocks.get(seq.request_id)
         if blocks is None:
             blocks = self._blocks[seq.request_id] = _RequestBlocks()
         need = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(blocks.addrs)
         if need <= 0:
             return True
-        if not self.mempool.can_alloc(need):
+        if not self.mempool.can_alloc(need + reserve):
             return False
         if self.gate is not None and not self.gate.grant(seq, len(blocks.addrs), need):
             return False

@@ -173,21 +173,27 @@ def _depth(acceptance: float, limit: int) -> int:
     return depth
 
 
-def accept_drafts(chunks: list[ScheduledChunk], tokens: list[int], result: StepResult) -> None:
-    """Set the next token of the chunks that carry drafts in ``result``. ``tokens`` holds
-    the token the model chose after each sampled row, the rows of each sampling chunk in
-    order (a draft chunk's last ``1 + num_drafts``). A chunk's drafts are kept up to the
-    first that differs from the token chosen after the row before it; the token chosen
-    after the last one kept is the request's next token. The choices are the greedy
-    argmax, or for a sampled request those of ``sampler.verify_sampled_drafts``."""
+def draft_rows(chunks: list[ScheduledChunk]) -> list[tuple[int, ScheduledChunk]]:
+    """(first row, chunk) of each chunk with drafts among a step's sampled rows, where each
+    sampling chunk has one row per draft plus its last, in chunk order."""
+    rows: list[tuple[int, ScheduledChunk]] = []
     row = 0
     for chunk in chunks:
-        if not chunk.sample:
-            continue
-        chosen = tokens[row:row + 1 + chunk.num_drafts]
-        row += len(chosen)
-        if not chunk.num_drafts:
-            continue
+        if chunk.sample:
+            if chunk.num_drafts:
+                rows.append((row, chunk))
+            row += 1 + chunk.num_drafts
+    return rows
+
+
+def accept_drafts(chunks: list[ScheduledChunk], tokens: list[int], result: StepResult) -> None:
+    """Set the next token of the chunks that carry drafts in ``result``. ``tokens`` holds
+    the token the model chose after each sampled row (``draft_rows``). A chunk's drafts
+    are kept up to the first that differs from the token chosen after the row before it;
+    the token chosen after the last one kept is the request's next token. The choices are
+    the greedy argmax, or for a sampled request those of ``sampler.verify_sampled_drafts``."""
+    for first, chunk in draft_rows(chunks):
+        chosen = tokens[first:first + 1 + chunk.num_drafts]
         drafts = chunk.token_ids[len(chunk.token_ids) - chunk.num_drafts:]
         kept = 0
         while kept < len(drafts) and drafts[kept] == chosen[kept]:

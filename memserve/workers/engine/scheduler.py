@@ -174,7 +174,8 @@ class Scheduler:
             seq = running[i]
             num_new = self._num_new_tokens(seq, budget)
             drafts = self._drafts(seq, min(budget - 1, max_drafts)) if max_drafts and num_new == 1 else []
-            if drafts and not self._room_for_drafts(seq, len(drafts), len(running) - i - 1):
+            # A guess never takes a block the requests after this one may need for their next token.
+            if drafts and not allocate_slots(seq, 1 + len(drafts), reserve=len(running) - i - 1):
                 drafts = []  # no room for guesses: decode the one token
             while not allocate_slots(seq, num_new):
                 victim = self.policy.victim(self.running, seq)
@@ -291,16 +292,6 @@ class Scheduler:
         index = self._ngrams.setdefault(seq.request_id, NgramIndex())
         return self.proposer.propose(index, seq.all_token_ids, limit)
 
-    def _room_for_drafts(self, seq: Sequence, num_drafts: int, others: int) -> bool:
-        """Allocate the slots of ``seq``'s next token and drafts, unless the drafts need
-        blocks that the ``others`` requests still to be scheduled this step may need for
-        their own next token: a guess never preempts a request."""
-        bs = self.kv.block_size
-        extra = -(-(seq.num_computed_tokens + 1 + num_drafts) // bs) - len(self.kv.block_ids(seq.request_id))
-        if extra > 0 and self.kv.available_blocks() < extra + others:
-            return False
-        return self.kv.allocate_slots(seq, 1 + num_drafts)
-
     def _preempt(self, seq: Sequence) -> None:
         kind = self.policy.preempt_kind(seq)
         if kind is PreemptKind.SWAP:
@@ -379,15 +370,14 @@ class Scheduler:
                 continue  # aborted while the step ran
             token = sampled.get(chunk.request_id)
             tokens = [] if token is None else [*result.accepted_drafts.get(chunk.request_id, ()), token]
-            seq.num_computed_tokens += len(chunk.token_ids) - chunk.num_drafts
             for i, t in enumerate(tokens):
-                if i:  # an accepted draft before it: its K/V was computed too
-                    seq.num_computed_tokens += 1
                 seq.output_token_ids.append(t)
                 self._check_stop(seq, t)
                 if seq.status is SequenceStatus.FINISHED:
                     tokens = tokens[:i + 1]
                     break
+            # The chunk's own tokens, and every kept draft before the last token appended.
+            seq.num_computed_tokens += len(chunk.token_ids) - chunk.num_drafts + max(len(tokens) - 1, 0)
             if chunk.num_drafts and token is not None:
                 kept = len(result.accepted_drafts.get(chunk.request_id, ()))
                 self.accepted_tokens_total += kept

@@ -36,7 +36,7 @@ class ScheduledChunk:
     block_ids: list[int]  # the request's device block table, covering start_pos + len(token_ids)
     sample: bool  # True when the last token's logits give the request's next token
     # The last num_drafts of token_ids are guesses of the tokens after the first one
-    # (``ngram_proposer.py``): the runner keeps those its greedy choice agrees with.
+    # (``ngram_proposer.py``): the runner keeps those the model agrees with.
     num_drafts: int = 0
 
 
