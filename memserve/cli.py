@@ -222,8 +222,9 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     keys.add_argument("--metrics-api-key", default=None, metavar="KEY",
                       help="require 'Authorization: Bearer KEY' on /metrics (open without it)")
     keys.add_argument("--cache-salt-from-key", action="store_true",
-                      help="give a request that sets no cache_salt its API key's id as salt, so clients with "
-                           "different keys never share cached KV blocks (needs --api-key)")
+                      help="salt every request's KV cache with its API key (combined with a body's cache_salt, "
+                           "never replaced by it), so clients with different keys never share cached KV blocks "
+                           "(needs --api-key)")
     p.add_argument("--log-level", default=os.environ.get("MEMSERVE_LOG_LEVEL", "INFO"))
     kv_events = p.add_argument_group("KV events")  # vLLM-format KV events (workers/kv_event_publisher.py)
     kv_events.add_argument("--kv-events-config", default=None, metavar="JSON",

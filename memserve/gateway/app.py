@@ -33,7 +33,7 @@ from typing import AsyncIterator, Awaitable, Callable
 import orjson
 from aiohttp import web
 
-from memserve.gateway.auth import KEY_SALT, AuthConfig, auth_middleware
+from memserve.gateway.auth import KEY_SALT, AuthConfig, auth_middleware, tenant_salt
 from memserve.gateway.engine_protocol import (
     EngineClient,
     EngineUnavailable,
@@ -434,8 +434,8 @@ class _OpenAIServer:
         # A session names itself in the body (``session_id``) or, for clients that cannot add
         # body fields, in the ``x-session-id`` header; the session router keys on it.
         req.session_id = req.session_id or request.headers.get("x-session-id") or None
-        # --cache-salt-from-key: a request naming no cache_salt gets its API key's (gateway/auth.py).
-        req.cache_salt = req.cache_salt or request.get(KEY_SALT)
+        # --cache-salt-from-key: the body's cache_salt only splits its API key's (gateway/auth.py).
+        req.cache_salt = tenant_salt(request.get(KEY_SALT), req.cache_salt)
         req.slo = resolve_slo(req.slo, request.headers, self._slo_defaults)
         budgets = [resolve_max_tokens(req.max_tokens, len(ids), self._engine.max_model_len, prompt_param)
                    for ids in prompts]

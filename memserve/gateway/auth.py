@@ -11,8 +11,9 @@ time, and every key is compared, so the time taken does not tell which key match
 many there are). A request is known by its key's id (``key_id``: the first 8 hex digits of
 the key's SHA-256), never by the key: the id is logged with the request, counted in
 ``memserve_requests_by_key_total{key_id}`` and, with ``--cache-salt-from-key``, salts the
-request's KV cache (``cache_salt``) when the body names no salt, so that tenants with
-different keys never share cached blocks.
+request's KV cache (``cache_salt``): the key's salt alone, or combined with the body's
+``cache_salt`` when it names one (``tenant_salt``), never replaced by it, so that tenants with
+different keys never share cached blocks whatever their bodies say.
 """
 
 from __future__ import annotations
@@ -43,6 +44,16 @@ KEY_SALT = web.RequestKey("memserve_key_cache_salt", str)  # only with --cache-s
 def key_id(key: str) -> str:
     """A short stable id of an API key, safe to log and to label metrics with."""
     return hashlib.sha256(key.encode("utf-8")).hexdigest()[:8]
+
+
+def tenant_salt(key_salt: str | None, body_salt: str | None) -> str | None:
+    """The salt a request's blocks are named with: the body's ``cache_salt`` within its key's.
+
+    A key's salt has one fixed length (``"key:"`` and 64 hex digits), so the combination
+    cannot be spelled by another key's salt with another body salt."""
+    if key_salt is None:
+        return body_salt
+    return key_salt if body_salt is None else f"{key_salt}/{body_salt}"
 
 
 def split_keys(text: str | None) -> list[str]:

@@ -22,6 +22,7 @@ from memserve.gateway.auth import (
     AuthConfig,
     KeyChecker,
     auth_config,
+    tenant_salt,
     bearer_token,
     key_id,
 )
@@ -130,18 +131,24 @@ async def test_key_ids_are_counted_and_keys_never_shown(tokenizer):
 
 
 @async_test
-async def test_cache_salt_from_key_fills_only_requests_without_a_salt(tokenizer):
+async def test_cache_salt_from_key_keeps_keys_apart_whatever_the_body_says(tokenizer):
     engine = FakeEngine(tokenizer)
     config = AuthConfig((KEY_1, KEY_2), cache_salt_from_key=True)
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
     async with serve(engine, tokenizer, auth=config) as client:
-        await call(client, "POST", "/v1/completions", body, KEY_1)
-        await call(client, "POST", "/v1/completions", body, KEY_2)
-        await call(client, "POST", "/v1/completions", {**body, "cache_salt": "mine"}, KEY_1)
+        for request_body, key in ((body, KEY_1), (body, KEY_2), ({**body, "cache_salt": "mine"}, KEY_1),
+                                  ({**body, "cache_salt": "mine"}, KEY_2), ({**body, "cache_salt": "mine"}, KEY_1)):
+            assert (await call(client, "POST", "/v1/completions", request_body, key))[0] == 200
     salts = [r["params"].cache_salt for r in engine.requests]
-    assert salts[0] and salts[1] and salts[0] != salts[1]
-    assert KEY_1 not in salts[0] and key_id(KEY_1) in salts[0]
-    assert salts[2] == "mine"
+    assert all(salts) and KEY_1 not in salts[0]
+    assert len(set(salts[:4])) == 4  # two keys, each with and without a body salt: four names
+    assert salts[2] == salts[4]  # the same key and the same body salt share
+
+
+def test_tenant_salt_combines_and_never_replaces():
+    assert tenant_salt(None, None) is None and tenant_salt(None, "b") == "b"
+    assert tenant_salt("key:k", None) == "key:k"
+    assert tenant_salt("key:k", "b") not in ("key:k", "b")
 
 
 @async_test
