@@ -70,6 +70,9 @@ class EngineStatsCollector(Collector):
                                          labels=tier_labels)
         tier_saving = GaugeMetricFamily("memserve_kv_tier_saving_blocks",
                                         "Cached blocks being saved down from each tier", labels=tier_labels)
+        tier_dropped = CounterMetricFamily("memserve_kv_tier_dropped_unsaved_blocks",
+                                           "Cached KV blocks dropped from each tier though a slower tier exists "
+                                           "(its slower tiers were full of blocks in use)", labels=tier_labels)
         save_queue = GaugeMetricFamily("memserve_kv_save_queue", "KV save jobs not yet committed",
                                        labels=["instance"])
         tier_queue = GaugeMetricFamily("memserve_kv_tier_queue_depth",
@@ -127,6 +130,7 @@ class EngineStatsCollector(Collector):
                 tier_read.add_metric([instance, tier], io["read_bytes"])
                 tier_write.add_metric([instance, tier], io["write_bytes"])
                 tier_saving.add_metric([instance, tier], io["saving"])
+                tier_dropped.add_metric([instance, tier], io.get("dropped_unsaved", 0))
                 tier_queue.add_metric([instance, tier], io.get("queue_depth", 0))
                 if "prefetched" in io:
                     prefetched.add_metric([instance], io["prefetched"])
@@ -137,7 +141,7 @@ class EngineStatsCollector(Collector):
                 reserve.add_metric([instance], allocation["reserve_in_use_blocks"])
                 unheld.add_metric([instance], allocation["unheld_blocks"])
         yield from (alive, running, waiting, free_blocks, hit_rate, cached, held, tier_bytes, tier_hits, tier_read,
-                    tier_write, tier_saving, save_queue, tier_queue, prefetched, prefetch_hits, role, handoff,
+                    tier_write, tier_saving, tier_dropped, save_queue, tier_queue, prefetched, prefetch_hits, role, handoff,
                     reserve, unheld, cached_blocks, pinned, drafts, accepted)
 
 

@@ -71,6 +71,7 @@ def _instance(worker: dict, node: str) -> dict:
         "saves_total": worker.get("demoted_blocks", 0),
         "tier_write_bytes_total": {t: io.get("write_bytes", 0) for t, io in tiers.items()},
         "tier_read_bytes_total": {t: io.get("read_bytes", 0) for t, io in tiers.items()},
+        "dropped_unsaved_total": sum(io.get("dropped_unsaved", 0) for io in tiers.values()),
         "save_queue": worker.get("kv_save_queue", 0),
         "preemptions_total": sum(worker.get("preemptions", {}).values()),
         "pd": {what: pd.get(what, 0) for what in ("handoffs", "blocks_sent", "bytes_sent", "messages")},

@@ -21,10 +21,11 @@ Saving down (``tiering.py``). With an asynchronous ``Saver`` the engine calls
 ``kick_saves`` after each step: each tier with a slower one keeps a watermark of its
 blocks free or being saved (``save_watermark`` of the tier, at least ``step_blocks``). A block being saved is pinned (one index reference): it
 stays readable and matchable on its source tier, cannot be evicted or deleted, and its
-source block is freed only once its copy is written (``poll_saves``). ``alloc_mem``
-never copies and never waits: short of free blocks it drops idle ones, and pinned blocks
-are not idle. With the synchronous ``InlineSaver`` (the default) ``alloc_mem`` demotes on
-demand instead. The disk tier (``DiskStore``) holds one checksummed file per block; the
+source block is freed only once its copy is written (``poll_saves``). Short of free
+blocks, ``alloc_mem`` waits for the saves in flight out of the tier and demotes idle
+blocks on demand (as it always does with the synchronous ``InlineSaver``): a block is
+dropped only where no slower tier can hold it (``dropped_unsaved`` counts the drops from
+a tier that has a slower one). The disk tier (``DiskStore``) holds one checksummed file per block; the
 blocks an earlier run left there are indexed at construction (STORED events), and a
 disk block found missing or corrupt on loading is a miss (``commit_swap_in``), then
 forgotten (REMOVED events).
@@ -139,6 +140,7 @@ class MemPool(TierMoves, TransferAPI):
         self._incoming = [0] * len(Tier)  # per tier: blocks reserved for saves into it
         self._io_bytes = [[0, 0] for _ in Tier]  # per tier: bytes read from it, written to it
         self._hits = [0] * len(Tier)  # per tier: blocks matched there
+        self._dropped_unsaved = [0] * len(Tier)  # per tier: blocks dropped though a slower tier exists
         self._corrupt: list[RadixNode] = []  # disk blocks found bad, forgotten once idle
         self._prefetched: set[int] = set()  # blocks a prefetch started moving up, not read since
         self._prefetch_blocks = 0  # blocks prefetched disk -> host
@@ -163,6 +165,9 @@ class MemPool(TierMoves, TransferAPI):
         pool = self._pool(type, "alloc_mem")
         short = size - pool.num_free
         if short > 0:
+            self._catch_up_saves(type, short)
+            short = size - pool.num_free
+        if short > 0:
             if short > self.index.idle_count(type):
                 raise OutOfBlocks(
                     f"alloc_mem: need {size} {Tier(type).name} blocks; {pool.num_free} free and "
@@ -174,7 +179,18 @@ class MemPool(TierMoves, TransferAPI):
     def can_alloc(self, size: int, tier: Tier = Tier.DEVICE) -> bool:
         """Whether ``alloc_mem(size, tier)`` would succeed now (free + evictable blocks)."""
         pool = self._pools[tier] if 0 <= tier < len(self._pools) else None
-        return pool is not None and size <= pool.num_free + self.index.idle_count(tier)
+        if pool is None:
+            return False
+        self._catch_up_saves(tier, size - pool.num_free)
+        return size <= pool.num_free + self.index.idle_count(tier)
+
+    def _catch_up_saves(self, tier: int, short: int) -> None:
+        """When ``tier``'s idle blocks cannot cover ``short`` but asynchronous saves out of
+        it are in flight, wait for them: once written they free their sources (or, used
+        meanwhile, become evictable again) instead of the allocation failing."""
+        if 0 < short and self.index.idle_count(tier) < short and self._saving[tier] and not self.saver.inline:
+            self.saver.wait()
+            self._finish_saves()
 
     def free_mem(self, addrs: Sequence[int]) -> None:
         """Drop one reference on each address. An unindexed block nobody holds returns to
@@ -337,9 +353,10 @@ class MemPool(TierMoves, TransferAPI):
 
     def stats(self) -> dict[str, Any]:
         """Hit rate; per tier (``device``, ...) its block counts (``used``: held by
-        requests; ``pinned``, with pinning on: blocks pinned there); under ``tier_io`` per tier: bytes in use, blocks matched there, bytes
-        read from and written to it, blocks being saved out of it; ``save_queue``: save
-        jobs not yet committed."""
+        requests; ``pinned``, with pinning on: blocks pinned there); under ``tier_io`` per
+        tier: bytes in use, blocks matched there, bytes read from and written to it, blocks
+        being saved out of it, blocks dropped from it though a slower tier exists
+        (``dropped_unsaved``); ``save_queue``: save jobs not yet committed."""
         out: dict[str, Any] = {
             "hit_tokens": self._hit_tokens,
             "query_tokens": self._query_tokens,
@@ -359,6 +376,7 @@ class MemPool(TierMoves, TransferAPI):
                 "read_bytes": self._io_bytes[tier][0],
                 "write_bytes": self._io_bytes[tier][1],
                 "saving": self._saving[tier],
+                "dropped_unsaved": self._dropped_unsaved[tier],
                 # blocks queued or in flight between this tier and another (saves, prefetches)
                 "queue_depth": self._saving[tier] + self._incoming[tier],
             }

@@ -54,6 +54,7 @@ class PoolState:
     _incoming: list[int]  # per tier: blocks reserved for saves into it
     _io_bytes: list[list[int]]  # per tier: [bytes read from it, bytes written to it]
     _hits: list[int]  # per tier: blocks matched there
+    _dropped_unsaved: list[int]  # per tier: blocks dropped though a slower tier exists
     _corrupt: list[RadixNode]  # disk blocks found bad, forgotten once idle
     _prefetched: set[int]  # names of blocks a prefetch started moving up, not read since
     _prefetch_blocks: int

@@ -10,11 +10,15 @@ at ``watermark`` blocks free or on their way out, by starting saves of its least
 valuable idle blocks. A block being saved is *pinned* (one index reference, no use of
 the block): it stays readable and matchable on its source tier and cannot be evicted;
 ``poll_saves`` moves it to its copy once the copy is written, unless it was used
-meanwhile (then the copy is given back and the block stays where it is hot). So
-``alloc_mem`` never copies: when it finds too few free blocks it drops idle ones, and
-blocks being saved are not idle. With a synchronous saver (``saver.InlineSaver``, the
-baseline and the simulator's choice) ``alloc_mem`` demotes on demand instead, copying
-inside the call."""
+meanwhile (then the copy is given back and the block stays where it is hot).
+
+Evicting never drops what a slower tier could keep. When ``alloc_mem`` finds too few
+free blocks (the saver fell behind, or the watermark was too small for the step), it
+waits for the saves in flight out of that tier, then demotes idle blocks on demand,
+copying inside the call, as the synchronous saver (``saver.InlineSaver``, the baseline
+and the simulator's choice) always does. A block is dropped only at the end of the
+cascade, or when every slower tier is full of blocks in use; ``dropped_unsaved`` counts
+the latter, which the tiers exist to avoid."""
 
 from __future__ import annotations
 
@@ -107,36 +111,37 @@ class TierMoves(PoolState):
         return [pair for pair in self._finish_saves() if pair[0] in mine]
 
     def _evict(self, tier: int, n: int) -> None:
-        """Free ``n`` blocks of ``tier`` now by giving up its least valuable idle blocks:
-        with a synchronous saver, demote them to the next slower tier while it can take
-        them; drop the rest (with an asynchronous saver, all of them: the watermark
-        saves ahead so that this is rare)."""
-        victims = self.index.select_evictable(tier, n)
+        """Free ``n`` blocks of ``tier`` now, keeping their bytes wherever a slower tier can
+        hold them: first the saves in flight out of ``tier`` are waited for (they free
+        their sources), then its least valuable idle blocks are demoted to the next slower
+        tier, waiting for the copies, as far as that tier can take them (making room down
+        the cascade in turn). Only what no slower tier can hold is dropped; from a tier
+        that has a slower one that is counted as ``dropped_unsaved``."""
+        pool = self._pool(tier, "evict")
+        target = pool.num_free + n
+        if self._saving[tier] and not self.saver.inline:
+            self.saver.wait()
+            self._finish_saves()
+        victims = self.index.select_evictable(tier, target - pool.num_free)
+        if not victims:
+            return
         nxt = self._next_tier(tier)
         keep = 0
         if nxt is not None:
-            # Pinned blocks (pinning.py) come last and are demoted even by an asynchronous
-            # saver, which then waits for them: a pin keeps its block on some tier.
-            wanted = len(victims) if self.saver.inline else self._pinned_tail(victims)
-            keep = min(wanted, self._pool(nxt, "evict").num_free + self.index.idle_count(nxt))
+            keep = min(len(victims), self._pool(nxt, "evict").num_free + self.index.idle_count(nxt))
         # Drop the oldest: victims come deepest first, so none of them is an ancestor of a
-        # demoted one. A dropped block's slower descendants go with it.
+        # demoted one (and pinned blocks come last, so they are the ones kept). A dropped
+        # block's slower descendants go with it.
         dropped = victims[: len(victims) - keep]
         if dropped:
+            if nxt is not None:
+                self._dropped_unsaved[tier] += len(dropped)
             self._forget([gone for v in dropped for gone in self.index.remove_subtree(v)])
         if keep:
             assert nxt is not None  # only a slower tier keeps any
             self._save(victims[len(victims) - keep :], nxt)
-            if not self.saver.inline:
-                self.saver.wait()
+            self.saver.wait()
             self._finish_saves()
-
-    def _pinned_tail(self, victims: list[RadixNode]) -> int:
-        """How many of the last victims are pinned (they are chosen last, so they end the list)."""
-        pins = self.pins
-        if pins is None:
-            return 0
-        return next((i for i, v in enumerate(reversed(victims)) if v.hash not in pins), len(victims))
 
     def _room(self, tier: Tier) -> int:
         """Blocks a save into ``tier`` can get without waiting: free ones, plus idle ones

@@ -43,7 +43,7 @@ INSTANCE = {
     "type": "object",
     "required": ["id", "role", "state", "alive", "node", "running", "waiting", "blocks", "prefix_hit_ratio",
                  "cached_tokens_total", "prompt_tokens_total", "evictions_total", "saves_total",
-                 "tier_write_bytes_total", "pd"],
+                 "tier_write_bytes_total", "dropped_unsaved_total", "pd"],
     "properties": {
         "id": COUNT,
         "role": {"enum": ["colocated", "prefill", "decode"]},
@@ -62,6 +62,7 @@ INSTANCE = {
         "saves_total": COUNT,
         "tier_write_bytes_total": COUNTS,
         "tier_read_bytes_total": COUNTS,
+        "dropped_unsaved_total": COUNT,
         "preemptions_total": COUNT,
         "pd": {"type": "object", "required": ["handoffs", "blocks_sent", "bytes_sent", "messages"],
                "additionalProperties": COUNT},

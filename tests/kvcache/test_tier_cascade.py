@@ -1,10 +1,12 @@
 """The tier cascade device -> host -> disk -> dropped on a pure MemPool over real files:
-saves run on a background thread and never hold up ``alloc_mem``; a block being saved
+saves run on a background thread ahead of need, and an allocation that finds them behind
+waits for them and demotes rather than dropping; a block being saved
 stays readable where it is and is freed only once its copy is written; bytes come back
 bit-exact; every block is accounted for after each test."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -52,28 +54,46 @@ def test_round_trip_device_host_disk_device_is_bit_exact(tmp_path):
     pool.close()
 
 
-def test_alloc_mem_never_waits_for_a_save(tmp_path):
+def test_alloc_mem_waits_for_a_save_in_flight_and_demotes_rather_than_drops(tmp_path):
     pool, memory = tiered_pool(tmp_path, device=8, host=8, watermark=0.5, slow=Tier.DEVICE)
     first, second = prompt(1, 4), prompt(2, 4)
-    cache_filled(pool, memory, first, seed=1)
-    want = cache_filled(pool, memory, second, seed=2)
+    want_first = cache_filled(pool, memory, first, seed=1)
+    want_second = cache_filled(pool, memory, second, seed=2)
     pool.drain_events()
     pool.kick_saves()  # starts saving the 4 LRU blocks (the first prompt); the copy hangs
     assert pool.stats()["tier_io"]["device"]["saving"] == 4
-    started = time.perf_counter()
-    got = pool.alloc_mem(4)  # takes the idle blocks (the second prompt, dropped), not the pinned ones
-    assert time.perf_counter() - started < 0.5
-    assert tiers_of(pool, second) == []
-    with pytest.raises(OutOfBlocks):
-        pool.alloc_mem(1)  # what is left is being saved: never taken, never waited for
     assert tiers_of(pool, first) == [Tier.DEVICE] * 4  # still readable where it is
-    pool.slow.release.set()
-    pool.flush_saves()
+    threading.Timer(0.3, pool.slow.release.set).start()
+    started = time.perf_counter()
+    got = pool.alloc_mem(4)  # waits for the save in flight: its blocks come free, nothing is dropped
+    assert time.perf_counter() - started >= 0.25
     assert tiers_of(pool, first) == [Tier.HOST] * 4
-    assert [e.type for e in pool.drain_events()] == [REMOVED, MOVED]
-    pool.free_mem(got)
+    assert tiers_of(pool, second) == [Tier.DEVICE] * 4
+    more = pool.alloc_mem(4)  # no save in flight: the idle second prompt is demoted on demand
+    assert tiers_of(pool, second) == [Tier.HOST] * 4
+    with pytest.raises(OutOfBlocks):
+        pool.alloc_mem(1)  # every device block is held
+    assert [e.type for e in pool.drain_events()] == [MOVED, MOVED]
+    assert pool.stats()["tier_io"]["device"]["dropped_unsaved"] == 0
+    for tokens, want in ((first, want_first), (second, want_second)):
+        hit = pool.match(tokens)
+        assert memory.get(hit) == want
+        pool.free_mem(hit)
+    pool.free_mem(got + more)
     assert_no_leaks(pool)
-    assert want  # the dropped prompt's bytes are gone with it; nothing else to compare
+    pool.close()
+
+
+def test_blocks_are_dropped_unsaved_only_when_the_slower_tier_is_full_of_blocks_in_use(tmp_path):
+    pool, memory = tiered_pool(tmp_path, device=4, host=4, watermark=0.0)
+    held = pool.alloc_mem(4, Tier.HOST)  # the host tier is all in use
+    tokens = prompt(3, 4)
+    cache_filled(pool, memory, tokens, seed=3)
+    got = pool.alloc_mem(4)
+    assert tiers_of(pool, tokens) == []
+    assert pool.stats()["tier_io"]["device"]["dropped_unsaved"] == 4
+    pool.free_mem(got + held)
+    assert_no_leaks(pool)
     pool.close()
 
 

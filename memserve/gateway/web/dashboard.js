@@ -115,6 +115,7 @@ const Dashboard = (() => {
     row(facts, ["prefix-hit ratio", fmt(inst.prefix_hit_ratio, 3),
                 "last second", dPrompt > 0 ? fmt(dCached / dPrompt, 3) : "-"]);
     row(facts, ["evictions/s", fmt(evictions, 1), "saves/s", fmt(saves, 1)]);
+    row(facts, ["dropped unsaved", fmt(inst.dropped_unsaved_total), "save queue", fmt(inst.save_queue)]);
     if (inst.pd.handoffs || inst.role === "prefill") {
       row(facts, ["PD handoffs", fmt(inst.pd.handoffs), "sent", bytes(inst.pd.bytes_sent)]);
     }
