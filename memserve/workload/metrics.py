@@ -166,6 +166,8 @@ def compute_metrics(records: list[RequestRecord], duration_s: float) -> dict:
         "num_requests": {"finished": len(records), "ok": len(ok), "failed": len(records) - len(ok)},
         "duration_s": duration_s,
         "ttft_ms": summarize(_present(ttft_ms(r) for r in ok)),
+        # Turns after a session's first: the requests whose conversation's KV a cache may keep.
+        "returning_ttft_ms": summarize(_present(ttft_ms(r) for r in ok if r.turn > 1)),
         "tbt_ms": summarize(g for r in ok for g in tbt_gaps_ms(r)),
         "tpot_ms": summarize(_present(tpot_ms(r) for r in ok)),
         "jct_ms": summarize(_present(jct_ms(r) for r in ok)),

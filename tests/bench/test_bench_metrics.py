@@ -119,6 +119,8 @@ def test_by_turn_aggregation():
     assert t1["cached_token_ratio"] == pytest.approx(40 / 160)
     assert t1["prompt_tokens_mean"] == pytest.approx(80.0)
     assert t2["ttft_ms"]["p50"] == pytest.approx(300.0) and t2["cached_token_ratio"] == 0.0
+    returning = compute_metrics([A, B, C, A2], duration_s=1.0)["returning_ttft_ms"]
+    assert returning["count"] == 1 and returning["mean"] == pytest.approx(300.0)  # turn 2 only
 
 
 def test_compute_metrics_run_level_numbers():
