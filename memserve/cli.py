@@ -140,8 +140,11 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
                         "capacity evicts them); a request may ask for longer with the body field cache_ttl_s")
     p.add_argument("--max-pinned-fraction", type=_fraction, default=0.25, metavar="F",
                    help="at most this fraction of each KV tier may be pinned by requests' cache_control "
-                        "(a message's {\"type\": \"ephemeral\", \"ttl\": \"5m\"|\"1h\"}); a pin past it gets 429; "
-                        "0 turns pinning off")
+                        "(a message's {\"type\": \"ephemeral\", \"ttl\": \"5m\"|\"1h\"}); a request whose pin "
+                        "would pass it is served unpinned (header x-memserve-cache-pin); 0 turns pinning off")
+    p.add_argument("--max-pinned-fraction-per-key", type=_fraction, default=None, metavar="F",
+                   help="at most this fraction of each KV tier may be pinned by one API key's requests, so one "
+                        "tenant's pins cannot crowd out the others' (default: --max-pinned-fraction)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--router", default="least-load", choices=sorted(ROUTING_POLICIES),
                    help="how the gateway picks a worker for each request")
@@ -292,6 +295,7 @@ def _run_up(args: argparse.Namespace) -> int:
         preload_buffer_layers=args.preload_buffer_layers,
         cache_ttl_s=args.cache_ttl,
         max_pinned_fraction=args.max_pinned_fraction,
+        max_pinned_fraction_per_key=args.max_pinned_fraction_per_key,
         speculative_config=speculative_config,
         seed=args.seed,
     )

@@ -50,6 +50,7 @@ class EngineConfig:
     eviction_policy: str = "lru"  # kvcache/eviction.py
     cache_ttl_s: float | None = None  # cached blocks unused this long are dropped (kvcache/retention.py)
     max_pinned_fraction: float = 0.25  # of each tier, at most, pinned by cache_control (kvcache/pinning.py); 0: off
+    max_pinned_fraction_per_key: float | None = None  # of each tier, at most, pinned by one API key; None: the above
     # vLLM's --speculative-config for n-gram drafts (workers/engine/ngram_proposer.py); None: off
     speculative_config: dict | None = None
     seed: int = 0

@@ -33,7 +33,7 @@ from typing import AsyncIterator, Awaitable, Callable
 import orjson
 from aiohttp import web
 
-from memserve.gateway.auth import KEY_SALT, AuthConfig, auth_middleware, tenant_salt
+from memserve.gateway.auth import KEY_ID, KEY_SALT, AuthConfig, auth_middleware, tenant_salt
 from memserve.gateway.engine_protocol import (
     EngineClient,
     EngineUnavailable,
@@ -88,6 +88,7 @@ from memserve.text.truncation import (
     truncate,
 )
 
+PIN_HEADER = "x-memserve-cache-pin"  # says a cache_control pin was not taken
 log = logging.getLogger("memserve.gateway")
 
 MiB = 1024 * 1024
@@ -162,6 +163,7 @@ class _Generation:
         self._log = TokenLog()
         self.usage = Usage(prompt_tokens=len(prompt_ids))
         self.finish_reason: str | None = None
+        self.pin_refused: str | None = None  # why the engine served it without its cache_control pin
 
     def take_logged(self) -> list[LoggedToken]:
         """The tokens (with logprobs) of the text deltas returned since the last call;
@@ -203,6 +205,7 @@ class _Generation:
                     if out.error is not None or out.finish_reason == "error":
                         raise APIError(500, f"engine error: {out.error or 'unknown'}")
                     self.usage.cached_tokens = max(self.usage.cached_tokens, out.num_cached_tokens)
+                    self.pin_refused = self.pin_refused or out.pin_refused
                     if out.new_token_ids:
                         now = time.monotonic()
                         if first_token_at is None:
@@ -316,6 +319,13 @@ async def _chain(early: list[_Event], events: _ChoiceEvents) -> AsyncIterator[_E
         yield event
     while not events.all_done:
         yield await events.next()
+
+
+def _pin_headers(choices: list[_Choice]) -> dict[str, str]:
+    """``x-memserve-cache-pin: refused; <why>`` when the engine served the request without
+    the cache_control pin it asked for (a cap was passed, or pinning is off)."""
+    refused = next((c.generation.pin_refused for c in choices if c.generation.pin_refused), None)
+    return {PIN_HEADER: f"refused; {refused}"} if refused else {}
 
 
 def _total_usage(choices: list[_Choice]) -> Usage:
@@ -436,6 +446,7 @@ class _OpenAIServer:
         req.session_id = req.session_id or request.headers.get("x-session-id") or None
         # --cache-salt-from-key: the body's cache_salt only splits its API key's (gateway/auth.py).
         req.cache_salt = tenant_salt(request.get(KEY_SALT), req.cache_salt)
+        req.pin_owner = request.get(KEY_ID, "")
         req.slo = resolve_slo(req.slo, request.headers, self._slo_defaults)
         budgets = [resolve_max_tokens(req.max_tokens, len(ids), self._engine.max_model_len, prompt_param)
                    for ids in prompts]
@@ -467,7 +478,9 @@ class _OpenAIServer:
                     return web.Response(status=CLIENT_CLOSED_REQUEST, reason="Client Closed Request")
         body = [fmt.choice(c.index, "".join(texts[c.index]), c.generation.finish_reason, c.take_logprobs(True))
                 for c in choices]
-        return _json(fmt.response(body, _total_usage(choices)))
+        response = _json(fmt.response(body, _total_usage(choices)))
+        response.headers.update(_pin_headers(choices))
+        return response
 
     async def _stream(self, request: web.Request, fmt: ResponseFormat, choices: list[_Choice],
                       include_usage: bool) -> web.StreamResponse:
@@ -477,7 +490,8 @@ class _OpenAIServer:
             early = []
             while len({event[0].index for event in early}) < len(choices):
                 early.append(await events.next())
-            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                   **_pin_headers(choices)})
             await response.prepare(request)
             try:
                 await self._write_events(response, fmt, choices, early, events, include_usage)

@@ -5,7 +5,8 @@ defaults to ``5m``), on a message or on one of its text parts. It pins the promp
 and including that message (a part's marker pins its whole message) for the TTL; with
 several markers the last one counts, since its prefix holds the others'. The worker
 keeps the pinned blocks cached on some tier for the TTL within ``--max-pinned-fraction``
-(``kvcache/pinning.py``); past that cap the request gets 429.
+(``kvcache/pinning.py``) and one API key's share of it; past either cap the request is
+served unpinned, with an ``x-memserve-cache-pin`` header saying why.
 
 The gateway turns the message index into a token count: the conversation rendered up to
 that message, without a generation prompt, is a prefix of the whole prompt's tokens for

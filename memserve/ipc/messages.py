@@ -70,6 +70,9 @@ class SamplingParams:
     # ``pin_tokens`` tokens cached for ``pin_ttl_s`` seconds. 0: no pin.
     pin_tokens: int = 0
     pin_ttl_s: float = 0.0
+    # Whose pin it is (the API key's id; "" without keys): one key's pins are capped by
+    # --max-pinned-fraction-per-key, so they cannot crowd every other key's out.
+    pin_owner: str = ""
 
     @property
     def greedy(self) -> bool:
@@ -246,9 +249,11 @@ class RequestOutput:
     # One TokenLogprobs per new token / per prompt token after the first (when asked).
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None
-    # With ``error``: the HTTP status the gateway answers with (429: the pinned-block cap);
-    # None: a server error.
+    # With ``error``: the HTTP status the gateway answers with; None: a server error.
     error_status: int | None = None
+    # Why the request's cache_control pin was not taken (pinning off, a cap passed): the
+    # request is served all the same, unpinned, and the gateway says so in a header.
+    pin_refused: str | None = None
 
 
 @dataclass

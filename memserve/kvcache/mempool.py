@@ -104,6 +104,7 @@ class MemPool(TierMoves, TransferAPI):
         save_watermark: float = 0.1,
         step_blocks: int = 0,
         max_pinned_fraction: float = 0.0,
+        max_pinned_fraction_per_key: float | None = None,
     ) -> None:
         self.instance_id = instance_id
         self.block_size = block_size
@@ -120,7 +121,7 @@ class MemPool(TierMoves, TransferAPI):
         self._node_of: list[list[RadixNode | None]] = [[None] * (p.num_blocks if p else 0) for p in self._pools]
         self.index = RadixIndex(block_size, self._clock, eviction)
         self.pins = (Pins(self.index, [p.num_blocks for p in self._pools if p is not None], max_pinned_fraction,
-                          self._clock) if max_pinned_fraction > 0 else None)
+                          self._clock, max_pinned_fraction_per_key) if max_pinned_fraction > 0 else None)
         self._events: list[KVEvent] = []
         # Set to a dict by a consumer that needs the tokens of stored blocks (the worker's
         # vLLM-format KV event publisher): insert records hash -> the block's tokens there,

@@ -9,11 +9,15 @@ first, and a tier that must give up a pinned one demotes it to the next slower t
 when that tier has room (``tiering.TierMoves._evict``). Pins never hold a block in use
 and never stop a running request from getting blocks: they only reorder eviction.
 
-The cap. At most ``fraction`` of the smallest tier's blocks are pinned at once (so the
-pins fit within that share of every tier); a pin that would pass it is refused whole
-and the request gets 429 from the gateway. A pin counts from the moment it is taken
-(before its blocks are computed) until it expires; a request that pins blocks already
-pinned renews them and costs nothing against the cap.
+The caps. At most ``fraction`` of the smallest tier's blocks are pinned at once (so the
+pins fit within that share of every tier), and at most ``fraction_per_key`` of them by
+one owner (an API key's id), so that one tenant's hour-long pins cannot take every
+other tenant's share. A pin that would pass either is refused whole, with the reason;
+pins are best effort, as hosted prompt caches are: the request is served unpinned and
+the gateway says so. A pin counts from the moment it is taken (before its blocks are
+computed) until it expires; a request that pins blocks already pinned renews them and
+costs nothing against the total cap, nor against its owner's when the owner pinned
+them before.
 
 Expiry runs on the injected clock: ``sweep`` unpins what expired, when an expiry is
 due, and lists those blocks in the eviction heap again under their unpinned priority.
@@ -23,6 +27,7 @@ exactly as before."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Iterable
 
 from memserve.kvcache.address import Tier
@@ -48,14 +53,21 @@ class Pins:
     """The pinned blocks of one MemPool, by hash, with their expiry times."""
 
     def __init__(self, index: RadixIndex, tier_blocks: Iterable[int], fraction: float,
-                 clock: Callable[[], float]) -> None:
-        if not 0 <= fraction <= 1:
-            raise ValueError(f"a pinned fraction must be in [0, 1], got {fraction}")
+                 clock: Callable[[], float], fraction_per_key: float | None = None) -> None:
+        per_key = fraction if fraction_per_key is None else fraction_per_key
+        for f in (fraction, per_key):
+            if not 0 <= f <= 1:
+                raise ValueError(f"a pinned fraction must be in [0, 1], got {f}")
         self.index = index
         self.fraction = fraction
-        self.cap = math.floor(fraction * min(tier_blocks))
+        self.fraction_per_key = min(per_key, fraction)
+        smallest = min(tier_blocks)
+        self.cap = math.floor(fraction * smallest)
+        self.key_cap = math.floor(self.fraction_per_key * smallest)
         self.clock = clock
         self._until: dict[int, float] = {}  # block hash -> when its pin expires
+        self._owners: dict[int, set[str]] = {}  # block hash -> the owners who pinned it
+        self._owned: Counter[str] = Counter()  # owner -> blocks it pinned
         self._next_expiry = math.inf
         self._wrapped = False
 
@@ -70,22 +82,37 @@ class Pins:
         until = self._until
         return len({h for h in hashes if h not in until})
 
-    def pin(self, hashes: list[int], ttl_s: float) -> bool:
-        """Pin these blocks until ``ttl_s`` from now (renewing pins they have); all or
-        nothing: False, and nothing pinned, when the cap would be passed."""
+    def owned(self, owner: str) -> int:
+        """Blocks ``owner`` has pinned now."""
+        return self._owned[owner]
+
+    def pin(self, hashes: list[int], ttl_s: float, owner: str = "") -> str | None:
+        """Pin these blocks for ``owner`` until ``ttl_s`` from now (renewing pins they
+        have); all or nothing: the reason, and nothing pinned, when a cap would be passed."""
         self.sweep()
-        if len(self._until) + self.new_blocks(hashes) > self.cap:
-            return False
+        unique = set(hashes)
+        new = self.new_blocks(unique)
+        if len(self._until) + new > self.cap:
+            return (f"cache_control would pin {new} more KV blocks; {len(self._until)} of the cap of {self.cap} "
+                    f"are pinned (--max-pinned-fraction {self.fraction} of the smallest KV tier)")
+        mine = [h for h in unique if owner not in self._owners.get(h, ())]
+        if self._owned[owner] + len(mine) > self.key_cap:
+            return (f"cache_control would pin {len(mine)} more KV blocks for this API key; it has "
+                    f"{self._owned[owner]} of its cap of {self.key_cap} (--max-pinned-fraction-per-key "
+                    f"{self.fraction_per_key} of the smallest KV tier)")
         if not self._wrapped:
             self.index.set_eviction(PinnedLast(self.index.eviction, self))
             self._wrapped = True
         until = self.clock() + ttl_s
-        added = [h for h in hashes if h not in self._until]
-        for h in hashes:
+        added = [h for h in unique if h not in self._until]
+        for h in unique:
             self._until[h] = max(self._until.get(h, until), until)
+        for h in mine:
+            self._owners.setdefault(h, set()).add(owner)
+        self._owned[owner] += len(mine)
         self._next_expiry = min(self._next_expiry, until)
         self._requeue(added)
-        return True
+        return None
 
     def sweep(self) -> int:
         """Unpin the blocks whose TTL ran out, when one is due; returns how many."""
@@ -95,6 +122,8 @@ class Pins:
         expired = [h for h, t in self._until.items() if t <= now]
         for h in expired:
             del self._until[h]
+            for owner in self._owners.pop(h, ()):
+                self._owned[owner] -= 1
         self._next_expiry = min(self._until.values(), default=math.inf)
         self._requeue(expired)
         return len(expired)

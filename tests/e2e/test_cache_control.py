@@ -1,7 +1,7 @@
 """``cache_control`` on chat messages against a real `memserve up`: the marked prefix (up
 to and including the marked message, not the rest) is pinned, as ``/metrics`` shows per
-tier; a pin past ``--max-pinned-fraction`` gets 429 naming the cap and the server keeps
-serving; a malformed marker gets 400 naming its place."""
+tier; a request whose pin would pass ``--max-pinned-fraction`` is served unpinned, with a
+header naming the cap; a malformed marker gets 400 naming its place."""
 
 from __future__ import annotations
 
@@ -59,19 +59,29 @@ def test_the_marked_prefix_is_pinned_and_the_rest_is_not(memserve_server):
     assert pinned - before == head_blocks  # the system message's blocks, not the question's
 
 
-def test_a_pin_past_the_cap_gets_429_naming_it(memserve_server):
-    client = OpenAI(base_url=memserve_server.base_url + "/v1", api_key="-", max_retries=0)
+def test_a_pin_past_the_cap_is_served_unpinned_with_a_header_naming_the_cap(memserve_server):
+    base = memserve_server.base_url
+    client = OpenAI(base_url=base + "/v1", api_key="-", max_retries=0)
     huge = f"[{uuid.uuid4().hex}] " + "Every town kept a ledger of its bridge tolls, year by year. " * 180
     messages = [{"role": "user", "content": [{"type": "text", "text": huge, "cache_control": {"type": "ephemeral"}}]}]
-    assert tokens_of(client, memserve_server.base_url, messages) > CAP_BLOCKS * BLOCK_SIZE
-    with pytest.raises(openai.RateLimitError) as refused:
-        client.chat.completions.create(model=memserve_server.model, messages=messages, max_tokens=2)
-    assert refused.value.status_code == 429
-    assert "--max-pinned-fraction" in refused.value.message and f"cap of {CAP_BLOCKS}" in refused.value.message
-    # The server keeps serving, and the same conversation without a marker goes through.
+    assert tokens_of(client, base, messages) > CAP_BLOCKS * BLOCK_SIZE
+    before = pinned_device_blocks(base)
+    for stream in (False, True):
+        raw = client.chat.completions.with_raw_response.create(model=memserve_server.model, messages=messages,
+                                                               max_tokens=2, temperature=0, stream=stream)
+        refused = raw.headers.get("x-memserve-cache-pin", "")
+        assert refused.startswith("refused; ") and "--max-pinned-fraction" in refused, refused
+        assert f"cap of {CAP_BLOCKS}" in refused
+        answer = raw.parse()
+        if stream:
+            assert [c for c in answer if c.choices and c.choices[0].finish_reason == "length"]
+        else:
+            assert answer.choices[0].finish_reason == "length"
+    assert pinned_device_blocks(base) == before  # nothing of it was pinned
     plain = [{"role": "user", "content": huge}]
-    r = client.chat.completions.create(model=memserve_server.model, messages=plain, max_tokens=2, temperature=0)
-    assert r.choices[0].finish_reason == "length"
+    raw = client.chat.completions.with_raw_response.create(model=memserve_server.model, messages=plain,
+                                                           max_tokens=2, temperature=0)
+    assert "x-memserve-cache-pin" not in raw.headers
 
 
 @pytest.mark.parametrize("marker, param", [

@@ -143,6 +143,8 @@ async def test_cache_salt_from_key_keeps_keys_apart_whatever_the_body_says(token
     assert all(salts) and KEY_1 not in salts[0]
     assert len(set(salts[:4])) == 4  # two keys, each with and without a body salt: four names
     assert salts[2] == salts[4]  # the same key and the same body salt share
+    owners = [r["params"].pin_owner for r in engine.requests]  # each key's pins have a share of their own
+    assert owners == [key_id(KEY_1), key_id(KEY_2), key_id(KEY_1), key_id(KEY_2), key_id(KEY_1)]
 
 
 def test_tenant_salt_combines_and_never_replaces():

@@ -36,7 +36,6 @@ from memserve.workers.engine.truncated_prefix import reuse_truncated
 
 log = logging.getLogger("memserve.worker")
 
-PIN_CAP_STATUS = 429  # a pin past --max-pinned-fraction: too many requests pinning, try later
 
 
 class Engine:
@@ -68,7 +67,8 @@ class Engine:
                                mover=runner.mover, clock=clock, eviction=eviction,
                                saver=runner.saver, disk=disk, save_watermark=cfg.save_watermark,
                                step_blocks=-(-cfg.max_num_batched_tokens // cfg.block_size),
-                               max_pinned_fraction=cfg.max_pinned_fraction)
+                               max_pinned_fraction=cfg.max_pinned_fraction,
+                               max_pinned_fraction_per_key=cfg.max_pinned_fraction_per_key)
         # Scheduler-aware eviction ranks by the waiting queue, which also drives prefetching.
         self.lookahead = LookAhead(self.mempool, eviction) if isinstance(eviction, SchedulerAware) else None
         self.retention = Retention(self.mempool, cfg.cache_ttl_s, clock) if cfg.cache_ttl_s else None
@@ -98,9 +98,9 @@ class Engine:
                        predicted_output_tokens=req.predicted_output_tokens,
                        output_token_ids=list(req.output_token_ids))
         name_first_choice(seq)
-        refusal = self._pin(seq) if req.params.pin_tokens else None
-        if refusal is not None:
-            return self.scheduler.reject(seq, refusal, PIN_CAP_STATUS)
+        if req.params.pin_tokens:
+            # Pins are best effort, as hosted caches are: a refused one serves the request unpinned.
+            seq.pin_refused = self._pin(seq)
         if req.params.dropped_token_ids:
             reuse_truncated(self.mempool, seq.prompt_token_ids, req.params.dropped_at, req.params.dropped_token_ids,
                             self.runner.shift_blocks, req.params.cache_salt)
@@ -109,16 +109,13 @@ class Engine:
 
     def _pin(self, seq: Sequence) -> str | None:
         """Pin the prompt's blocks up to ``pin_tokens`` (``cache_control``) for its TTL;
-        why not, when pinning is off or the pinned cap would be passed."""
+        why not, when pinning is off or a cap would be passed."""
         pins = self.mempool.pins
         if pins is None:
             return "cache_control pinning is off on this server (--max-pinned-fraction 0)"
         num_blocks = min(seq.params.pin_tokens, seq.num_prompt_tokens) // self.cfg.block_size
         hashes = seq.full_block_hashes(self.cfg.block_size, num_blocks)
-        if pins.pin(hashes, seq.params.pin_ttl_s):
-            return None
-        return (f"cache_control would pin {pins.new_blocks(hashes)} more KV blocks; {len(pins)} of the cap of "
-                f"{pins.cap} are pinned (--max-pinned-fraction {pins.fraction} of the smallest KV tier)")
+        return pins.pin(hashes, seq.params.pin_ttl_s, seq.params.pin_owner)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         seq = self.scheduler.abort(request_id)

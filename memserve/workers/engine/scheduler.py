@@ -446,6 +446,7 @@ class Scheduler:
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
+            pin_refused=seq.pin_refused,
         )
 
     def stats(self) -> dict:

@@ -45,6 +45,8 @@ class Sequence:
     # request's id and this choice's index; its outputs go out under that id.
     choice_of: str | None = None
     choice_index: int = 0
+    # Why its cache_control pin was refused (it runs unpinned); reported with its outputs.
+    pin_refused: str | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
