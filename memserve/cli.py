@@ -52,8 +52,8 @@ def _fraction(text: str) -> float:
 def _add_up(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="serve a model over the OpenAI API")
     p.add_argument("--model", default=None,
-                   help="HF folder, .gguf file, or a repo id (org/name) found in the local Hugging Face cache "
-                        "(default: embedded SmolLM2-135M-Instruct)")
+                   help="HF folder, .gguf file, or a repo id (org/name): from the local Hugging Face cache, "
+                        "else downloaded (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -434,8 +434,8 @@ def _kv_events_config(args: argparse.Namespace) -> dict | None | bool:
 def _add_profile(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="measure this model on this hardware and fit its cost model (MemServe §5.3)")
     p.add_argument("--model", default=None,
-                   help="HF folder, .gguf file, or a repo id (org/name) found in the local Hugging Face cache "
-                        "(default: embedded SmolLM2-135M-Instruct)")
+                   help="HF folder, .gguf file, or a repo id (org/name): from the local Hugging Face cache, "
+                        "else downloaded (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="cpu, cuda:N, or auto (cuda:0 when there is a GPU)")
     p.add_argument("--quick", action="store_true",

@@ -38,7 +38,7 @@ from gguf.quants import dequantize
 from safetensors.numpy import save_file
 
 from memserve.model_files.default_model import default_gguf_path
-from memserve.model_files.hub_cache import cached_snapshot, is_repo_id
+from memserve.model_files.hub_cache import hub_snapshot, is_repo_id
 
 log = logging.getLogger(__name__)
 
@@ -125,11 +125,11 @@ def _float32(tensor: ReaderTensor) -> np.ndarray:
 def ensure_model_dir(model: str | Path | None) -> Path:
     """A Hugging Face folder for ``model``: None -> the embedded default GGUF; a .gguf
     file -> its converted folder in the cache (converted on first use); a folder -> itself;
-    a repo id (``org/name``) -> its snapshot in the local Hugging Face cache."""
+    a repo id (``org/name``) -> its snapshot in the Hugging Face cache (downloaded if need be)."""
     if model is None:
         gguf_path = default_gguf_path()
     else:
-        path = cached_snapshot(str(model)) if is_repo_id(str(model)) else Path(model).expanduser()
+        path = hub_snapshot(str(model)) if is_repo_id(str(model)) else Path(model).expanduser()
         if path.is_dir():
             if not (path / "config.json").is_file():
                 raise FileNotFoundError(f"{path} is not a Hugging Face model folder (no config.json)")

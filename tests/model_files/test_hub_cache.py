@@ -1,5 +1,6 @@
 """``--model org/name`` is served from the local Hugging Face cache, as ``vllm serve``
-finds it, and a repo id that is not cached is a clear error at once (never a download)."""
+finds it, and with ``HF_HUB_OFFLINE=1`` a repo id that is not cached is a clear error at
+once (downloads: test_hub_download.py)."""
 
 from __future__ import annotations
 
@@ -47,11 +48,11 @@ def test_a_cached_repo_id_resolves_to_its_snapshot(tmp_path, monkeypatch, model_
     assert served_model_name(ServeConfig(engine=EngineConfig(model=REPO))) == REPO
 
 
-def test_a_repo_id_not_cached_is_a_clear_error_at_once(tmp_path, monkeypatch):
+def test_offline_a_repo_id_not_cached_is_a_clear_error_at_once(tmp_path, monkeypatch):
     use_hub_cache(monkeypatch, tmp_path / "empty-hub")
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # online or not, nothing is downloaded
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     start = time.monotonic()
-    with pytest.raises(FileNotFoundError, match="not in the local Hugging Face cache"):
+    with pytest.raises(FileNotFoundError, match="not in the local Hugging Face cache and HF_HUB_OFFLINE is set"):
         ensure_model_dir("memserve-test/not-cached")
     assert time.monotonic() - start < 5
 
