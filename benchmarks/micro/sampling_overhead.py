@@ -3,7 +3,7 @@
 One decode step's sampling stage is timed on a [batch, vocab] float32 logits tensor (the
 model's vocabulary, random values: softmax, top-k and sorting cost the same whatever the
 values), with every row asking for the feature, against the same rows sampled plainly
-(temperature 0.8, top-p 0.95, each with its own seeded generator). One function per
+(temperature 0.8, top-p 0.95, each with its own seed). One function per
 feature builds that feature's step; the forward pass, identical for all, is left out, so
 the ratio is an upper bound on what the feature adds to a whole decode step.
 
@@ -26,18 +26,18 @@ from memserve.model_files.gguf_convert import ensure_model_dir
 from memserve.workers.model.grammar import GrammarMatchers
 from memserve.workers.model.logprobs import log_softmax_rows, sampled_logprobs
 from memserve.workers.model.penalties import TokenHistory
-from memserve.workers.model.sampler import Sampler
+from memserve.workers.model.sampler import Sampler, position_uniform
 
 VOCAB = 49152  # SmolLM2's vocabulary
 PLAIN = SamplingParams(temperature=0.8, top_p=0.95)
 
-# A step: (logits, generators) -> sampled tokens, with whatever the feature adds.
-Step = Callable[[torch.Tensor, list[torch.Generator]], object]
+# A step: (logits, the rows' uniform numbers) -> sampled tokens, with whatever the feature adds.
+Step = Callable[[torch.Tensor, list[float | None]], object]
 
 
 def plain_step(batch: int) -> Step:
     sampler, params = Sampler(), [PLAIN] * batch
-    return lambda logits, generators: sampler.sample(logits, params, generators)
+    return lambda logits, uniforms: sampler.sample(logits, params, uniforms)
 
 
 def logprobs_step(batch: int, top: int = 5) -> Step:
@@ -47,9 +47,9 @@ def logprobs_step(batch: int, top: int = 5) -> Step:
     params = [SamplingParams(temperature=0.8, top_p=0.95, logprobs=top)] * batch
     ids = [f"r{i}" for i in range(batch)]
 
-    def step(logits: torch.Tensor, generators: list[torch.Generator]) -> object:
+    def step(logits: torch.Tensor, uniforms: list[float | None]) -> object:
         rows, log_probs = log_softmax_rows(logits, params)
-        tokens = sampler.sample(logits, params, generators)
+        tokens = sampler.sample(logits, params, uniforms)
         return sampled_logprobs(rows, log_probs, tokens, params, ids)
 
     return step
@@ -67,7 +67,7 @@ def penalties_step(batch: int, prompt_len: int = 512, output_len: int = 256) -> 
         history = TokenHistory.create(p, torch.randint(VOCAB, (prompt_len,), generator=gen).tolist(), set())
         history.output_ids = torch.randint(VOCAB, (output_len,), generator=gen).tolist()  # type: ignore[union-attr]
         histories.append(history)
-    return lambda logits, generators: sampler.sample(logits, params, generators, histories)
+    return lambda logits, uniforms: sampler.sample(logits, params, uniforms, histories)
 
 
 def logit_bias_step(batch: int, entries: int = 300) -> Step:
@@ -75,7 +75,7 @@ def logit_bias_step(batch: int, entries: int = 300) -> Step:
     sampler = Sampler()
     bias = {t: 5.0 for t in range(0, VOCAB, VOCAB // entries)[:entries]}
     params = [SamplingParams(temperature=0.8, top_p=0.95, logit_bias=bias)] * batch
-    return lambda logits, generators: sampler.sample(logits, params, generators)
+    return lambda logits, uniforms: sampler.sample(logits, params, uniforms)
 
 
 def grammar_step(batch: int) -> Step:
@@ -93,8 +93,8 @@ def grammar_step(batch: int) -> Step:
     for rid in ids:
         grammars.start(rid, grammar)
 
-    def step(logits: torch.Tensor, generators: list[torch.Generator]) -> object:
-        tokens = sampler.sample(logits, params, generators, grammars=grammars.rows(ids))
+    def step(logits: torch.Tensor, uniforms: list[float | None]) -> object:
+        tokens = sampler.sample(logits, params, uniforms, grammars=grammars.rows(ids))
         grammars.accept(ids, tokens)
         for rid, token in zip(ids, tokens):
             if token in eos:
@@ -114,18 +114,18 @@ def time_steps(steps: list[Step], batch: int, device: torch.device, iters: int, 
     from elsewhere on the machine hits them alike); the fastest repeat of each counts,
     the least disturbed by that load."""
     logits = torch.randn(batch, VOCAB, device=device) * 4
-    generators = [torch.Generator(device).manual_seed(i) for i in range(batch)]
+    uniforms: list[float | None] = [position_uniform(seed, 0) for seed in range(batch)]
     best = [float("inf")] * len(steps)
     for step in steps:
         for _ in range(3):
-            step(logits, generators)
+            step(logits, uniforms)
     for _ in range(repeats):
         for i, step in enumerate(steps):
             if device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
             for _ in range(iters):
-                step(logits, generators)  # every step ends in .tolist(): it waits for the device
+                step(logits, uniforms)  # every step ends in .tolist(): it waits for the device
             best[i] = min(best[i], (time.perf_counter() - start) / iters)
     return best
 

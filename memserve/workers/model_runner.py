@@ -1,8 +1,8 @@
 """Runs one engine step on the real model: builds the flat batch and attention metadata
 from the scheduler's plan, executes the forward pass over the paged KV cache and samples
 the next token of every request the plan says to sample. It keeps each request's
-sampling parameters and seeded generator from its first plan until the plan that lists
-it as finished; it never sees the scheduler's objects.
+sampling parameters and seed from its first plan until the plan that lists it as
+finished; it never sees the scheduler's objects.
 
 KV loads (a slower tier's cached prefix) are copied by one background thread: torch
 releases the GIL in its copy kernels, so the copy overlaps the steps of other requests.
@@ -35,8 +35,8 @@ from memserve.kvcache.saver import InlineSaver, Saver, ThreadSaver
 from memserve.kvcache.tiered_mover import TieredMover
 from memserve.model_files.generation import eos_token_ids
 from memserve.workers.engine.layer_hooks import NO_HOOKS, ChainedHooks, LayerHooks
-from memserve.workers.engine.ngram_proposer import accept_drafts, draft_rows
-from memserve.workers.engine.step_plan import KVLoad, ScheduledChunk, StepPlan, StepResult
+from memserve.workers.engine.ngram_proposer import accept_drafts
+from memserve.workers.engine.step_plan import KVLoad, NewRequestData, StepPlan, StepResult
 from memserve.workers.copy_stream import CopyStream, StreamMover
 from memserve.workers.kv_disk import open_disk_store
 from memserve.workers.kv_pools import KVPools
@@ -54,7 +54,7 @@ from memserve.workers.model.logprobs import (
     sampled_logprobs,
 )
 from memserve.workers.model.penalties import TokenHistories
-from memserve.workers.model.sampler import Sampler, verify_sampled_drafts
+from memserve.workers.model.sampler import Sampler, position_uniform
 
 
 class ModelRunner:
@@ -92,7 +92,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.prompt_logprobs = PromptLogprobs(self.model.compute_logits)
         self._params: dict[str, SamplingParams] = {}
-        self._generators: dict[str, torch.Generator] = {}
+        # A seeded request's seed and prompt length: its token at sequence position q is
+        # drawn with position_uniform(seed, q - prompt length).
+        self._seeds: dict[str, tuple[int, int]] = {}
         eos = eos_token_ids(model_dir)
         self._histories = TokenHistories(eos)
         self._grammars = GrammarMatchers(model_dir, self.vocab_size, eos)
@@ -127,20 +129,12 @@ class ModelRunner:
         """Run the planned tokens; return the sampled token of each request that has one."""
         for rid in plan.finished_ids:
             self._params.pop(rid, None)
-            self._generators.pop(rid, None)
+            self._seeds.pop(rid, None)
             self._histories.forget(rid)
             self._grammars.forget(rid)
             self.prompt_logprobs.forget(rid)
         for new in plan.new_requests:
-            self._params[new.request_id] = new.params
-            self._histories.start(new.request_id, new.params, new.prompt_token_ids)
-            if new.output_token_ids:
-                self._histories.observe(new.request_id, len(new.prompt_token_ids), new.output_token_ids)
-            self._grammars.start(new.request_id, new.params.grammar, new.output_token_ids)
-            if new.params.seed is not None and new.request_id not in self._generators:
-                generator = self._generators[new.request_id] = torch.Generator(self.device).manual_seed(new.params.seed)
-                for _ in range(0 if new.params.greedy else len(new.output_token_ids)):
-                    torch.rand(1, device=self.device, generator=generator)  # one draw per token sampled elsewhere
+            self._start(new)
         self.preloader.release(plan.finished_ids + plan.preempted_ids)
         if plan.loads:
             self.start_loads(plan.loads)
@@ -155,6 +149,7 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_rows: list[int] = []
         sample_ids: list[str] = []
+        sample_positions: list[int] = []  # of the token chosen after each sampled row
         for chunk in plan.chunks:
             start, end = chunk.start_pos, chunk.start_pos + len(chunk.token_ids)
             table = chunk.block_ids
@@ -168,6 +163,7 @@ class ModelRunner:
             if chunk.sample:  # the last row, and with drafts the row before each of them
                 sample_rows += range(query_start_loc[-1] - 1 - chunk.num_drafts, query_start_loc[-1])
                 sample_ids += [chunk.request_id] * (1 + chunk.num_drafts)
+                sample_positions += range(end - chunk.num_drafts, end + 1)
         hooks = self._hooks_for(plan)
         hidden = None
         if self.graphs is not None and len(input_ids) == len(plan.chunks):  # one new token each: pure decode
@@ -197,36 +193,34 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[sample_rows])
         params = [self._params[r] for r in sample_ids]
         logprob_rows, log_probs = log_softmax_rows(logits, params)  # raw logits, before the sampler
-        tokens = self._choose(logits, params, sample_ids, plan.chunks)
+        # Draft rows are sampled like any other: accept_drafts keeps the drafts equal to them.
+        tokens = self.sampler.sample(logits, params, self._uniforms(sample_ids, sample_positions),
+                                     self._histories.rows(sample_ids), self._grammars.rows(sample_ids))
         self._grammars.accept(sample_ids, tokens)
         result = StepResult(dict(zip(sample_ids, tokens)),
                             sampled_logprobs(logprob_rows, log_probs, tokens, params, sample_ids), prompt_logprobs)
         accept_drafts(plan.chunks, tokens, result)
         return result
 
-    def _choose(self, logits: torch.Tensor, params: list[SamplingParams], sample_ids: list[str],
-                chunks: list[ScheduledChunk]) -> list[int]:
-        """The token chosen after each sampled row: the sampler's, except on the rows of a
-        sampled (not greedy) request's drafts, which speculative sampling verifies."""
-        generators = [self._generators.get(r) for r in sample_ids]
-        verified = {first: chunk for first, chunk in draft_rows(chunks) if not params[first].greedy}
-        if not verified:
-            return self.sampler.sample(logits, params, generators, self._histories.rows(sample_ids),
-                                       self._grammars.rows(sample_ids))
-        skip = {first + i for first, chunk in verified.items() for i in range(1 + chunk.num_drafts)}
-        own = [i for i in range(len(sample_ids)) if i not in skip]
-        tokens = [0] * len(sample_ids)
-        if own:
-            ids = [sample_ids[i] for i in own]
-            picked = self.sampler.sample(logits[own], [params[i] for i in own], [generators[i] for i in own],
-                                         self._histories.rows(ids), self._grammars.rows(ids))
-            for i, token in zip(own, picked):
-                tokens[i] = token
-        for first, chunk in verified.items():
-            end = first + 1 + chunk.num_drafts
-            tokens[first:end] = verify_sampled_drafts(logits[first:end], chunk.token_ids[-chunk.num_drafts:],
-                                                      params[first].temperature, generators[first])
-        return tokens
+    def _start(self, new: NewRequestData) -> None:
+        """Keep what sampling ``new`` needs in the steps to come."""
+        self._params[new.request_id] = new.params
+        self._histories.start(new.request_id, new.params, new.prompt_token_ids)
+        if new.output_token_ids:
+            self._histories.observe(new.request_id, len(new.prompt_token_ids), new.output_token_ids)
+        self._grammars.start(new.request_id, new.params.grammar, new.output_token_ids)
+        if new.params.seed is not None:
+            self._seeds[new.request_id] = (new.params.seed, len(new.prompt_token_ids))
+
+    def _uniforms(self, sample_ids: list[str], positions: list[int]) -> list[float | None]:
+        """Each sampled row's uniform number: a seeded request's is keyed by the output
+        position it chooses (the same in any step or batch, with or without drafts); None
+        for a fresh draw."""
+        uniforms: list[float | None] = []
+        for rid, position in zip(sample_ids, positions):
+            seed = self._seeds.get(rid)
+            uniforms.append(None if seed is None else position_uniform(seed[0], position - seed[1]))
+        return uniforms
 
     def add_step_hooks(self, make: Callable[[StepPlan], LayerHooks | None]) -> None:
         """Have ``make(plan)`` give each step's extra layer hooks, called after ``hooks``."""

@@ -2,8 +2,9 @@
 (itself equal to transformers', tests/model/test_model_equivalence.py) on prompts that
 quote themselves, on multi-turn ShareGPT conversations and beside requests that cannot
 draft (log-probabilities, top-p sampling), whose outputs are unchanged; the drafts are
-accepted often enough to save steps; sampled requests draft too, repeatably under a seed;
-no block is left behind. (That speculative sampling keeps each token's distribution is
+accepted often enough to save steps; sampled requests draft too, and a seeded one gives
+the tokens it gives without drafts, whatever its draft depth or batch; no block is left
+behind. (That speculative sampling keeps each token's distribution is
 tested on the sampler, tests/model/test_sampler.py.)"""
 
 from __future__ import annotations
@@ -108,3 +109,24 @@ def test_sampled_requests_draft_and_repeat_under_a_seed(engines, tokenizer):
     assert generate(engine, {"b": (prompt, params)})["b"] == first
     assert len(first) == 40
     assert_no_block_held(engine)
+
+
+def test_seeded_sampled_tokens_do_not_depend_on_drafts_or_batch(engines, tokenizer, model_dir):
+    """Drafts up to 4 deep alone and 1 beside others (the per-batch-size setting): a
+    seeded request's tokens are those it samples without drafts, alone or in a batch of
+    drafting requests, as a re-run after a worker's death needs."""
+    by_batch = make_engine(model_dir, {**SPEC, "num_speculative_tokens_per_batch_size": [[1, 1, 4], [2, 64, 1]]})
+    prompt = tokenizer.encode("Monday, Tuesday, Wednesday, Thursday, Friday. Monday, Tuesday, Wednesday, Thursday, "
+                              "Friday. Monday,")
+    params = SamplingParams(max_tokens=32, temperature=0.5, seed=23, ignore_eos=True)
+    plain = generate(engines["plain"], {"a": (prompt, params)})["a"]
+    accepted = by_batch.scheduler.stats()["spec_accepted_tokens_total"]
+    assert generate(by_batch, {"a": (prompt, params)})["a"] == plain
+    assert by_batch.scheduler.stats()["spec_accepted_tokens_total"] > accepted + 4
+    neighbours = {f"n{i}": (tokenizer.encode_chat([{"role": "user", "content": QUOTING[i]}]),
+                            SamplingParams(max_tokens=8 + i * 8, temperature=0.9, seed=i, ignore_eos=True))
+                  for i in (0, 2)}
+    accepted = by_batch.scheduler.stats()["spec_accepted_tokens_total"]
+    assert generate(by_batch, {"a": (prompt, params), **neighbours})["a"] == plain
+    assert by_batch.scheduler.stats()["spec_accepted_tokens_total"] > accepted
+    assert_no_block_held(by_batch)

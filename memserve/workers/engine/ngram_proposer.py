@@ -4,10 +4,11 @@ Chat answers and edits quote their context: when the last n tokens of a sequence
 earlier in it, the tokens that followed them then are a cheap guess of what follows now.
 The scheduler appends such a guess (the draft) to a decoding request's next token; the
 runner computes all of them in one forward pass and keeps the drafts the model agrees
-with (its greedy choice, or for a request sampled by temperature, speculative sampling's
-test), plus the model's next token after them. A decode step on a
-CPU or GPU reads every weight whatever the number of tokens, so each accepted draft is
-a token for nearly nothing; a rejected one costs a few rows of compute.
+with (its greedy choice, or for a request sampled by temperature, the token it samples
+at that position, which makes this exact speculative sampling: ``sampler.py``), plus the
+model's next token after them. A decode step on a CPU or GPU reads every weight whatever
+the number of tokens, so each accepted draft is a token for nearly nothing; a rejected
+one costs a few rows of compute.
 
 The lookup is incremental: each sequence keeps a dictionary from every n-gram
 (``min_n <= n <= max_n``) to the position after its latest occurrence, updated with the
@@ -89,8 +90,8 @@ class NgramConfig:
 
 def can_draft(params: SamplingParams) -> bool:
     """Whether drafts for a request with ``params`` can be verified exactly from its rows'
-    logits alone: greedy (the argmax), or sampled by temperature alone (speculative
-    sampling, ``sampler.verify_sampled_drafts``); one choice, and nothing that looks at
+    logits alone: greedy (the argmax), or sampled by temperature alone (a draft is kept
+    when it equals its row's draw, ``sampler.py``); one choice, and nothing that looks at
     or reshapes the logits (top-k or top-p filters, log-probabilities, penalties, biases,
     a minimum length, a grammar)."""
     return ((params.greedy or (params.top_k == 0 and params.top_p >= 1.0)) and params.n == 1
@@ -191,7 +192,7 @@ def accept_drafts(chunks: list[ScheduledChunk], tokens: list[int], result: StepR
     the token the model chose after each sampled row (``draft_rows``). A chunk's drafts
     are kept up to the first that differs from the token chosen after the row before it;
     the token chosen after the last one kept is the request's next token. The choices are
-    the greedy argmax, or for a sampled request those of ``sampler.verify_sampled_drafts``."""
+    the greedy argmax, or for a sampled request the sampler's draw at each position."""
     for first, chunk in draft_rows(chunks):
         chosen = tokens[first:first + 1 + chunk.num_drafts]
         drafts = chunk.token_ids[len(chunk.token_ids) - chunk.num_drafts:]

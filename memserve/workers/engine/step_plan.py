@@ -3,7 +3,7 @@
 A plan names requests by id and KV blocks by id; it carries the token ids to compute but
 no live object, so the runner cannot touch scheduler state and a simulated runner can
 execute the same plan (after vLLM v1's ``SchedulerOutput``). The runner keeps what it
-needs across steps (sampling parameters, a seeded generator) from ``new_requests`` until
+needs across steps (sampling parameters, a seed) from ``new_requests`` until
 the request's id appears in ``finished_ids``."""
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ class NewRequestData:
     params: SamplingParams
     prompt_token_ids: list[int] = field(default_factory=list)  # penalties look at the prompt
     # Tokens sampled before this instance saw the request (a disaggregated prefill's
-    # first token): penalties count them and a seeded generator skips their draws.
+    # first token): penalties count them, and a seeded request's draws, keyed by output
+    # position, go on after them.
     output_token_ids: list[int] = field(default_factory=list)
 
 

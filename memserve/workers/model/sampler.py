@@ -2,8 +2,14 @@
 
 Greedy rows take the argmax. Sampled rows are scaled by temperature; rows with top-k or
 top-p are filtered in vectorised passes over the batch. Every sampled row is drawn by
-inverse-CDF with ONE uniform number from that row's own generator, so a request with a
-seed draws the same tokens whatever else shares its batch.
+inverse-CDF with ONE uniform number. A seeded request's number for its token at output
+position p is a hash of (seed, p) alone (``position_uniform``), so it draws the same
+tokens whatever else shares its batch, whichever step samples the position, and with
+drafts of any depth or none: a draft is kept when it equals the token its row draws
+(``ngram_proposer.accept_drafts``). That is exact speculative sampling for a draft that is
+a single guessed token: the draft d is kept with probability p(d), and when it is not the
+row's token follows p without d, renormalised. Unseeded rows take a fresh number from
+torch's default generator.
 
 Sorting a 50k-entry vocabulary costs milliseconds per row, so filtered rows first look at
 their few hundred best tokens only (``topk``): when those already hold the top-k set or
@@ -22,26 +28,41 @@ from memserve.workers.model.penalties import TokenHistory, apply_adjustments
 # Candidate-set widths tried for filtered rows before a full sort.
 CANDIDATE_WIDTHS = (256, 4096)
 
+_MASK64 = (1 << 64) - 1
+_GOLDEN64 = 0x9E3779B97F4A7C15  # SplitMix64's increment
+
+
+def position_uniform(seed: int, position: int) -> float:
+    """The uniform number in [0, 1) that draws a seeded request's token at output
+    ``position``: output ``position`` of SplitMix64 started at ``seed``, computed
+    directly from the two (a counter-based generator), so no step, batch or device
+    changes it. 24 bits, float32's resolution of [0, 1), like ``torch.rand``'s."""
+    z = (seed + (position + 1) * _GOLDEN64) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return ((z ^ (z >> 31)) >> 40) / (1 << 24)
+
 
 class Sampler:
     def sample(
         self,
         logits: torch.Tensor,
         params: list[SamplingParams],
-        generators: list[torch.Generator | None],
+        uniforms: list[float | None],
         histories: list[TokenHistory | None] | None = None,
         grammars: GrammarBatch | None = None,
     ) -> list[int]:
-        """logits [B, V] (float32), one SamplingParams and one optional seeded generator
-        (on the logits' device) per row -> B token ids. Penalties and biases (``histories``:
-        the tokens each row has seen) apply to greedy rows too, as in vLLM."""
+        """logits [B, V] (float32), one SamplingParams and one uniform number per row (a
+        seeded row's ``position_uniform``, None for a fresh draw; greedy rows ignore it)
+        -> B token ids. Penalties and biases (``histories``: the tokens each row has seen)
+        apply to greedy rows too, as in vLLM."""
         logits = apply_adjustments(logits, params, histories)
         logits = apply_grammar_masks(logits, grammars)  # tokens a row's grammar forbids: -inf
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if not sampled:
             return logits.argmax(dim=-1).tolist()
         picked = _sample_rows(
-            _select(logits, sampled).float(), [params[i] for i in sampled], [generators[i] for i in sampled]
+            _select(logits, sampled).float(), [params[i] for i in sampled], [uniforms[i] for i in sampled]
         )
         if len(sampled) == len(params):
             return picked.tolist()
@@ -50,42 +71,25 @@ class Sampler:
         return tokens.tolist()
 
 
-def verify_sampled_drafts(logits: torch.Tensor, drafts: list[int], temperature: float,
-                          generator: torch.Generator | None) -> list[int]:
-    """Speculative sampling of one request's drafts (a point-mass guess each) against
-    its rows of logits [len(drafts) + 1, V]: draft i is kept with its probability under
-    softmax(row i / temperature); the first one lost is replaced by a draw from that row
-    without it, renormalised; when all are kept the last row is sampled. Each emitted
-    token thus has exactly the distribution plain sampling gives it (Leviathan et al.,
-    2023). Returns one token per row in the form ``ngram_proposer.accept_drafts`` reads:
-    the draft itself where kept, the replacement where lost (rows after it repeat it and
-    are never read)."""
-    probs = (logits.float() / temperature).softmax(dim=-1)
-    uniforms = torch.rand(len(drafts) + 1, device=logits.device, generator=generator)
-    chosen: list[int] = []
-    for i, draft in enumerate(drafts):
-        if uniforms[i] < probs[i, draft]:
-            chosen.append(draft)
-            continue
-        residual = probs[i : i + 1].clone()
-        residual[0, draft] = 0.0
-        token = int(_inverse_cdf_of_probs(residual, uniforms[-1:]).item())
-        return chosen + [token] * (len(drafts) + 1 - len(chosen))
-    return chosen + [int(_inverse_cdf_of_probs(probs[-1:], uniforms[-1:]).item())]
-
-
 def _select(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """x[rows] for sorted distinct rows, without a copy when they are all of x's rows."""
     return x if len(rows) == x.shape[0] else x[torch.tensor(rows, device=x.device)]
 
 
+def _uniform_tensor(uniforms: list[float | None], device: torch.device) -> torch.Tensor:
+    """The rows' uniform numbers on ``device``, each None replaced by a fresh draw; one copy
+    to the device for the batch."""
+    fresh = iter(torch.rand(sum(u is None for u in uniforms)).tolist())
+    return torch.tensor([next(fresh) if u is None else u for u in uniforms], device=device)
+
+
 def _sample_rows(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits: torch.Tensor, params: list[SamplingParams], row_uniforms: list[float | None]
 ) -> torch.Tensor:
     device, vocab = logits.device, logits.shape[-1]
     temperature = torch.tensor([p.temperature for p in params], device=device)
     scaled = logits / temperature[:, None]
-    uniforms = torch.cat([torch.rand(1, device=device, generator=g) for g in generators])
+    uniforms = _uniform_tensor(row_uniforms, device)
     filtered = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
     if not filtered:
         return _inverse_cdf(scaled, uniforms)
