@@ -2,23 +2,29 @@
 
 memserve's own KV events (``kvcache/events.py``) go to the gateway's mirrors over the
 internal channel. With ``--kv-events-config`` each worker also publishes every tier change
-of its MemPool the way vLLM does (``vllm/distributed/kv_events.py``), so that a
-subscriber written for vLLM works unchanged:
+of its MemPool the way vLLM 0.32 and 0.33 do (``vllm/distributed/kv_events.py``), so that
+a subscriber built on vLLM's classes decodes it unchanged:
 
 - a PUB socket sends one multipart message per batch:
-  ``[topic, seq (8-byte big-endian), payload]``; ``payload`` is msgpack
-  ``[ts (float), events (list), data_parallel_rank (None)]`` and each event a tagged
-  array: ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
-  lora_id, medium]``, ``["BlockRemoved", block_hashes, medium]`` or
-  ``["AllBlocksCleared"]``;
+  ``[topic, seq (8-byte big-endian), payload]``; ``payload`` is the msgpack value
+  msgspec writes for vLLM's ``KVEventBatch``: the array ``[ts (float), events,
+  data_parallel_rank]`` (the rank is the worker's instance id), each event a map tagged by
+  ``"type"``:
+  ``{"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids",
+  "block_size", "lora_id", "medium", "lora_name"}``, ``{"type": "BlockRemoved",
+  "block_hashes", "medium"}`` or ``{"type": "AllBlocksCleared"}``. vLLM's fields that have
+  a default (``extra_keys``, ``group_idx``, ``locality``, ...) are left out, as vLLM's
+  encoder (``omit_defaults``) leaves them out when unset; ``lora_id`` and ``lora_name``
+  are null;
 - a ROUTER replay socket answers ``[..., b"", start_seq (8-byte big-endian)]`` with one
-  ``[seq, payload]`` message per buffered batch from ``start_seq`` on, then
-  ``[-1 (8 bytes, signed), b""]``.
+  ``[..., b"", topic, seq, payload]`` message per buffered batch from ``start_seq`` on,
+  then ``[..., b"", b"", -1 (8 bytes, signed), b""]``.
 
-``medium`` is the tier: ``GPU`` for the device tier (the fastest one, on a CPU worker
-too), ``CPU`` for host DRAM, ``DISK`` for the disk tier. A block that moves between tiers
-is removed from one medium and stored in the other. A new worker process (start or
-restart) begins with ``AllBlocksCleared`` at sequence 0.
+``medium`` is the tier, spelled as vLLM's ``MEDIUM_*`` constants: ``GPU`` for the device
+tier (the fastest one, on a CPU worker too), ``CPU`` for host DRAM, ``STORAGE`` for the
+disk tier. A block that moves between tiers is removed from one medium and stored in the
+other. A new worker process (start or restart) begins with ``AllBlocksCleared`` at
+sequence 0.
 
 memserve's events name a moved block's new address only and carry no tokens, so the
 publisher keeps, per indexed block, its tier, its parent and its tokens (which the
@@ -45,7 +51,7 @@ from memserve.kvcache.events import MOVED, REMOVED, STORED, KVEvent
 
 log = logging.getLogger("memserve.kv_events")
 
-MEDIUM = {Tier.DEVICE: "GPU", Tier.HOST: "CPU", Tier.DISK: "DISK"}
+MEDIUM = {Tier.DEVICE: "GPU", Tier.HOST: "CPU", Tier.DISK: "STORAGE"}  # vLLM's MEDIUM_GPU, _CPU, _STORAGE
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's end marker
 _KNOWN_KEYS = {"enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint", "buffer_steps", "hwm",
                "max_queue_size", "topic"}
@@ -107,6 +113,22 @@ def _should_bind(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
+def block_stored(hashes: list[int], parent: int | None, tokens: list[int], block_size: int,
+                 medium: str) -> dict[str, Any]:
+    """vLLM's ``BlockStored`` map: the tag, then its fields without a default, in vLLM's order.
+    Its fields with a default are left out, as vLLM's encoder leaves them when unset, so a
+    batch is the msgpack value vLLM would send."""
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
+            "block_size": block_size, "lora_id": None, "medium": medium, "lora_name": None}
+
+
+def block_removed(hashes: list[int], medium: str) -> dict[str, Any]:
+    return {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium}
+
+
+ALL_BLOCKS_CLEARED: dict[str, Any] = {"type": "AllBlocksCleared"}
+
+
 class _Block:
     __slots__ = ("parent", "tier", "tokens")
 
@@ -117,7 +139,7 @@ class _Block:
 
 
 class VllmEventTranslator:
-    """memserve KV events -> vLLM events (plain lists, ready for msgpack), keeping the
+    """memserve KV events -> vLLM events (plain maps, ready for msgpack), keeping the
     per-block state that the translation needs (tier, parent, tokens)."""
 
     def __init__(self, block_size: int, event_tokens: dict[int, Sequence[int]] | None = None) -> None:
@@ -126,8 +148,8 @@ class VllmEventTranslator:
         self.event_tokens = event_tokens if event_tokens is not None else {}
         self.blocks: dict[int, _Block] = {}
 
-    def translate(self, events: Iterable[KVEvent]) -> list[list[Any]]:
-        out: list[list[Any]] = []
+    def translate(self, events: Iterable[KVEvent]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
         for ev in events:
             if ev.type == STORED:
                 self._stored(ev, out)
@@ -137,7 +159,7 @@ class VllmEventTranslator:
                 self._moved(ev, out)
         return out
 
-    def _stored(self, ev: KVEvent, out: list[list[Any]]) -> None:
+    def _stored(self, ev: KVEvent, out: list[dict[str, Any]]) -> None:
         parent = ev.parent
         run: list[int] = []
         for h, addr in zip(ev.hashes, ev.addrs):
@@ -151,7 +173,7 @@ class VllmEventTranslator:
         if run:
             out.append(self._block_stored(run))
 
-    def _block_stored(self, chain: list[int]) -> list[Any]:
+    def _block_stored(self, chain: list[int]) -> dict[str, Any]:
         """One ``BlockStored`` for a chain of blocks in one tier (each the parent of the next)."""
         blocks = [self.blocks[h] for h in chain]
         tokens: list[int] = []
@@ -160,25 +182,25 @@ class VllmEventTranslator:
                 tokens = []
                 break
             tokens.extend(b.tokens)
-        return ["BlockStored", list(chain), blocks[0].parent, tokens, self.block_size, None, MEDIUM[blocks[0].tier]]
+        return block_stored(list(chain), blocks[0].parent, tokens, self.block_size, MEDIUM[blocks[0].tier])
 
-    def _removed(self, hashes: list[int], out: list[list[Any]]) -> None:
+    def _removed(self, hashes: list[int], out: list[dict[str, Any]]) -> None:
         run: list[int] = []
-        medium = None
+        medium = ""
         for h in hashes:
             block = self.blocks.pop(h, None)
             if block is None:
                 continue
             m = MEDIUM[block.tier]
             if run and m != medium:
-                out.append(["BlockRemoved", run, medium])
+                out.append(block_removed(run, medium))
                 run = []
             run.append(h)
             medium = m
         if run:
-            out.append(["BlockRemoved", run, medium])
+            out.append(block_removed(run, medium))
 
-    def _moved(self, ev: KVEvent, out: list[list[Any]]) -> None:
+    def _moved(self, ev: KVEvent, out: list[dict[str, Any]]) -> None:
         # Removed from the old media (in order), then stored in the new one, chain by chain.
         moved = [(h, addr_tier(a)) for h, a in zip(ev.hashes, ev.addrs) if h in self.blocks]
         self._removed_keep([h for h, _ in moved], out)
@@ -193,7 +215,7 @@ class VllmEventTranslator:
         if run:
             out.append(self._block_stored(run))
 
-    def _removed_keep(self, hashes: list[int], out: list[list[Any]]) -> None:
+    def _removed_keep(self, hashes: list[int], out: list[dict[str, Any]]) -> None:
         """``BlockRemoved`` for blocks leaving their medium, keeping their state."""
         saved = {h: self.blocks[h] for h in hashes}
         self._removed(hashes, out)
@@ -202,12 +224,14 @@ class VllmEventTranslator:
 
 class KVEventPublisher:
     """A worker's vLLM-format publisher: PUB socket, bounded replay buffer, and a ROUTER
-    replay socket served by a small thread. ``publish`` is called from the worker's loop."""
+    replay socket served by a small thread. ``publish`` is called from the worker's loop.
+    ``data_parallel_rank`` tells one worker's batches from another's, as vLLM's DP ranks do."""
 
     def __init__(self, cfg: KVEventsConfig, block_size: int, event_tokens: dict[int, Sequence[int]] | None = None,
-                 clock=time.time) -> None:
+                 clock=time.time, data_parallel_rank: int = 0) -> None:
         self.cfg = cfg
         self.clock = clock
+        self.data_parallel_rank = data_parallel_rank
         self.translator = VllmEventTranslator(block_size, event_tokens)
         self.topic = cfg.topic.encode()
         self._ctx = zmq.Context.instance()
@@ -226,6 +250,9 @@ class KVEventPublisher:
         if cfg.replay_endpoint:
             replay = self._ctx.socket(zmq.ROUTER)
             replay.setsockopt(zmq.LINGER, 0)
+            # vLLM's bound: ZeroMQ sees reads only every HWM/2 messages, so twice a full
+            # replay plus its end marker always fits (a ROUTER drops what does not).
+            replay.setsockopt(zmq.SNDHWM, 2 * (cfg.buffer_steps + 1))
             try:
                 replay.bind(cfg.replay_endpoint)
             except zmq.ZMQError:
@@ -236,7 +263,7 @@ class KVEventPublisher:
                                             daemon=True)
             self._thread.start()
         log.info("publishing KV events on %s (replay: %s)", cfg.endpoint, cfg.replay_endpoint or "off")
-        self._send([["AllBlocksCleared"]])  # a new process: whatever a subscriber held is gone
+        self._send([ALL_BLOCKS_CLEARED])  # a new process: whatever a subscriber held is gone
 
     @property
     def next_seq(self) -> int:
@@ -249,8 +276,8 @@ class KVEventPublisher:
             self._send(out)
         return len(out)
 
-    def _send(self, events: list[list[Any]]) -> None:
-        payload = msgpack.packb([self.clock(), events, None], use_bin_type=True)
+    def _send(self, events: list[dict[str, Any]]) -> None:
+        payload = msgpack.packb([self.clock(), events, self.data_parallel_rank], use_bin_type=True)
         with self._lock:
             seq = self._seq
             self._seq += 1
@@ -274,8 +301,8 @@ class KVEventPublisher:
                 with self._lock:
                     batches = [(s, p) for s, p in self._buffer if s >= start]
                 for seq, payload in batches:
-                    sock.send_multipart([*envelope, seq.to_bytes(8, "big"), payload])
-                sock.send_multipart([*envelope, END_SEQ, b""])
+                    sock.send_multipart([*envelope, self.topic, seq.to_bytes(8, "big"), payload])
+                sock.send_multipart([*envelope, b"", END_SEQ, b""])
         except zmq.ContextTerminated:
             pass
         finally:

@@ -284,7 +284,8 @@ class Worker:
             return
         mempool = self.engine.mempool
         try:
-            self.kv_publisher = KVEventPublisher(cfg.for_instance(self.id), self.cfg.engine.block_size, {})
+            self.kv_publisher = KVEventPublisher(cfg.for_instance(self.id), self.cfg.engine.block_size, {},
+                                                 data_parallel_rank=self.id)
         except Exception as exc:  # a port in use: serve anyway, without the outside stream
             log.error("worker %d: cannot publish KV events (%r); serving without them", self.id, exc)
             return

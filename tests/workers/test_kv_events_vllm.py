@@ -1,12 +1,15 @@
 """KV events in vLLM's published format (``--kv-events-config``).
 
-A subscriber written here from the documented schema alone (ZeroMQ multipart frames,
-msgpack arrays; no memserve decoder) follows a real ``memserve up``'s worker: it rebuilds
-the worker's block set per medium and finds the counts the worker itself reports per
-tier (/health ``cached_blocks``). It then drops off, misses a run of batches, and
-recovers them from the replay socket: sequence numbers stay contiguous and the state
-again equals the worker's. The unit tests pin the translation of memserve's events
-(stored, moved, removed) and the endpoint rule for several workers.
+The payloads are decoded with msgspec structs that mirror vLLM 0.33's own
+(``vllm/distributed/kv_events.py``: field names, order, defaults and struct options), not
+with memserve code, and each payload must equal, byte for byte, what vLLM's encoder
+writes for the decoded batch. A subscriber built on them follows a real ``memserve up``'s
+worker: it rebuilds the worker's block set per medium and finds the counts the worker
+itself reports per tier (/health ``cached_blocks``). It then drops off, misses a run of
+batches, and recovers them from the replay socket: sequence numbers stay contiguous and
+the state again equals the worker's. The unit tests pin the translation of memserve's
+events (stored, moved, removed), the media of the host and disk tiers, and the endpoint
+rule for several workers.
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ import tempfile
 import time
 import urllib.request
 from array import array
+from typing import Any
 
 import msgpack
+import msgspec
 import pytest
 import xxhash
 import zmq
@@ -29,6 +34,7 @@ from memserve.bench.server_process import start_server, stop_server
 from memserve.kvcache.address import Tier, make_addrs
 from memserve.kvcache.events import MOVED, REMOVED, STORED, KVEvent
 from memserve.workers.kv_event_publisher import (
+    ALL_BLOCKS_CLEARED,
     END_SEQ,
     KVEventPublisher,
     KVEventsConfig,
@@ -38,11 +44,86 @@ from memserve.workers.kv_event_publisher import (
 
 BLOCK_SIZE = 16
 ROOT_SEED = 0x6D656D7365727665  # documented in docs/observability.md
-MEDIA = ("GPU", "CPU", "DISK")
-TIER_OF_MEDIUM = {"GPU": "device", "CPU": "host", "DISK": "disk"}
+MEDIA = ("GPU", "CPU", "STORAGE")  # vLLM's MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE
+TIER_OF_MEDIUM = {"GPU": "device", "CPU": "host", "STORAGE": "disk"}
 
 
-# ------------------------------------------------------------ a subscriber from the schema
+# ------------------------------------------------- vLLM 0.33's event classes, as declared
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[bytes | int]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+ENCODER = msgspec.msgpack.Encoder()
+
+
+def _value(payload: bytes) -> Any:
+    """A msgpack value with its maps as ordered pairs (the header widths, which msgspec
+    picks from a struct's field count, are no part of it)."""
+    return msgpack.unpackb(payload, object_pairs_hook=list)
+
+
+def decode(payload: bytes, rank: int = 0) -> KVEventBatch:
+    """A published payload as vLLM's classes read it; it must also be the msgpack value that
+    vLLM's encoder writes for what was read (no field added, left out or reordered)."""
+    batch = DECODER.decode(payload)
+    assert _value(payload) == _value(ENCODER.encode(batch))
+    assert batch.data_parallel_rank == rank
+    return batch
+
+
+def stored(hashes: list[int], parent: int | None, tokens: list[int], medium: str) -> BlockStored:
+    return BlockStored(hashes, parent, tokens, BLOCK_SIZE, None, medium, None)
+
+
+def translated(events: list[dict]) -> list[KVCacheEvent]:
+    """The translator's output as vLLM's classes read it, once published."""
+    return decode(msgpack.packb([0.0, events, 0])).events
+
+
+# ------------------------------------------------------------ a subscriber on vLLM's classes
 
 
 def block_names(tokens: list[int], parent: int | None) -> list[int]:
@@ -76,34 +157,27 @@ class Subscriber:
         if seq < self.next_seq:
             return  # already applied (live and replay overlap)
         assert seq == self.next_seq, f"gap: {self.next_seq} .. {seq}"
-        batch = msgpack.unpackb(payload, raw=False)
-        assert isinstance(batch, list) and len(batch) in (2, 3)
-        ts, events = batch[0], batch[1]
-        assert isinstance(ts, float)
-        for ev in events:
-            tag = ev[0]
-            if tag == "BlockStored":
-                _, hashes, parent, token_ids, block_size, lora_id, medium = ev
-                assert block_size == BLOCK_SIZE and lora_id is None and medium in MEDIA
-                for h in hashes:
+        for ev in decode(payload).events:
+            tag = type(ev).__name__
+            if isinstance(ev, BlockStored):
+                assert ev.block_size == BLOCK_SIZE and ev.lora_id is None and ev.lora_name is None
+                assert ev.medium in MEDIA
+                for h in ev.block_hashes:
                     assert not any(h in s for s in self.blocks.values()), "stored twice"
-                    self.blocks[medium].add(h)
-                if token_ids:
-                    assert len(token_ids) == len(hashes) * BLOCK_SIZE
-                    assert block_names(token_ids, parent) == hashes
-                    self.hashes_checked += len(hashes)
-                self.kinds[(tag, medium)] = self.kinds.get((tag, medium), 0) + 1
-            elif tag == "BlockRemoved":
-                _, hashes, medium = ev
-                for h in hashes:
-                    assert h in self.blocks[medium], f"removed from {medium} but not there"
-                    self.blocks[medium].discard(h)
-                self.kinds[(tag, medium)] = self.kinds.get((tag, medium), 0) + 1
-            elif tag == "AllBlocksCleared":
+                    self.blocks[ev.medium].add(h)
+                if ev.token_ids:
+                    assert len(ev.token_ids) == len(ev.block_hashes) * BLOCK_SIZE
+                    assert block_names(ev.token_ids, ev.parent_block_hash) == ev.block_hashes
+                    self.hashes_checked += len(ev.block_hashes)
+                self.kinds[(tag, ev.medium)] = self.kinds.get((tag, ev.medium), 0) + 1
+            elif isinstance(ev, BlockRemoved):
+                for h in ev.block_hashes:
+                    assert h in self.blocks[ev.medium], f"removed from {ev.medium} but not there"
+                    self.blocks[ev.medium].discard(h)
+                self.kinds[(tag, ev.medium)] = self.kinds.get((tag, ev.medium), 0) + 1
+            else:
                 for s in self.blocks.values():
                     s.clear()
-            else:
-                raise AssertionError(f"unknown event {tag!r}")
         self.seen.append(seq)
         self.next_seq = seq + 1
 
@@ -114,14 +188,14 @@ class Subscriber:
             dealer.send_multipart([b"", start.to_bytes(8, "big")])
             while True:
                 assert dealer.poll(5000), "replay did not answer"
-                empty, seq_bytes, payload = dealer.recv_multipart()
+                empty, topic, seq_bytes, payload = dealer.recv_multipart()
                 assert empty == b""
-                seq = int.from_bytes(seq_bytes, "big", signed=True)
-                if seq_bytes == END_SEQ or seq == -1:
-                    assert payload == b""
+                if seq_bytes == END_SEQ:
+                    assert topic == b"" and payload == b""
                     return
+                assert topic == self.topic
                 self.replayed += 1
-                self.apply(seq, payload)
+                self.apply(int.from_bytes(seq_bytes, "big"), payload)
         finally:
             dealer.close(0)
 
@@ -138,7 +212,7 @@ class Subscriber:
             self.apply(seq, payload)
 
     def counts(self) -> dict[str, int]:
-        return {TIER_OF_MEDIUM[m]: len(s) for m, s in self.blocks.items() if s or m != "DISK"}
+        return {TIER_OF_MEDIUM[m]: len(s) for m, s in self.blocks.items() if s or m != "STORAGE"}
 
 
 # ------------------------------------------------------------------------ the live test
@@ -243,18 +317,18 @@ def test_translation_of_store_move_remove():
     event_tokens = {h: tokens[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE] for i, h in enumerate(hashes)}
     t = VllmEventTranslator(BLOCK_SIZE, event_tokens)
     out = t.translate([KVEvent(STORED, hashes, None, _addrs(Tier.DEVICE, [0, 1, 2]))])
-    assert out == [["BlockStored", hashes, None, tokens, BLOCK_SIZE, None, "GPU"]]
+    assert translated(out) == [stored(hashes, None, tokens, "GPU")]
     assert not event_tokens  # taken
     # the two deepest blocks are demoted to the host tier
     out = t.translate([KVEvent(MOVED, hashes[1:], None, _addrs(Tier.HOST, [5, 6]))])
-    assert out == [["BlockRemoved", hashes[1:], "GPU"],
-                   ["BlockStored", hashes[1:], hashes[0], tokens[BLOCK_SIZE:], BLOCK_SIZE, None, "CPU"]]
+    assert translated(out) == [BlockRemoved(hashes[1:], "GPU"),
+                               stored(hashes[1:], hashes[0], tokens[BLOCK_SIZE:], "CPU")]
     out = t.translate([KVEvent(REMOVED, hashes[::-1])])
-    assert out == [["BlockRemoved", hashes[:0:-1], "CPU"], ["BlockRemoved", [hashes[0]], "GPU"]]
+    assert translated(out) == [BlockRemoved(hashes[:0:-1], "CPU"), BlockRemoved([hashes[0]], "GPU")]
     assert not t.blocks
     # blocks adopted from disk come without tokens
     out = t.translate([KVEvent(STORED, [11, 12], None, _addrs(Tier.DISK, [0, 1]))])
-    assert out == [["BlockStored", [11, 12], None, [], BLOCK_SIZE, None, "DISK"]]
+    assert translated(out) == [stored([11, 12], None, [], "STORAGE")]
 
 
 def test_instance_endpoints():
@@ -284,5 +358,45 @@ def test_publisher_replays_from_a_sequence_number():
         sub.close()
     finally:
         pub.close()
+        ctx.destroy(linger=0)
+        shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+def test_published_batches_decode_with_vllms_classes_per_tier():
+    """The PUB socket's real bytes, read by vLLM's classes: a chain enters the device tier,
+    is demoted to host, then to disk, and leaves; each tier's events carry its medium."""
+    sock_dir = tempfile.mkdtemp(prefix="kvpub")
+    cfg = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"ipc://{sock_dir}/p", topic="t")
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"t")
+    sub.connect(cfg.endpoint)
+    tokens = list(range(2 * BLOCK_SIZE))
+    hashes = block_names(tokens, None)
+    pub = KVEventPublisher(cfg, BLOCK_SIZE, {h: tokens[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]
+                                            for i, h in enumerate(hashes)}, data_parallel_rank=3)
+    try:
+        time.sleep(0.3)  # the subscription reaches the PUB (seq 0 is sent before it: replay's job)
+        for ev in (KVEvent(STORED, hashes, None, _addrs(Tier.DEVICE, [0, 1])),
+                   KVEvent(MOVED, hashes, None, _addrs(Tier.HOST, [4, 5])),
+                   KVEvent(MOVED, hashes, None, _addrs(Tier.DISK, [7, 8])),
+                   KVEvent(REMOVED, hashes)):
+            assert pub.publish([ev])
+        got = []
+        for seq in range(1, 5):
+            assert sub.poll(5000), "nothing published"
+            topic, seq_bytes, payload = sub.recv_multipart()
+            assert (topic, int.from_bytes(seq_bytes, "big")) == (b"t", seq)
+            batch = decode(payload, rank=3)
+            assert batch.ts > 0
+            got.append(batch.events)
+        assert got == [[stored(hashes, None, tokens, "GPU")],
+                       [BlockRemoved(hashes, "GPU"), stored(hashes, None, tokens, "CPU")],
+                       [BlockRemoved(hashes, "CPU"), stored(hashes, None, tokens, "STORAGE")],
+                       [BlockRemoved(hashes, "STORAGE")]]
+        assert decode(msgpack.packb([1.0, [ALL_BLOCKS_CLEARED], 0])).events == [AllBlocksCleared()]
+    finally:
+        pub.close()
+        sub.close(0)
         ctx.destroy(linger=0)
         shutil.rmtree(sock_dir, ignore_errors=True)
