@@ -119,8 +119,9 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-prefix-cache", action="store_true", help="disable context caching (the baseline)")
     p.add_argument("--kv-layout", default="aggregated", choices=["aggregated", "layer-major"])
     p.add_argument("--schedule-policy", default="fcfs", choices=sorted(SCHEDULE_POLICIES),
-                   help="order of admission and choice of preemption victims in each worker; cacheopt: "
-                        "SLO-aware batching, KV allocation and preemption (CacheOpt §3)")
+                   help="order of admission and choice of preemption victims in each worker; lpm: the "
+                        "longest cached prefix first (SGLang's), so returning conversations skip the queue; "
+                        "cacheopt: SLO-aware batching, KV allocation and preemption (CacheOpt §3)")
     p.add_argument("--schedule-policy-options", default="",
                    help="options of the schedule policy, e.g. cacheopt's 'disable=PA,GR;reserve=8;m=2;b=8'")
     p.add_argument("--eviction-policy", default="lru", choices=sorted(EVICTION_POLICIES),

@@ -139,6 +139,53 @@ class FCFS:
         return iter(self._queue)
 
 
+LPM_MAX_QUEUE = 128  # above this many waiting requests, lpm admits in arrival order (as SGLang's)
+
+
+class LongestPrefixMatch(FCFS):
+    """SGLang's ``lpm``: admit the waiting request whose prompt has the longest cached
+    prefix (in any tier) first, ties in arrival order; requests that left the queue
+    (preempted, passed over) keep the head. A conversation that comes back finds most of
+    its prompt cached and needs a short prefill, so it no longer waits behind new long
+    prompts: mean time to first token falls, as shortest-job-first's does. The order is
+    computed once per step (one index lookup per waiting request), and not at all above
+    ``LPM_MAX_QUEUE`` waiting requests."""
+
+    name = "lpm"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._kv: KVCacheManager | None = None
+        self._head: set[str] = set()  # requests pushed back: they stay first, in their order
+
+    def attach(self, kv: KVCacheManager) -> KVGate | None:
+        self._kv = kv
+        return None
+
+    def push_preempted(self, seq: Sequence) -> None:
+        super().push_preempted(seq)
+        self._head.add(seq.request_id)
+
+    def pop(self) -> Sequence:
+        seq = super().pop()
+        self._head.discard(seq.request_id)
+        return seq
+
+    def remove(self, seq: Sequence) -> None:
+        super().remove(seq)
+        self._head.discard(seq.request_id)
+
+    def begin_step(self, running: list[Sequence], now: float, budget: int) -> int:
+        kv, queue = self._kv, self._queue
+        if kv is not None and 1 < len(queue) <= LPM_MAX_QUEUE:
+            known = kv.mempool.index.known_prefix
+            head = [s for s in queue if s.request_id in self._head]
+            rest = sorted((s for s in queue if s.request_id not in self._head),
+                          key=lambda s: -known(kv.prefix_names(s)))  # stable: arrival order among equals
+            self._queue = deque(head + rest)
+        return budget
+
+
 def _fcfs(options: str, cost: CostModel | None) -> SchedulePolicy:
     if options:
         raise ValueError("the fcfs schedule policy takes no options")
@@ -154,8 +201,14 @@ def _cacheopt(options: str, cost: CostModel | None) -> SchedulePolicy:
     return CacheOpt(CacheOptOptions.parse(options), cost)
 
 
-SCHEDULE_POLICIES: dict[str, Callable[[str, CostModel | None], SchedulePolicy]] = {"fcfs": _fcfs,
-                                                                                    "cacheopt": _cacheopt}
+def _lpm(options: str, cost: CostModel | None) -> SchedulePolicy:
+    if options:
+        raise ValueError("the lpm schedule policy takes no options")
+    return LongestPrefixMatch()
+
+
+SCHEDULE_POLICIES: dict[str, Callable[[str, CostModel | None], SchedulePolicy]] = {
+    "fcfs": _fcfs, "lpm": _lpm, "cacheopt": _cacheopt}
 
 
 def make_schedule_policy(name: str, options: str = "", cost: CostModel | None = None) -> SchedulePolicy:
