@@ -1,28 +1,39 @@
 """A cost model from the first start. When ``memserve up`` finds none for the served model
 (no ``--cost-model``, no ``memserve profile`` of it), it profiles one in the background
 once the workers are ready: ``memserve profile --quick`` in a child process at the
-lowest CPU priority, so that serving goes on, and goes first, meanwhile. The child
-writes where ``memserve profile`` writes, so the next start finds it and profiles
-nothing. Once it is written the router takes it (``Router.use_cost_model``): the policy
-that waited for it (``cost``) replaces its fallback, queued work is priced, and
-admission control, which judges by the router's cost model, starts judging. Until then
-the log says once what is off and why; with ``--no-auto-profile`` it says so and
-nothing is profiled.
+lowest CPU priority, paused while the gateway serves. A low priority alone does not
+keep it out of serving's way: on a few CPU cores a worker's compute threads meet at
+every operator, so one thread waiting for a core behind the profile holds them all up
+(an 8-token reply took 6 to 11 s instead of 0.4 s while the profile ran). So
+``PauseWhileBusy`` sends the child's process group SIGSTOP as soon as a request is in
+flight and SIGCONT once none has been for ``RESUME_AFTER_IDLE_S``; the profile measures
+again any run a pause fell into (``workers/resume_guard.py``), so pauses cost it time,
+not accuracy, and it finishes in the gateway's idle time. The child writes where
+``memserve profile`` writes, so the next start finds it and profiles nothing. Once it is
+written the router takes it (``Router.use_cost_model``): the policy that waited for it
+(``cost``) replaces its fallback, queued work is priced, and admission control, which
+judges by the router's cost model, starts judging. Until then the log says once what is
+off and why; with ``--no-auto-profile`` it says so and nothing is profiled.
 
 The profile runs in a process of its own because it measures the engine through torch,
 which only worker processes import, and so that its failure costs only a warning. It
-runs in a session of its own, so a Ctrl-C meant for the gateway does not reach it; the
-gateway stops it when it stops. A quick profile is a first estimate, measured on a
-machine that may already be serving; a full ``memserve profile`` on an idle machine
-is newer and replaces it at the next start."""
+runs in a session of its own, so a Ctrl-C meant for the gateway does not reach it, and
+so its pid names a process group that holds it and the processes it starts (the
+transfer probe's receiver), all paused together. When the gateway shuts down it
+continues the child, if paused, and ends it. A quick profile is a first estimate; a
+full ``memserve profile`` on an idle machine is newer and replaces it at the next
+start."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 import sys
 import time
+from typing import Callable
 
 from memserve.config import EngineConfig, ServeConfig
 from memserve.costmodel.store import cost_model_dir
@@ -35,6 +46,8 @@ log = logging.getLogger("memserve.gateway")
 LOWEST_PRIORITY = 19  # nice value of the profile: workers and gateway run first
 STOP_TIMEOUT_S = 5.0  # after SIGTERM, before SIGKILL
 OUTPUT_TAIL_CHARS = 2000  # of a failed profile's output, in the warning
+PAUSE_POLL_S = 0.05  # how often the gateway looks whether it serves: a reply waits at most this long for the cores
+RESUME_AFTER_IDLE_S = 1.0  # idle this long before the profile goes on: a chat's next request mostly comes sooner
 
 
 def cost_model_users(cfg: ServeConfig, router: Router) -> list[tuple[str, str]]:
@@ -84,8 +97,9 @@ class AutoProfile:
         self._router = router
         self._users = cost_model_users(cfg, router)
 
-    async def run(self) -> None:
-        """Profile, then hand the cost model to the router; cancelled, the child is stopped."""
+    async def run(self, busy: Callable[[], bool]) -> None:
+        """Profile, paused while ``busy()`` (the gateway serves), then hand the cost model
+        to the router; cancelled, the child is continued and ended."""
         start = time.monotonic()
         proc = await asyncio.create_subprocess_exec(*self.command, stdin=asyncio.subprocess.DEVNULL,
                                                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
@@ -98,9 +112,13 @@ class AutoProfile:
         until = f"; until the profile in {cost_model_dir()} is ready, {_without(self._users)}" if self._users else ""
         log.warning("no cost model for %s: profiling one in the background (`memserve profile --quick`, pid %d)%s",
                     name, proc.pid, until)
+        pauser = PauseWhileBusy(proc.pid, busy)
+        pausing = asyncio.create_task(pauser.run())
         try:
             output, _ = await proc.communicate()
         finally:
+            pausing.cancel()  # before the SIGCONT: it pauses nothing after it
+            pauser.resume()  # a paused process handles no SIGTERM until continued
             if proc.returncode is None:
                 await _stop(proc)
         why = f"exit {proc.returncode}"
@@ -120,16 +138,64 @@ class AutoProfile:
         self._router.use_cost_model(cost)
         names = [feature for feature, _ in self._users]
         on = f": {' and '.join(names)} {'is' if len(names) == 1 else 'are'} on" if names else ""
-        log.info("cost model of %s profiled in %.0f s and written to %s%s", name, time.monotonic() - start, path, on)
+        times = f"{pauser.pauses} time{'s' if pauser.pauses > 1 else ''}"
+        paused = f" (paused {times} while serving)" if pauser.pauses else ""
+        log.info("cost model of %s profiled in %.0f s%s and written to %s%s", name, time.monotonic() - start, paused,
+                 path, on)
+
+
+class PauseWhileBusy:
+    """Keeps the process group ``pgid`` paused (SIGSTOP) while ``busy()``, and after that
+    until ``busy()`` has been false for ``RESUME_AFTER_IDLE_S`` (then SIGCONT)."""
+
+    def __init__(self, pgid: int, busy: Callable[[], bool]) -> None:
+        self.pgid = pgid
+        self.busy = busy
+        self.paused = False
+        self.pauses = 0
+
+    async def run(self) -> None:
+        """Look every ``PAUSE_POLL_S`` until cancelled (then ``resume`` is the caller's)."""
+        idle_since = time.monotonic()
+        while True:
+            if self.busy():
+                idle_since = time.monotonic()
+                if not self.paused:
+                    self._pause()
+            elif self.paused and time.monotonic() - idle_since >= RESUME_AFTER_IDLE_S:
+                self.resume()
+            await asyncio.sleep(PAUSE_POLL_S)
+
+    def _pause(self) -> None:
+        self._signal(signal.SIGSTOP)
+        self.paused = True
+        self.pauses += 1
+        if self.pauses == 1:
+            log.info("the background profile (pid %d) is paused while requests are served; it goes on after "
+                     "%g s without any", self.pgid, RESUME_AFTER_IDLE_S)
+
+    def resume(self) -> None:
+        """Continue the group if paused."""
+        if self.paused:
+            self._signal(signal.SIGCONT)
+            self.paused = False
+
+    def _signal(self, sig: signal.Signals) -> None:
+        try:
+            os.killpg(self.pgid, sig)
+        except ProcessLookupError:
+            pass  # it exited: the caller reads its return code
 
 
 async def _stop(proc: asyncio.subprocess.Process) -> None:
-    """SIGTERM, then SIGKILL if it has not exited within ``STOP_TIMEOUT_S``."""
+    """SIGTERM, then SIGKILL to its process group (the processes it started, which may
+    hold its output pipe, too) if it has not exited within ``STOP_TIMEOUT_S``."""
     try:
         proc.terminate()
         await asyncio.wait_for(proc.wait(), STOP_TIMEOUT_S)
     except ProcessLookupError:
         pass
     except asyncio.TimeoutError:
-        proc.kill()
+        with contextlib.suppress(ProcessLookupError):  # all exited meanwhile
+            os.killpg(proc.pid, signal.SIGKILL)
         await proc.wait()

@@ -130,7 +130,7 @@ async def serve(cfg: ServeConfig) -> None:
             start.cancel()
             return
         start.result()
-        profiling = asyncio.create_task(profile.run()) if profile is not None else None
+        profiling = asyncio.create_task(profile.run(lambda: bool(client.streams))) if profile is not None else None
         if predictor is not None:
             client.predictor = await predictor
         slo_defaults = {k: v for k, v in (("ttft_ms", cfg.slo_ttft_ms), ("tbt_ms", cfg.slo_tbt_ms)) if v is not None}

@@ -16,7 +16,8 @@ The grid is measured ``repeats`` times, in passes, each pass in a new random ord
 each point keeps the median of its runs. On a shared machine a burst of load then costs
 one run of many points, which the median drops, instead of every run of the few points
 measured during the burst (which biased whole classes of points when points were
-repeated back to back)."""
+repeated back to back). A run that a pause of the process fell into (the gateway pauses
+its background profile while it serves) is run again (``resume_guard.py``)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ from memserve.workers.kv_pools import KVPools
 from memserve.workers.model_runner import ModelRunner
 from memserve.workers.op_timer import OperatorTimer, llama_operator_classes
 from memserve.workers.real_engine import build_engine
+from memserve.workers.resume_guard import ResumeGuard
 from memserve.workers.transfer_probe import TransferProbe
 
 Batch = tuple[tuple[int, float], ...]  # one step's prompts as (tokens x, cached ratio y)
@@ -317,7 +319,7 @@ def profile(model: str | None, dtype: str, device: str, grid: Grid, repeats: int
     profiler = Profiler(engine)
     max_blocks = max(n for n, _ in grid.size_points())
     copy = CopyProbe(runner, cfg, max_blocks, profiler.sync)
-    with TransferProbe(model_dir, cfg, max_blocks, profiler.sync) as transfer:
+    with TransferProbe(model_dir, cfg, max_blocks, profiler.sync) as transfer, ResumeGuard() as guard:
         profiler.warm_up(max(x for b, _ in prefill_points for x, _ in b), max(b for b, _, _ in decode_points))
         transfer.measure(max_blocks)  # connects the sockets and faults the receiver's pages in
         points = _plan(grid, profiler, copy, transfer)
@@ -327,14 +329,14 @@ def profile(model: str | None, dtype: str, device: str, grid: Grid, repeats: int
         for _ in range(repeats):
             shuffle(order)
             for i in order:
-                runs[i].append(points[i].run())
+                runs[i].append(guard.run(points[i].run))
                 on_run(points[i].label)
     samples: dict[str, list] = defaultdict(list)
     for point, point_runs in zip(points, runs):
         samples[point.kind].append(point.sample(point_runs))
     key = CostKey(served_model_name(ServeConfig(engine=EngineConfig(model=model))),
                   str(runner.dtype).removeprefix("torch."), hardware_name(runner.device))
-    meta = {"source": "profiled", "grid": grid.name, "repeats": repeats,
+    meta = {"source": "profiled", "grid": grid.name, "repeats": repeats, "runs_repeated_after_a_pause": guard.repeats,
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "environment": {"torch": torch.__version__, "threads": torch.get_num_threads(), "device": str(device)}}
     return fit_cost_model(key, cfg.block_size, runner.mover.block_nbytes // cfg.block_size, Samples(**samples), meta)

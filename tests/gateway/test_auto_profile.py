@@ -4,8 +4,12 @@ cost model handed over later (routing by cost, pricing the queued work routed be
 judging TTFT SLOs); a profile is looked up by the model's own name; the background
 profile's command follows the workers' device and threads; the background profile (here
 a stand-in child that copies a prepared profile, or fails, or hangs) hands its result
-over, logs once what is off until then, and is stopped with the gateway. The real
-profile behind a real ``memserve up`` is in ``tests/e2e/test_auto_profile_e2e.py``."""
+over, logs once what is off until then, and is stopped with the gateway; while the
+gateway serves, the profile's whole process group (here a stand-in that counts, and a
+process it started that counts too) makes no progress, goes on once the gateway has
+been idle for a while, and a paused profile still ends cleanly on SIGTERM when the
+gateway shuts down. The real profile behind a real ``memserve up`` is in
+``tests/e2e/test_auto_profile_e2e.py``."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import logging
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,7 +29,14 @@ from helpers.routing import BS, PROMPT, linear_cost, view
 from memserve.config import EngineConfig, ServeConfig
 from memserve.costmodel.model import CostKey, CostModel
 from memserve.costmodel.store import cost_model_dir
-from memserve.gateway.auto_profile import AutoProfile, profile_command, report_no_profile
+from memserve.gateway.auto_profile import (
+    PAUSE_POLL_S,
+    RESUME_AFTER_IDLE_S,
+    STOP_TIMEOUT_S,
+    AutoProfile,
+    profile_command,
+    report_no_profile,
+)
 from memserve.gateway.engine_client import ZmqEngineClient
 from memserve.gateway.engine_protocol import RequestRejected
 from memserve.gateway.router_setup import build_router, profile_model_name
@@ -130,6 +142,11 @@ def _auto_profile(cfg: ServeConfig, command: list[str]) -> tuple[AutoProfile, Ro
     return profile, router
 
 
+def profile_pid(caplog: pytest.LogCaptureFixture) -> int:
+    """The pid that the profile's first log line names."""
+    return int(re.search(r"pid (\d+)", caplog.records[0].getMessage()).group(1))
+
+
 def test_a_finished_profile_turns_cost_routing_and_admission_on(cache: Path, tmp_path: Path,
                                                                caplog: pytest.LogCaptureFixture):
     cfg = ServeConfig(engine=EngineConfig(dtype="float32"), router="cost")
@@ -139,7 +156,7 @@ def test_a_finished_profile_turns_cost_routing_and_admission_on(cache: Path, tmp
     profile, router = _auto_profile(cfg, [sys.executable, "-c", copy, str(staged), str(target)])
     cost_model_dir().mkdir(parents=True)
     with caplog.at_level(logging.INFO, logger="memserve.gateway"):
-        asyncio.run(profile.run())
+        asyncio.run(profile.run(lambda: False))
     assert router.cost is not None and router.policy.name == "cost"
     waiting, ready = [r.getMessage() for r in caplog.records]
     assert f"until the profile in {cost_model_dir()} is ready, cost routing falls back to prompt-tree and " \
@@ -151,7 +168,7 @@ def test_a_failed_profile_leaves_the_fallback_and_says_why(cache: Path, caplog: 
     cfg = ServeConfig(engine=EngineConfig(dtype="float32"), router="cost", admission="off")
     profile, router = _auto_profile(cfg, [sys.executable, "-c", "import sys; print('no luck'); sys.exit(3)"])
     with caplog.at_level(logging.INFO, logger="memserve.gateway"):
-        asyncio.run(profile.run())
+        asyncio.run(profile.run(lambda: False))
     assert router.cost is None and router.policy.name == "prompt-tree"
     failed = caplog.records[-1].getMessage()
     assert "failed (exit 3): cost routing falls back to prompt-tree;" in failed and "no luck" in failed
@@ -160,16 +177,91 @@ def test_a_failed_profile_leaves_the_fallback_and_says_why(cache: Path, caplog: 
 def test_the_profile_stops_with_the_gateway(cache: Path, caplog: pytest.LogCaptureFixture):
     profile, router = _auto_profile(ServeConfig(), [sys.executable, "-c", "import time; time.sleep(600)"])
 
-    async def start_then_stop() -> int:
-        task = asyncio.create_task(profile.run())
+    async def start_then_stop() -> None:
+        task = asyncio.create_task(profile.run(lambda: False))
         while not caplog.records:
             await asyncio.sleep(0.01)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        return int(re.search(r"pid (\d+)", caplog.records[0].getMessage()).group(1))
 
     with caplog.at_level(logging.INFO, logger="memserve.gateway"):
-        pid = asyncio.run(start_then_stop())
+        asyncio.run(start_then_stop())
     with pytest.raises(ProcessLookupError):
-        os.kill(pid, 0)  # stopped and reaped
+        os.kill(profile_pid(caplog), 0)  # stopped and reaped
+    assert router.cost is None
+
+
+COUNTER = """
+import os, signal, subprocess, sys, time
+path, role = sys.argv[1], sys.argv[2]
+if role == "leader":  # starts a helper, as the profile starts its transfer receiver
+    helper = subprocess.Popen([sys.executable, __file__, path + ".helper", "helper"])
+
+    def ended(*_):
+        helper.kill()
+        helper.wait()
+        open(path + ".ended", "w").write("SIGTERM")
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, ended)
+n = 0
+while True:
+    n += 1
+    with open(path + ".tmp", "w") as f:
+        f.write(str(n))
+    os.replace(path + ".tmp", path)
+    time.sleep(0.01)
+"""
+
+
+def test_the_profile_makes_no_progress_while_the_gateway_serves(cache: Path, tmp_path: Path,
+                                                                caplog: pytest.LogCaptureFixture):
+    script = tmp_path / "counter.py"
+    script.write_text(COUNTER)
+    counters = [tmp_path / "count", tmp_path / "count.helper"]
+    profile, router = _auto_profile(ServeConfig(), [sys.executable, str(script), str(counters[0]), "leader"])
+    busy = False
+
+    def counts() -> list[int]:
+        return [int(c.read_text()) if c.exists() else 0 for c in counters]
+
+    async def progress(since: list[int]) -> float:
+        """Seconds until both counters passed ``since``."""
+        start = time.monotonic()
+        while not all(now > then for now, then in zip(counts(), since)):
+            assert time.monotonic() - start < 30, "the profile made no progress"
+            await asyncio.sleep(0.01)
+        return time.monotonic() - start
+
+    async def held_still() -> list[int]:
+        """The counters, once they have not moved for half a second."""
+        await asyncio.sleep(PAUSE_POLL_S + 0.3)  # paused, and the last writes done
+        paused = counts()
+        await asyncio.sleep(0.5)
+        assert counts() == paused, "the profile went on while the gateway served"
+        return paused
+
+    async def serve_twice_then_shut_down() -> float:
+        nonlocal busy
+        task = asyncio.create_task(profile.run(lambda: busy))
+        await progress([0, 0])
+        busy = True
+        paused = await held_still()
+        busy = False
+        assert await progress(paused) >= RESUME_AFTER_IDLE_S - PAUSE_POLL_S  # held through a chat's gaps
+        busy = True
+        await held_still()
+        start = time.monotonic()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return time.monotonic() - start
+
+    with caplog.at_level(logging.INFO, logger="memserve.gateway"):
+        shut_down_s = asyncio.run(serve_twice_then_shut_down())
+    assert (tmp_path / "count.ended").read_text() == "SIGTERM"  # continued, so it handled SIGTERM
+    assert shut_down_s < STOP_TIMEOUT_S  # no SIGKILL needed
+    with pytest.raises(ProcessLookupError):
+        os.kill(profile_pid(caplog), 0)  # ended and reaped
+    said = [r.getMessage() for r in caplog.records if "paused while requests are served" in r.getMessage()]
+    assert len(said) == 1  # once, for two pauses
     assert router.cost is None
