@@ -15,8 +15,10 @@
 #   benchmarks/peers/vs_vllm.sh --install-only # just build the vLLM venv and import it
 #   MODELS=smollm2 REPS=1 DTYPES=float32 WORKLOADS="closed" benchmarks/peers/vs_vllm.sh
 #
-# Beyond memory (KV_DRAM_GIB set, e.g. 1): both servers get the same DRAM for KV. vLLM's
-# KV space is KV_DRAM_GIB; memserve splits it evenly between its device and host tiers and
+# Beyond memory (KV_DRAM_GIB set, a whole number: vLLM's CPU build reads its KV space in
+# whole GiB): both servers get the same DRAM for KV. vLLM's KV space is KV_DRAM_GIB
+# (its --kv-offloading-size is refused on CPU: "CPU Offloading is currently only
+# supported on CUDA-alike and XPU GPUs"); memserve splits it evenly between its device and host tiers and
 # adds a disk tier of DISK_GB (default 8) under OUT, with --eviction-policy scheduler-aware.
 # The workloads that return after their KV has left memory are longdoc-return (32
 # documents of 1536 tokens, 3 questions each, 30 s apart: near saturation on 2 cores) and
