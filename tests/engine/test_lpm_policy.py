@@ -9,7 +9,7 @@ import pytest
 from helpers.scripted_engine import BS, EOS, Clock, ScriptedRunner, add, assert_no_block_held, run_to_end
 
 from memserve.config import EngineConfig
-from memserve.workers.engine import policies
+from memserve.workers.engine.policies import lpm
 from memserve.workers.engine.engine import Engine
 
 DOC = list(range(1, 41))  # 10 blocks
@@ -41,5 +41,5 @@ def test_a_returning_conversation_is_admitted_before_new_prompts(policy, expecte
 
 
 def test_past_its_queue_bound_lpm_admits_in_arrival_order(monkeypatch):
-    monkeypatch.setattr(policies, "LPM_MAX_QUEUE", 1)
+    monkeypatch.setattr(lpm, "LPM_MAX_QUEUE", 1)
     assert admission_order("lpm") == ["new-1", "new-2", "back"]

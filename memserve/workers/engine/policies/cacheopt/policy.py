@@ -42,8 +42,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from memserve.costmodel.model import CostModel
-from memserve.workers.engine.kv_manager import KVCacheManager
-from memserve.workers.engine.policies import KVGate, PreemptKind
+from memserve.workers.engine.kv_manager import KVCacheManager, KVGate
+from memserve.workers.engine.policies.base import PreemptKind
 from memserve.workers.engine.policies.cacheopt.alloc import (
     Host,
     amortise,
