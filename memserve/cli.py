@@ -215,6 +215,11 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="put the model's <think>...</think> text in the message's reasoning_content instead of "
                         "its content: qwen3 (the model opens <think>), deepseek_r1 (the template opens it)")
+    p.add_argument("--responses-store-size", type=int, default=1000, metavar="N",
+                   help="stored /v1/responses responses (store: true) kept for GET and previous_response_id, per "
+                        "server; past it the oldest goes first; 0: none is kept")
+    p.add_argument("--responses-store-ttl", type=float, default=3600.0, metavar="SECONDS",
+                   help="seconds a stored /v1/responses response is kept")
     p.add_argument("--no-web-ui", action="store_true",
                    help="do not serve the chat page (/) and the cache dashboard (/dashboard); the stats API "
                         "(/v1/stats, /v1/stats/stream) stays")
@@ -247,6 +252,9 @@ def _run_up(args: argparse.Namespace) -> int:
 
     if args.cache_ttl is not None and args.cache_ttl <= 0:
         print(f"memserve: --cache-ttl must be positive, got {args.cache_ttl}", file=sys.stderr)
+        return 2
+    if args.responses_store_size < 0 or args.responses_store_ttl <= 0:
+        print("memserve: --responses-store-size must be at least 0 and --responses-store-ttl positive", file=sys.stderr)
         return 2
     try:  # a bad option fails here, not in every worker at start-up
         make_schedule_policy(args.schedule_policy, args.schedule_policy_options)
@@ -318,6 +326,8 @@ def _run_up(args: argparse.Namespace) -> int:
         truncation=args.truncation,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        responses_store_size=args.responses_store_size,
+        responses_store_ttl_s=args.responses_store_ttl,
         web_ui=not args.no_web_ui,
         router=args.router,
         cost_model=args.cost_model,

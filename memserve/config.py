@@ -120,6 +120,9 @@ class ServeConfig:
     truncation: str = "kv-shift"  # a chat over the context window: kv-shift | recompute | error (text/truncation.py)
     tool_call_parser: str = "auto"  # how tool calls are read from the text (gateway/tool_parsers.py)
     reasoning_parser: str | None = None  # <think> text to reasoning_content (gateway/reasoning.py)
+    # Stored /v1/responses responses (gateway/response_store.py): at most this many, none older.
+    responses_store_size: int = 1000
+    responses_store_ttl_s: float = 3600.0
     # API keys (gateway/auth.py): --api-key (repeatable) and MEMSERVE_API_KEY; empty: the API is
     # open. --metrics-api-key protects /metrics; --cache-salt-from-key salts unsalted requests
     # with their key's id. Kept out of repr: the keys must never reach a log.

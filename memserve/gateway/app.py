@@ -57,12 +57,15 @@ from memserve.gateway.protocol import (
 )
 from memserve.gateway.reasoning import PARSERS as REASONING_PARSERS
 from memserve.gateway.reasoning import ReasoningParser
+from memserve.gateway.response_store import ResponseStore
 from memserve.gateway.responses import (
+    ChatFormat,
     CompletionFormat,
     LogprobsRenderer,
     ResponseFormat,
     Usage,
 )
+from memserve.gateway.responses_api import add_responses_routes
 from memserve.gateway.stats import add_stats_routes, health_status
 from memserve.gateway.tokenize_api import (
     parse_detokenize_request,
@@ -335,8 +338,8 @@ def _total_usage(choices: list[_Choice]) -> Usage:
                  cached_tokens=sum(u.cached_tokens for u in usages))
 
 
-async def _send_event(response: web.StreamResponse, obj: object) -> None:
-    await response.write(b"data: " + orjson.dumps(obj) + b"\n\n")
+async def _send_event(response: web.StreamResponse, fmt: ResponseFormat, obj: dict) -> None:
+    await response.write(fmt.sse(obj))
 
 
 @dataclass(frozen=True)
@@ -391,6 +394,13 @@ class _OpenAIServer:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         arrival = time.monotonic()
         req = parse_chat_request(await _read_json(request, self._body_timeout_s))
+        return await self.run_chat(request, req, arrival)
+
+    async def run_chat(self, request: web.Request, req: ChatCompletionRequest, arrival: float,
+                       answer_as: Callable[[type[ChatFormat]], type[ResponseFormat]] | None = None
+                       ) -> web.StreamResponse:
+        """The chat pipeline from a parsed request; ``answer_as`` turns the chat response
+        format into another API's (the Responses API runs this pipeline too)."""
         self._check_model(req.model)
         messages, tools = template_inputs(req.messages, req.tool_choice, self._tokenizer.supports_tools)
         try:
@@ -405,7 +415,8 @@ class _OpenAIServer:
                                                    template_kwargs=req.template_kwargs)
             req.pin_tokens, req.pin_ttl_s = common_prefix(head, prompt_ids), req.cache_pin.ttl_s
         fmt = chat_format(req.tool_choice, self._parsers.tools, self._parsers.reasoning)
-        return await self._generate(request, fmt, req, [prompt_ids], "messages", arrival)
+        return await self._generate(request, answer_as(fmt) if answer_as else fmt, req, [prompt_ids], "messages",
+                                    arrival)
 
     async def _fit_window(self, req: ChatCompletionRequest, messages: list[dict], tools: list[dict] | None,
 
@@ -505,7 +516,7 @@ class _OpenAIServer:
         for choice in choices:
             opening = fmt.opening_chunk(choice.index)
             if opening is not None:
-                await _send_event(response, opening)
+                await _send_event(response, fmt, opening)
         try:
             async for choice, text, logged in _chain(early, events):
                 choice.logged += logged
@@ -515,12 +526,12 @@ class _OpenAIServer:
                     chunk = fmt.chunk(text, None, choice.take_logprobs(), choice.index)
                 else:
                     continue
-                await _send_event(response, chunk)
+                await _send_event(response, fmt, chunk)
             if include_usage:
-                await _send_event(response, fmt.usage_chunk(_total_usage(choices)))
+                await _send_event(response, fmt, fmt.usage_chunk(_total_usage(choices)))
         except APIError as e:
-            await _send_event(response, e.body())
-        await response.write(b"data: [DONE]\n\n")
+            await _send_event(response, fmt, e.body())
+        await response.write(fmt.sse_end())
 
     async def tokenize(self, request: web.Request) -> web.Response:
         req = parse_tokenize_request(await _read_json(request, self._body_timeout_s))
@@ -604,14 +615,15 @@ def create_app(engine: EngineClient, tokenizer: Tokenizer, model_name: str, max_
                slo_defaults: dict[str, float] | None = None, truncation: str = DEFAULT_TRUNCATION,
                block_size: int = 16, web_ui: bool = True,
                auth: AuthConfig | None = None, tool_call_parser: str = TOOL_PARSER_AUTO,
-               reasoning_parser: str | None = None) -> web.Application:
+               reasoning_parser: str | None = None, response_store: ResponseStore | None = None) -> web.Application:
     """The OpenAI API over ``engine``. Serve it with ``connection.GatewayRunner(app,
     handler_cancellation=True)`` so that a client disconnect cancels its handler at once
     and malformed HTTP gets error objects too. ``slo_defaults``: the SLOs (``ttft_ms``,
     ``tbt_ms``) of requests that set none. ``truncation``: what becomes of a chat over the
     context window (text/truncation.py); ``block_size``: the workers' KV block size;
     ``web_ui``: serve the chat page (/) and the dashboard (/dashboard); ``tool_call_parser``
-    and ``reasoning_parser``: how chat text is read (gateway/tool_parsers.py, reasoning.py)."""
+    and ``reasoning_parser``: how chat text is read (gateway/tool_parsers.py, reasoning.py);
+    ``response_store``: where /v1/responses keeps stored responses (gateway/response_store.py)."""
     metrics = GatewayMetrics(engine.stats)
     middlewares = [_error_middleware(metrics)]
     # API keys (gateway/auth.py): ``auth`` with keys protects /v1/*, /tokenize, /detokenize
@@ -638,6 +650,9 @@ def create_app(engine: EngineClient, tokenizer: Tokenizer, model_name: str, max_
         web.get("/health", server.health),
         web.get("/metrics", server.metrics),
     ])
+    # OpenAI's Responses API (/v1/responses) on the chat pipeline: gateway/responses_api.py.
+    add_responses_routes(app, server.run_chat, lambda request: _read_json(request, body_timeout_s), tokenizer,
+                         response_store if response_store is not None else ResponseStore())
     # Stats API (/v1/stats, /v1/stats/stream) and, unless --no-web-ui, the chat and dashboard pages.
     add_stats_routes(app, engine.stats, metrics)
     if web_ui:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import orjson
+
 from memserve.gateway.logprobs import (
     CompletionLogprobs,
     LoggedToken,
@@ -16,6 +18,13 @@ from memserve.gateway.logprobs import (
 
 # Renders one choice's logged tokens as its ``logprobs`` object (stateful per choice).
 LogprobsRenderer = Callable[[list[LoggedToken]], dict]
+
+
+def typed_events(events: list[dict]) -> bytes:
+    """Server-sent events whose ``event:`` line names each one's ``type``, as the streams
+    of the Responses and Messages APIs have them (chat streams have ``data:`` lines only)."""
+    return b"".join(b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+                    for event in events)
 
 
 @dataclass
@@ -68,6 +77,14 @@ class ResponseFormat:
     def opening_chunk(self, index: int = 0) -> dict | None:
         """Sent before any text of a choice (chat announces the assistant role)."""
         return None
+
+    def sse(self, obj: dict) -> bytes:
+        """How a stream writes one object built here (a chunk), or an error body."""
+        return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+    def sse_end(self) -> bytes:
+        """What ends a stream."""
+        return b"data: [DONE]\n\n"
 
     def logprobs_renderer(self, strings: TokenStrings) -> LogprobsRenderer:
         raise NotImplementedError

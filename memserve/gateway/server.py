@@ -24,6 +24,7 @@ from memserve.gateway.auto_profile import AutoProfile, report_no_profile
 from memserve.gateway.cluster import Cluster, Launch, launch_local, plan_workers
 from memserve.gateway.connection import GatewayRunner
 from memserve.gateway.engine_client import ZmqEngineClient
+from memserve.gateway.response_store import ResponseStore
 from memserve.gateway.router_setup import build_router
 from memserve.gateway.routing.admission import Admission
 from memserve.gateway.routing.pd_topology import apply_pd_mode
@@ -138,6 +139,7 @@ async def serve(cfg: ServeConfig) -> None:
                          truncation=cfg.truncation, block_size=cfg.engine.block_size,
                          web_ui=cfg.web_ui, tool_call_parser=cfg.tool_call_parser,
                          reasoning_parser=cfg.reasoning_parser,
+                         response_store=ResponseStore(cfg.responses_store_size, cfg.responses_store_ttl_s),
                          auth=AuthConfig(tuple(cfg.api_keys), cfg.metrics_api_key, cfg.cache_salt_from_key))
         runner = GatewayRunner(app, header_timeout_s=cfg.header_timeout_s, body_timeout_s=cfg.body_timeout_s,
                                max_connections=cfg.max_connections, access_log=None, handler_cancellation=True)
