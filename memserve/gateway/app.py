@@ -33,6 +33,7 @@ from typing import AsyncIterator, Awaitable, Callable
 import orjson
 from aiohttp import web
 
+from memserve.gateway.anthropic_api import add_messages_routes, anthropic_errors
 from memserve.gateway.auth import KEY_ID, KEY_SALT, AuthConfig, auth_middleware, tenant_salt
 from memserve.gateway.engine_protocol import (
     EngineClient,
@@ -164,9 +165,10 @@ class _Generation:
         self._arrival = arrival
         self._echo = echo  # the prompt text that leads the output, until it is sent
         self._log = TokenLog()
-        self.usage = Usage(prompt_tokens=len(prompt_ids))
+        self.usage = Usage(prompt_tokens=len(prompt_ids), pinned_tokens=min(request.pin_tokens, len(prompt_ids)))
         self.finish_reason: str | None = None
         self.pin_refused: str | None = None  # why the engine served it without its cache_control pin
+        self.stop_string: str | None = None  # the stop string that ended it
 
     def take_logged(self) -> list[LoggedToken]:
         """The tokens (with logprobs) of the text deltas returned since the last call;
@@ -209,6 +211,8 @@ class _Generation:
                         raise APIError(500, f"engine error: {out.error or 'unknown'}")
                     self.usage.cached_tokens = max(self.usage.cached_tokens, out.num_cached_tokens)
                     self.pin_refused = self.pin_refused or out.pin_refused
+                    if self.pin_refused:
+                        self.usage.pinned_tokens = 0
                     if out.new_token_ids:
                         now = time.monotonic()
                         if first_token_at is None:
@@ -219,7 +223,7 @@ class _Generation:
                         last_token_at = now
                     text = self._text_of(out, detokenizer)
                     if detokenizer.stopped:
-                        self.finish_reason = "stop"
+                        self.finish_reason, self.stop_string = "stop", detokenizer.stop_string
                     elif out.finished:
                         text += detokenizer.flush()
                         self.finish_reason = "length" if self._drop_output else out.finish_reason
@@ -335,7 +339,8 @@ def _total_usage(choices: list[_Choice]) -> Usage:
     usages = [choice.generation.usage for choice in choices]
     return Usage(prompt_tokens=sum(u.prompt_tokens for u in usages),
                  completion_tokens=sum(u.completion_tokens for u in usages),
-                 cached_tokens=sum(u.cached_tokens for u in usages))
+                 cached_tokens=sum(u.cached_tokens for u in usages),
+                 pinned_tokens=max(u.pinned_tokens for u in usages))  # one pin, shared by the choices
 
 
 async def _send_event(response: web.StreamResponse, fmt: ResponseFormat, obj: dict) -> None:
@@ -400,14 +405,8 @@ class _OpenAIServer:
                        answer_as: Callable[[type[ChatFormat]], type[ResponseFormat]] | None = None
                        ) -> web.StreamResponse:
         """The chat pipeline from a parsed request; ``answer_as`` turns the chat response
-        format into another API's (the Responses API runs this pipeline too)."""
-        self._check_model(req.model)
-        messages, tools = template_inputs(req.messages, req.tool_choice, self._tokenizer.supports_tools)
-        try:
-            prompt_ids = await self._encoder.encode_chat(messages, self._engine.max_model_len, tools,
-                                                         template_kwargs=req.template_kwargs)
-        except ChatTemplateError as e:
-            raise bad_request(str(e), "messages") from None
+        format into another API's (the Responses and Messages APIs run this pipeline too)."""
+        prompt_ids, messages, tools = await self._render_chat(req)
         prompt_ids = await self._fit_window(req, messages, tools, prompt_ids)
         if req.cache_pin is not None:
             head = await self._encoder.encode_chat(messages[: req.cache_pin.message_index + 1],
@@ -417,6 +416,22 @@ class _OpenAIServer:
         fmt = chat_format(req.tool_choice, self._parsers.tools, self._parsers.reasoning)
         return await self._generate(request, answer_as(fmt) if answer_as else fmt, req, [prompt_ids], "messages",
                                     arrival)
+
+    async def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        """A parsed chat request's prompt token ids, before any truncation (Anthropic's
+        count_tokens counts them)."""
+        return (await self._render_chat(req))[0]
+
+    async def _render_chat(self, req: ChatCompletionRequest) -> tuple[list[int], list[dict], list[dict] | None]:
+        """(prompt token ids, the messages and the tools the template rendered them from)."""
+        self._check_model(req.model)
+        messages, tools = template_inputs(req.messages, req.tool_choice, self._tokenizer.supports_tools)
+        try:
+            prompt_ids = await self._encoder.encode_chat(messages, self._engine.max_model_len, tools,
+                                                         template_kwargs=req.template_kwargs)
+        except ChatTemplateError as e:
+            raise bad_request(str(e), "messages") from None
+        return prompt_ids, messages, tools
 
     async def _fit_window(self, req: ChatCompletionRequest, messages: list[dict], tools: list[dict] | None,
 
@@ -485,6 +500,8 @@ class _OpenAIServer:
                 choice.logged += logged
                 if text is not None:
                     texts[choice.index].append(text)
+                else:
+                    fmt.ended(choice.index, choice.generation.stop_string)
                 if _client_gone(request):
                     return web.Response(status=CLIENT_CLOSED_REQUEST, reason="Client Closed Request")
         body = [fmt.choice(c.index, "".join(texts[c.index]), c.generation.finish_reason, c.take_logprobs(True))
@@ -513,6 +530,7 @@ class _OpenAIServer:
     async def _write_events(self, response: web.StreamResponse, fmt: ResponseFormat, choices: list[_Choice],
                             early: list[_Event], events: _ChoiceEvents,
                             include_usage: bool) -> None:
+        fmt.started(_total_usage(choices))
         for choice in choices:
             opening = fmt.opening_chunk(choice.index)
             if opening is not None:
@@ -521,6 +539,7 @@ class _OpenAIServer:
             async for choice, text, logged in _chain(early, events):
                 choice.logged += logged
                 if text is None:  # the choice is done: its last chunk carries its finish_reason
+                    fmt.ended(choice.index, choice.generation.stop_string)
                     chunk = fmt.chunk("", choice.generation.finish_reason, choice.take_logprobs(), choice.index)
                 elif text:
                     chunk = fmt.chunk(text, None, choice.take_logprobs(), choice.index)
@@ -625,7 +644,8 @@ def create_app(engine: EngineClient, tokenizer: Tokenizer, model_name: str, max_
     and ``reasoning_parser``: how chat text is read (gateway/tool_parsers.py, reasoning.py);
     ``response_store``: where /v1/responses keeps stored responses (gateway/response_store.py)."""
     metrics = GatewayMetrics(engine.stats)
-    middlewares = [_error_middleware(metrics)]
+    # Anthropic's error objects on /v1/messages* (gateway/anthropic_api.py): outermost, it sees every error.
+    middlewares = [anthropic_errors, _error_middleware(metrics)]
     # API keys (gateway/auth.py): ``auth`` with keys protects /v1/*, /tokenize, /detokenize
     # (and /metrics with a metrics key); without, nothing changes.
     if auth is not None and auth.enabled:
@@ -653,6 +673,8 @@ def create_app(engine: EngineClient, tokenizer: Tokenizer, model_name: str, max_
     # OpenAI's Responses API (/v1/responses) on the chat pipeline: gateway/responses_api.py.
     add_responses_routes(app, server.run_chat, lambda request: _read_json(request, body_timeout_s), tokenizer,
                          response_store if response_store is not None else ResponseStore())
+    # Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens) on it too: gateway/anthropic_api.py.
+    add_messages_routes(app, server.run_chat, server.chat_prompt, lambda request: _read_json(request, body_timeout_s))
     # Stats API (/v1/stats, /v1/stats/stream) and, unless --no-web-ui, the chat and dashboard pages.
     add_stats_routes(app, engine.stats, metrics)
     if web_ui:

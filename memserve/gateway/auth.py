@@ -1,8 +1,10 @@
-"""API keys: ``Authorization: Bearer <key>`` on the OpenAI API (``memserve up --api-key``).
+"""API keys: ``Authorization: Bearer <key>`` on the OpenAI API, or Anthropic's ``x-api-key:
+<key>`` (``memserve up --api-key``).
 
 With keys configured (``--api-key``, repeatable, or ``MEMSERVE_API_KEY``, comma-separated),
 ``/v1/*``, ``/tokenize`` and ``/detokenize`` answer a request without a configured key with
-401 and OpenAI's error object (``code: invalid_api_key``, ``WWW-Authenticate: Bearer``).
+401 and OpenAI's error object (``code: invalid_api_key``, ``WWW-Authenticate: Bearer``;
+Anthropic's on /v1/messages, ``anthropic_api.py``).
 ``/health`` stays open (load balancers probe it); ``/metrics`` is open unless
 ``--metrics-api-key`` names the one key that reads it.
 
@@ -21,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import orjson
@@ -72,6 +74,12 @@ class AuthConfig:
     @property
     def enabled(self) -> bool:
         return bool(self.api_keys) or self.metrics_api_key is not None
+
+
+def presented_key(headers: Mapping[str, str]) -> str | None:
+    """The key a request presents: ``Authorization: Bearer <key>`` (OpenAI clients), else
+    ``x-api-key: <key>`` (Anthropic clients)."""
+    return bearer_token(headers.get("Authorization")) or (headers.get("x-api-key") or "").strip() or None
 
 
 def bearer_token(header: str | None) -> str | None:
@@ -138,10 +146,11 @@ def auth_middleware(config: AuthConfig, count_key: Callable[[str], None] | None 
             return await handler(request)
         if not api or not _protected(path):
             return await handler(request)
-        kid = api.match(bearer_token(request.headers.get("Authorization")))
+        kid = api.match(presented_key(request.headers))
         if kid is None:
             log.warning("%s %s: 401, no valid API key", request.method, path)
-            return unauthorized("Invalid or missing API key: send 'Authorization: Bearer <key>'.")
+            return unauthorized("Invalid or missing API key: send 'Authorization: Bearer <key>' or "
+                                "'x-api-key: <key>'.")
         request[KEY_ID] = kid
         if config.cache_salt_from_key:
             request[KEY_SALT] = api.salts[kid]

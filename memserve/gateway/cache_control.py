@@ -41,13 +41,15 @@ def parse_cache_control(messages: Any) -> CachePin | None:
                     for j, part in enumerate(parts)]
         for param, marker in markers:
             if marker is not None:
-                pin = CachePin(i, _ttl_s(marker, param))
+                pin = CachePin(i, marker_ttl_s(marker, param))
     return pin
 
 
-def _ttl_s(marker: Any, param: str) -> float:
-    if not isinstance(marker, dict) or marker.get("type") != "ephemeral" or \
-            marker.get("ttl", DEFAULT_TTL) not in TTLS_S or set(marker) - {"type", "ttl"}:
+def marker_ttl_s(marker: Any, param: str) -> float:
+    """The TTL in seconds of one ``cache_control`` marker; 400 naming ``param`` when malformed."""
+    ttl = marker.get("ttl", DEFAULT_TTL) if isinstance(marker, dict) else None
+    if not isinstance(marker, dict) or marker.get("type") != "ephemeral" or not isinstance(ttl, str) or \
+            ttl not in TTLS_S or set(marker) - {"type", "ttl"}:
         raise bad_request(f"'{param}' must be {{\"type\": \"ephemeral\"}} with an optional \"ttl\" of "
                           f"{' or '.join(repr(t) for t in TTLS_S)}", param)
-    return TTLS_S[marker.get("ttl", DEFAULT_TTL)]
+    return TTLS_S[ttl]

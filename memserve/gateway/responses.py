@@ -32,6 +32,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int = 0
     cached_tokens: int = 0
+    pinned_tokens: int = 0  # the prompt's head a cache_control pin holds (0: no pin, or the engine refused it)
 
     def to_dict(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
@@ -85,6 +86,14 @@ class ResponseFormat:
     def sse_end(self) -> bytes:
         """What ends a stream."""
         return b"data: [DONE]\n\n"
+
+    def started(self, usage: Usage) -> None:
+        """Told the prompt's usage once the engine's first outputs came, before a stream's
+        opening chunks (Anthropic's message_start reports it)."""
+
+    def ended(self, index: int, stop_string: str | None) -> None:
+        """Told which stop string ended choice ``index`` (None: none did), before its
+        last chunk or its choice is built (Anthropic's stop_sequence names it)."""
 
     def logprobs_renderer(self, strings: TokenStrings) -> LogprobsRenderer:
         raise NotImplementedError

@@ -42,6 +42,7 @@ class IncrementalDetokenizer:
         self.text = ""  # output text so far, cut before a stop string once one is hit
         self.num_tokens = 0  # output tokens consumed (tokens after a stop hit are not)
         self.stopped = False  # a stop string was hit
+        self.stop_string: str | None = None  # the one hit (the earliest in the text)
 
     def _decode(self, ids: list[int]) -> str:
         return self._decoder.decode(ids, skip_special_tokens=self._skip_special)
@@ -77,9 +78,10 @@ class IncrementalDetokenizer:
             return
         # A stop string ending inside the new text may start up to max_stop_len - 1 earlier.
         search_from = max(0, len(self.text) - len(delta) - self._max_stop_len + 1)
-        hits = [i for s in self._stop if (i := self.text.find(s, search_from)) != -1]
+        hits = [(i, s) for s in self._stop if (i := self.text.find(s, search_from)) != -1]
         if hits:
-            self.text = self.text[:min(hits)]
+            at, self.stop_string = min(hits)
+            self.text = self.text[:at]
             self.stopped = True
 
     def _held_back(self) -> int:
