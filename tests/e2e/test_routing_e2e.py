@@ -69,20 +69,25 @@ def cost_server(tmp_path_factory):
     stop_server(handle)
 
 
-def test_next_turn_goes_to_the_worker_holding_its_prefix(tree_server):
+@pytest.fixture(scope="module")
+def tree_conversation(tree_server):
+    """The prompt-tree tests' conversation, run once by whichever of them comes first."""
     turn = asyncio.run(second_turn_after_a_busy_start(tree_server))
+    _reference["prompt-tree"] = turn.texts
+    return turn
+
+
+def test_next_turn_goes_to_the_worker_holding_its_prefix(tree_conversation):
+    turn = tree_conversation
     assert turn.first_on != 0  # worker 0 was busy: the conversation started elsewhere
     assert turn.second_on == turn.first_on  # all idle: least-load would take worker 0
     assert turn.cache_hits == 1 and turn.cached_tokens > 0
-    _reference["prompt-tree"] = turn.texts
 
 
-def test_a_killed_holder_stops_receiving_requests_at_once(tree_server):
+def test_a_killed_holder_stops_receiving_requests_at_once(tree_server, tree_conversation):
     """The holder of the conversation is SIGKILLed; one heartbeat window later (while it
     restarts) its next turn goes to another worker and gets the same greedy text."""
-    if "prompt-tree" not in _reference:
-        pytest.skip("needs the conversation of the previous test")
-    first, second = _reference["prompt-tree"]
+    first, second = tree_conversation.texts
     workers = {w["instance_id"]: w for w in tree_server.get_json("/health")["workers"]}
     before = routed_counts(tree_server)
 
