@@ -210,9 +210,8 @@ class _Generation:
                     if out.error is not None or out.finish_reason == "error":
                         raise APIError(500, f"engine error: {out.error or 'unknown'}")
                     self.usage.cached_tokens = max(self.usage.cached_tokens, out.num_cached_tokens)
-                    self.pin_refused = self.pin_refused or out.pin_refused
-                    if self.pin_refused:
-                        self.usage.pinned_tokens = 0
+                    if out.pin_refused and not self.pin_refused:  # served unpinned: nothing was written under it
+                        self.pin_refused, self.usage.pinned_tokens = out.pin_refused, 0
                     if out.new_token_ids:
                         now = time.monotonic()
                         if first_token_at is None:
@@ -670,11 +669,14 @@ def create_app(engine: EngineClient, tokenizer: Tokenizer, model_name: str, max_
         web.get("/health", server.health),
         web.get("/metrics", server.metrics),
     ])
+    def read_json(request: web.Request) -> Awaitable[dict]:
+        return _read_json(request, body_timeout_s)
+
     # OpenAI's Responses API (/v1/responses) on the chat pipeline: gateway/responses_api.py.
-    add_responses_routes(app, server.run_chat, lambda request: _read_json(request, body_timeout_s), tokenizer,
+    add_responses_routes(app, server.run_chat, read_json, tokenizer,
                          response_store if response_store is not None else ResponseStore())
     # Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens) on it too: gateway/anthropic_api.py.
-    add_messages_routes(app, server.run_chat, server.chat_prompt, lambda request: _read_json(request, body_timeout_s))
+    add_messages_routes(app, server.run_chat, server.chat_prompt, read_json)
     # Stats API (/v1/stats, /v1/stats/stream) and, unless --no-web-ui, the chat and dashboard pages.
     add_stats_routes(app, engine.stats, metrics)
     if web_ui:

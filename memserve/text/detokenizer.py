@@ -41,8 +41,12 @@ class IncrementalDetokenizer:
         self._emitted = 0  # characters of ``text`` already returned to the caller
         self.text = ""  # output text so far, cut before a stop string once one is hit
         self.num_tokens = 0  # output tokens consumed (tokens after a stop hit are not)
-        self.stopped = False  # a stop string was hit
-        self.stop_string: str | None = None  # the one hit (the earliest in the text)
+        self.stop_string: str | None = None  # the stop string hit (the earliest in the text)
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string was hit."""
+        return self.stop_string is not None
 
     def _decode(self, ids: list[int]) -> str:
         return self._decoder.decode(ids, skip_special_tokens=self._skip_special)
@@ -82,7 +86,6 @@ class IncrementalDetokenizer:
         if hits:
             at, self.stop_string = min(hits)
             self.text = self.text[:at]
-            self.stopped = True
 
     def _held_back(self) -> int:
         """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
