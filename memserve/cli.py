@@ -73,6 +73,9 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
                    help="CPU decode attention: a compiled kernel reading the KV blocks in place (default; built "
                         "on first use with g++, falls back to torch where it cannot be) or torch's SDPA over "
                         "gathered blocks")
+    p.add_argument("--cpu-prefill-attention", default="auto", choices=["auto", "blocked", "sdpa"],
+                   help="CPU prefill attention: oneDNN products over query blocks in float32, torch's SDPA, or "
+                        "auto (default): whichever a short probe at start-up measures faster on this CPU")
     p.add_argument("--enforce-eager", action="store_true",
                    help="on a GPU, run every step eagerly: no CUDA graphs, which otherwise replay decode steps "
                         "(captured at start-up per batch size and context width)")
@@ -280,6 +283,7 @@ def _run_up(args: argparse.Namespace) -> int:
         cpu_threads_bind=args.cpu_threads_bind,
         cpu_gemm=args.cpu_gemm,
         cpu_attention=args.cpu_attention,
+        cpu_prefill_attention=args.cpu_prefill_attention,
         enforce_eager=args.enforce_eager,
         block_size=args.block_size,
         num_blocks=args.num_blocks,

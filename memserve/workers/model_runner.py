@@ -21,6 +21,7 @@ CPU every step runs eagerly."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Callable
 
@@ -54,7 +55,10 @@ from memserve.workers.model.logprobs import (
     sampled_logprobs,
 )
 from memserve.workers.model.penalties import TokenHistories
+from memserve.workers.model.prefill_probe import resolve_cpu_prefill
 from memserve.workers.model.sampler import Sampler, position_uniform
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -73,6 +77,10 @@ class ModelRunner:
         self.cpu_attention = cfg.cpu_attention
         if self.device.type == "cpu" and self.cpu_attention == "kernel":
             cpu_kernels.available()  # built (once per machine) or loaded now, not in the first step
+        self.cpu_prefill = resolve_cpu_prefill(cfg.cpu_prefill_attention, self.model_config, self.dtype, self.device)
+        if self.device.type == "cpu":
+            log.info("CPU prefill attention: %s (--cpu-prefill-attention %s)", self.cpu_prefill,
+                     cfg.cpu_prefill_attention)
         self.num_layers = self.model_config.num_layers
         use_graphs = self.device.type == "cuda" and not cfg.enforce_eager and self.model.capturable
         self.pools = KVPools.create(self.model_config, cfg, self.dtype, self.device, scratch_block=use_graphs)
@@ -179,6 +187,7 @@ class ModelRunner:
                 block_size=bs,
                 layout=self.layout,
                 cpu_attention=self.cpu_attention,
+                cpu_prefill=self.cpu_prefill,
             )
             hidden = self.model(
                 torch.tensor(input_ids, dtype=torch.long, device=self.device),

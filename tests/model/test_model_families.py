@@ -242,24 +242,23 @@ def test_loader_stacks_mixtral_experts_and_refuses_a_missing_one():
         stack_expert_weights(broken)
 
 
-@pytest.mark.parametrize("blocked_prefill", [True, False], ids=["blocked-prefill", "sdpa-prefill"])
+@pytest.mark.parametrize("cpu_prefill", ["blocked", "sdpa"])
 @pytest.mark.parametrize("cpu_attention", ["kernel", "torch"])
 @pytest.mark.parametrize("name", ["mistral", "gemma2", "gemma3_text"])
-def test_windows_and_softcaps_match_transformers_logits_on_every_attention_path(tmp_path, monkeypatch, name,
-                                                                                 blocked_prefill, cpu_attention):
+def test_windows_and_softcaps_match_transformers_logits_on_every_attention_path(tmp_path, name, cpu_prefill,
+                                                                                 cpu_attention):
     """A 70-token sequence (window 24; Gemma's global layers see it all, Gemma 2 caps its
     scores) prefilled in chunks of 30 and 25 tokens, then decoded one token a step: every
     logit (Gemma's soft-capped) equals transformers' on the whole sequence at once."""
     hf = save_tiny_model(tmp_path, name)
-    if not blocked_prefill:
-        monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     ids = torch.randint(0, TINY_SIZES["vocab_size"], (70,), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = hf(ids[None]).logits[0]
     model = load_model(tmp_path, torch.float32, "cpu")
     cache = new_cache(model, 8)
     table = torch.tensor([[3, 1, 5, 0, 2]])  # scattered blocks
-    logits = [model.compute_logits(run_chunk(model, cache, table, ids, first, end, cpu_attention=cpu_attention))
+    logits = [model.compute_logits(run_chunk(model, cache, table, ids, first, end, cpu_attention=cpu_attention,
+                                             cpu_prefill=cpu_prefill))
               for first, end in [(0, 30), (30, 55)] + [(p, p + 1) for p in range(55, 70)]]
     torch.testing.assert_close(torch.cat(logits), expected, atol=1e-4, rtol=1e-4)
 
@@ -271,18 +270,18 @@ def new_cache(model: LlamaForCausalLM, num_blocks: int) -> torch.Tensor:
 
 
 def run_chunk(model: LlamaForCausalLM, cache: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, first: int,
-              end: int, offset: int = 0, cpu_attention: str = "kernel") -> torch.Tensor:
+              end: int, offset: int = 0, cpu_attention: str = "kernel", cpu_prefill: str = "blocked") -> torch.Tensor:
     """The hidden states of ``ids[first:end]`` at positions ``offset + first`` on, their K/V
     written at the sequence's slots ``first:end`` of the blocks in ``table`` [1, blocks]."""
     slots = torch.tensor([table[0, p // BLOCK_SIZE].item() * BLOCK_SIZE + p % BLOCK_SIZE for p in range(first, end)])
-    meta = AttentionMetadata(slots, [0, end - first], [end], table, BLOCK_SIZE, cpu_attention=cpu_attention)
+    meta = AttentionMetadata(slots, [0, end - first], [end], table, BLOCK_SIZE, cpu_attention=cpu_attention,
+                             cpu_prefill=cpu_prefill)
     return model(ids[first:end], torch.arange(offset + first, offset + end), cache, meta)
 
 
-@pytest.mark.parametrize("blocked_prefill", [True, False], ids=["blocked-prefill", "sdpa-prefill"])
+@pytest.mark.parametrize("cpu_prefill", ["blocked", "sdpa"])
 @pytest.mark.parametrize("cpu_attention", ["kernel", "torch"])
-def test_an_attention_softcap_that_changes_the_tokens_changes_memserves_alike(tmp_path, monkeypatch, blocked_prefill,
-                                                                              cpu_attention):
+def test_an_attention_softcap_that_changes_the_tokens_changes_memserves_alike(tmp_path, cpu_prefill, cpu_attention):
     """Gemma 2 with its attention scores capped at 2: transformers' greedy tokens differ
     from those of the same weights uncapped, and memserve's equal the capped ones."""
     hf = save_tiny_model(tmp_path, "gemma2", attn_logit_softcapping=2.0)
@@ -291,9 +290,9 @@ def test_an_attention_softcap_that_changes_the_tokens_changes_memserves_alike(tm
     for layer in hf.model.layers:
         layer.self_attn.attn_logit_softcapping = None
     assert transformers_greedy(hf, prompts) != capped
-    if not blocked_prefill:
-        monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
-    got = generate(engine_for(tmp_path, cpu_attention=cpu_attention), prompts, NEW_TOKENS)
+    engine = engine_for(tmp_path, cpu_attention=cpu_attention, cpu_prefill_attention=cpu_prefill)
+    assert engine.runner.cpu_prefill == cpu_prefill
+    got = generate(engine, prompts, NEW_TOKENS)
     assert [tokens for tokens, _ in got] == capped
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from memserve.model_files.gguf_convert import ensure_model_dir
 from memserve.workers.model import attention, cpu_kernels
 from memserve.workers.model.attention import (
     DECODE_GROUP_MAX_PAD_TOKENS,
@@ -22,6 +23,8 @@ from memserve.workers.model.attention import (
     layer_kv,
     paged_attention,
 )
+from memserve.workers.model.model_config import ModelConfig
+from memserve.workers.model.prefill_probe import probe_cpu_prefill, resolve_cpu_prefill
 
 BLOCK_SIZE, HEADS, KV_HEADS, DIM, LAYERS = 16, 6, 2, 32, 2
 
@@ -67,7 +70,9 @@ KERNEL = "kernel"  # chunk_blocks value: decode rows through the compiled CPU ke
     ("aggregated", torch.float32, KV_HEADS, KERNEL, PREFILL), ("layer-major", torch.bfloat16, KV_HEADS, KERNEL, PREFILL),
     ("aggregated", torch.float32, HEADS, KERNEL, (0, 37, 16)),
 ])
-def test_mixed_lengths_decode_and_prefill_match_reference(layout, dtype, kv_heads, chunk_blocks, prefill, monkeypatch):
+@pytest.mark.parametrize("cpu_prefill", ["blocked", "sdpa"])
+def test_mixed_lengths_decode_and_prefill_match_reference(layout, dtype, kv_heads, chunk_blocks, prefill, cpu_prefill,
+                                                          monkeypatch):
     kernel = chunk_blocks == KERNEL
     if kernel and not cpu_kernels.available():
         pytest.skip("the CPU kernels cannot be built here")
@@ -95,8 +100,9 @@ def test_mixed_lengths_decode_and_prefill_match_reference(layout, dtype, kv_head
     width = max(map(len, tables))
     meta = AttentionMetadata(torch.tensor(slots), starts, lens,
                              torch.tensor([t + [0] * (width - len(t)) for t in tables]), BLOCK_SIZE, layout,
-                             "kernel" if kernel else "torch")
+                             "kernel" if kernel else "torch", cpu_prefill)
     plan = AttentionPlan.build(meta, torch.device("cpu"))
+    assert plan.blocked_prefill == (cpu_prefill == "blocked")
     if kernel:  # every decode row in one call, no groups
         assert plan.decodes == [] and plan.kernel_decodes.context_lens.tolist() == contexts
     else:
@@ -123,3 +129,14 @@ def test_mixed_lengths_decode_and_prefill_match_reference(layout, dtype, kv_head
             tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output's own rounding
             torch.testing.assert_close(out[row].float(), expected, atol=tol, rtol=tol)
         torch.testing.assert_close(flat_k[ctx - (starts[i + 1] - starts[i]):], k[starts[i]:starts[i + 1]])
+
+
+def test_the_cpu_prefill_probe_keeps_an_explicit_choice_and_picks_a_measured_one_for_auto():
+    config = ModelConfig.from_folder(ensure_model_dir(None))
+    assert resolve_cpu_prefill("blocked", config, torch.float32, torch.device("cpu")) == "blocked"
+    assert resolve_cpu_prefill("sdpa", config, torch.float32, torch.device("cpu")) == "sdpa"
+    times = probe_cpu_prefill(config, torch.bfloat16)
+    assert set(times) == {"blocked", "sdpa"} and all(0 < t < 10 for t in times.values())
+    assert resolve_cpu_prefill("auto", config, torch.float32, torch.device("cpu")) in ("blocked", "sdpa")
+    with pytest.raises(ValueError, match="unknown CPU prefill attention 'flash'"):
+        resolve_cpu_prefill("flash", config, torch.float32, torch.device("cpu"))

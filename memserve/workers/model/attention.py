@@ -21,7 +21,9 @@ head); with as many rows, bf16 is attended in bf16. Prefill chunks are attended 
 sequence, causally aligned bottom-right so that chunks after a cached prefix see the whole
 prefix.
 
-On CPU (with oneDNN), a prefill chunk is attended PREFILL_QUERY_BLOCK queries at a time:
+On CPU, a prefill chunk goes either to torch's SDPA or to the blocked path, whichever
+``prefill_probe`` measured faster on this CPU (``AttentionMetadata.cpu_prefill``). The
+blocked path (with oneDNN) attends PREFILL_QUERY_BLOCK queries at a time:
 the block's scores against the keys up to its last position are one oneDNN GEMM per KV
 head, its own causal triangle masked, then softmax and a second GEMM with the values
 (FlashAttention's blocking without its online softmax: a block's scores fit in L2). Keys
@@ -29,7 +31,9 @@ past a block's last query are never touched, where SDPA with a bottom-right mask
 them all, and both products run at oneDNN's speed: on AMD CPUs torch's float32 matmul (and
 the SDPA CPU kernel's) goes to MKL's AVX2 path at less than half of it. bf16 chunks are
 attended in float32 (bf16 scores halved greedy agreement with float32). Measured 1.3-1.9x
-SDPA in float32 and 1.4-2x in bf16 (benchmarks/micro/prefill_attention_micro.py).
+SDPA in float32 and 1.4-2x in bf16 on AMD EPYC, but 0.2x in bf16 and 0.6-0.9x in float32
+on an Intel Xeon with AMX, where SDPA's flash kernel runs bf16 on the tile units
+(benchmarks/micro/prefill_attention_micro.py).
 
 On CPU, decode rows go to a compiled kernel (cpu_kernels, csrc/paged_decode.cpp) that
 reads each row's blocks in place, unless ``--cpu-attention torch`` or it cannot be built;
@@ -127,6 +131,7 @@ class AttentionMetadata:
     block_size: int
     layout: str = "aggregated"
     cpu_attention: str = "kernel"  # kernel: CPU decode rows through cpu_kernels where it builds; torch: SDPA
+    cpu_prefill: str = "blocked"  # blocked: CPU prefill chunks through _blocked_prefill (needs oneDNN); sdpa: SDPA
 
 
 def kv_cache_shape(
@@ -229,7 +234,7 @@ class AttentionPlan:
     decodes: list[DecodeGroup]
     prefills: list[PrefillSequence]
     xformers: XformersBatch | None
-    blocked_prefill: bool = False  # prefills through _blocked_prefill (CPU with oneDNN)
+    blocked_prefill: bool = False  # prefills through _blocked_prefill (CPU with oneDNN, when chosen)
     kernel_decodes: KernelDecodes | None = None  # decode rows for the CPU kernel (then ``decodes`` is empty)
     static_decode: StaticDecode | None = None  # the whole batch, when the plan is ``static``
     window: int = 0  # sliding window: each query sees its last ``window`` keys; 0: all of them
@@ -268,7 +273,7 @@ class AttentionPlan:
         use_kernel = device.type == "cpu" and meta.cpu_attention == "kernel" and cpu_kernels.available()
         most_rows = KERNEL_MAX_QUERIES if use_kernel else 1  # a chunk of at most this many queries: decode rows
         decode_seqs = [i for i, q in enumerate(query_lens) if q <= most_rows]
-        blocked = device.type == "cpu" and torch.backends.mkldnn.is_available()
+        blocked = device.type == "cpu" and meta.cpu_prefill == "blocked" and torch.backends.mkldnn.is_available()
         prefills = [
             _plan_prefill(slice(starts[i], starts[i + 1]), block_tables[i], ctx[i], bs, device, blocked, window,
                           softcap)

@@ -1,14 +1,17 @@
 """memserve's compiled CPU kernels (csrc/), built on first use for the CPU at hand.
 
 torch ships no paged attention for CPU, and reading KV blocks in place from Python costs
-an op per block (see attention.py): the decode kernel is a small C++ torch op. It is built
+an op per block (see attention.py): the decode kernel is a small C++ torch op. Beside it,
+the pointwise steps of a layer (RMSNorm, residual add + RMSNorm, SwiGLU's activation)
+fused into one pass each (csrc/fused_pointwise.cpp). They are built
 with torch's extension builder (g++ and ninja) the first time a process asks for it, with
 ``-march=native``, into a directory named by a hash of the source, the torch version and
 installation (each virtual environment its own build, rather than one rebuilt in turns)
 and this CPU's model and flags: the home cache outlives moves between machines, and a
 binary built for another CPU's instructions could die on this one. Later processes load it from
-there in milliseconds. Where the build fails (no compiler), ``available()`` is False and
-attention keeps its gather-and-SDPA path; the failure is logged once.
+there in milliseconds. Where the build fails (no compiler), ``available()`` is False,
+attention keeps its gather-and-SDPA path and the layers their eager ops; the failure is
+logged once.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "fused_pointwise.cpp"))
 CACHE_DIR = Path(os.environ.get("MEMSERVE_KERNEL_CACHE", Path.home() / ".cache" / "memserve" / "kernels"))
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]  # fast-math: vectorised exp (see the source)
 
@@ -44,7 +47,7 @@ def _cpu_signature() -> str:
 
 def build_dir() -> Path:
     key = hashlib.sha256(
-        b"\0".join([SOURCE.read_bytes(), torch.__version__.encode(), str(Path(torch.__file__).parent).encode(),
+        b"\0".join([*(source.read_bytes() for source in SOURCES), torch.__version__.encode(), str(Path(torch.__file__).parent).encode(),
                    _cpu_signature().encode(), " ".join(FLAGS).encode()])
     ).hexdigest()[:16]
     return CACHE_DIR / key
@@ -64,11 +67,11 @@ def _load() -> bool:
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
     try:
-        cpp_extension.load(name=f"memserve_kernels_{directory.name}", sources=[str(SOURCE)], extra_cflags=FLAGS,
+        cpp_extension.load(name=f"memserve_kernels_{directory.name}", sources=[str(source) for source in SOURCES], extra_cflags=FLAGS,
                            extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False,
                            verbose=False)
     except Exception as exc:  # no compiler, no ninja, a failed build: keep the torch path
-        log.warning("CPU attention kernels unavailable (%s: %s); decode attention gathers the KV instead",
+        log.warning("CPU kernels unavailable (%s: %s); decode attention gathers the KV instead, layers run eager ops",
                     type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
         return False
     return True
@@ -84,3 +87,25 @@ def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Te
     scaled score s at softcap * tanh(s / softcap)."""
     torch.ops.memserve.paged_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens, scale, window,
                                               softcap)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
+    """``RMSNorm`` of contiguous x [..., width] in one pass (see the source for the rounding)."""
+    out = torch.empty_like(x)
+    torch.ops.memserve.rms_norm(out, x, weight, eps, unit_offset)
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``RMSNorm`` of x + residual, x + residual) in one pass."""
+    out, total = torch.empty_like(x), torch.empty_like(x)
+    torch.ops.memserve.add_rms_norm(out, total, x, residual, weight, eps, unit_offset)
+    return out, total
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of contiguous x [..., 2 * width] = [gate | up], in one pass."""
+    out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+    torch.ops.memserve.silu_and_mul(out, x)
+    return out

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memserve.workers.engine.layer_hooks import NO_HOOKS, LayerHooks
+from memserve.workers.model import cpu_kernels
 from memserve.workers.model.attention import (
     AttentionMetadata,
     AttentionPlan,
@@ -46,20 +47,33 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 class RMSNorm(nn.Module):
     """Normalised in float32 like Hugging Face's, so low-precision runs match it: Llama's
     (LlamaRMSNorm) scales the result by ``weight`` after casting it back; Gemma's
-    (``unit_offset``, GemmaRMSNorm) by ``1 + weight`` before, in float32."""
+    (``unit_offset``, GemmaRMSNorm) by ``1 + weight`` before, in float32. With ``fused``
+    (set by ``use_fused_pointwise``) a contiguous input takes the one-pass CPU kernel,
+    which rounds as these eager ops do."""
 
     def __init__(self, size: int, eps: float, unit_offset: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
         self.unit_offset = unit_offset
+        self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and x.is_contiguous():
+            return cpu_kernels.rms_norm(x, self.weight, self.eps, self.unit_offset)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:
             return (x32 * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * x32.to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this norm of x + residual, x + residual): the residual stream's add and the
+        next norm, in one pass where fused."""
+        if self.fused and x.is_contiguous() and residual.is_contiguous():
+            return cpu_kernels.add_rms_norm(x, residual, self.weight, self.eps, self.unit_offset)
+        total = residual + x
+        return self(total), total
 
 
 class Attention(nn.Module):
@@ -106,9 +120,13 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.act = ACTIVATIONS[config.hidden_act]
+        self.fused = False  # silu(gate) * up through the one-pass CPU kernel (``use_fused_pointwise``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused and gate_up.is_contiguous():
+            return self.down_proj(cpu_kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -132,8 +150,8 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         attended = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, plan)
         if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
-            x = x + attended
-            return x + self.mlp(self.post_attention_layernorm(x))
+            normed, x = self.post_attention_layernorm.add_forward(attended, x)
+            return x + self.mlp(normed)
         x = x + self.post_attention_layernorm(attended)
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
@@ -215,6 +233,20 @@ class LlamaForCausalLM(nn.Module):
         if self.config.final_logit_softcapping is not None:
             logits = tanh_softcap(logits, self.config.final_logit_softcapping)
         return logits.float()
+
+
+def use_fused_pointwise(model: LlamaForCausalLM) -> int:
+    """Let ``model``'s norms and SwiGLU MLPs take the fused CPU kernels (csrc/fused_pointwise.cpp);
+    returns how many modules will. Only float32 and bf16 models on the CPU, only where the
+    kernels build, and Gemma's GeGLU stays eager (the kernel is SwiGLU's)."""
+    weight = model.model.norm.weight
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) or not cpu_kernels.available():
+        return 0
+    fusable = [m for m in model.modules()
+               if isinstance(m, RMSNorm) or (isinstance(m, MLP) and m.act is ACTIVATIONS["silu"])]
+    for module in fusable:
+        module.fused = True
+    return len(fusable)
 
 
 @cache

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from memserve.workers.model.llama import LlamaForCausalLM
+from memserve.workers.model.llama import LlamaForCausalLM, use_fused_pointwise
 from memserve.workers.model.model_config import ModelConfig
 from memserve.workers.model.packed_linear import (
     CPU_GEMMS,
@@ -125,7 +125,8 @@ def load_model(
 ) -> LlamaForCausalLM:
     """Load the model in ``folder`` onto ``device`` in ``dtype``, ready for inference. On CPU
     its linear layers run through oneDNN-packed weights (``packed_linear.py``) unless
-    ``cpu_gemm`` is "torch" or oneDNN cannot pack ``dtype`` here.
+    ``cpu_gemm`` is "torch" or oneDNN cannot pack ``dtype`` here, and its norms and SwiGLU
+    through the fused pointwise kernels where they build.
 
     A model this process already holds with the same settings is shared, not loaded again:
     inference only reads the weights (every runner keeps its own KV pools), so the engines
@@ -160,4 +161,5 @@ def _load(folder: Path, dtype: torch.dtype, device: str | torch.device, cpu_gemm
         model.lm_head.weight = model.model.embed_tokens.weight
     if cpu_gemm == "onednn" and packing_supported(dtype, torch.device(device)):
         pack_linears(model)
+    use_fused_pointwise(model)
     return model.eval()
