@@ -1,6 +1,6 @@
 """The fused pointwise CPU kernels against the eager ops they replace (which match
 transformers): RMSNorm (Llama's and Gemma's unit offset), the residual add fused with the
-next norm, and SwiGLU's silu(gate) * up, in float32 and bf16, on 1 row and on many
+next norm, SwiGLU's silu(gate) * up and the rotary embedding (whole and partial), in float32 and bf16, on 1 row and on many
 (threaded), widths that are and are not multiples of a vector. bf16 results round where
 the eager ops round, so all but a rare value (the order of one float32 sum) are equal
 bit for bit."""
@@ -13,8 +13,9 @@ import torch.nn.functional as F
 
 from memserve.testing.random_models import save_tiny_model
 from memserve.workers.model import cpu_kernels
-from memserve.workers.model.llama import MLP, RMSNorm
+from memserve.workers.model.llama import MLP, Attention, RMSNorm
 from memserve.workers.model.loader import load_model
+from memserve.workers.model.rope import RotaryEmbedding, apply_rotary
 
 if not cpu_kernels.available():
     pytest.skip("the CPU kernels cannot be built here (no C++ compiler or ninja)", allow_module_level=True)
@@ -59,10 +60,21 @@ def test_silu_and_mul_equals_the_eager_swiglu(dtype, rows):
     same_or_one_rounding(cpu_kernels.silu_and_mul(x), F.silu(gate) * up)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rotary_dim", "tokens"), [(64, 1), (64, 70), (32, 70)])
+def test_rotary_equals_the_eager_rotation_on_the_fused_projections_view(dtype, rotary_dim, tokens):
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, 9 + 2 * 3, 64, generator=gen).to(dtype)
+    qk = qkv[:, : 9 + 3]  # q and k heads, a view into the fused projection as in the model
+    rope = RotaryEmbedding({"rope_type": "default", "rope_theta": 10000.0}, rotary_dim)
+    cos, sin = rope.cos_sin(torch.arange(100, 100 + tokens), dtype)
+    same_or_one_rounding(cpu_kernels.rotary(qk, cos[:, 0], sin[:, 0]), apply_rotary(qk, cos, sin))
+
+
 @pytest.mark.parametrize(("family", "fused_mlps"), [("llama", True), ("gemma2", False)])
 def test_a_loaded_cpu_model_fuses_its_norms_and_only_swiglu_mlps(tmp_path, family, fused_mlps):
     save_tiny_model(tmp_path, family)
     model = load_model(tmp_path, torch.float32, "cpu")
-    assert all(m.fused for m in model.modules() if isinstance(m, RMSNorm))
+    assert all(m.fused for m in model.modules() if isinstance(m, (RMSNorm, Attention)))
     assert all(m.fused == fused_mlps for m in model.modules() if isinstance(m, MLP))
     assert any(isinstance(m, MLP) for m in model.modules())

@@ -2,8 +2,8 @@
 
 torch ships no paged attention for CPU, and reading KV blocks in place from Python costs
 an op per block (see attention.py): the decode kernel is a small C++ torch op. Beside it,
-the pointwise steps of a layer (RMSNorm, residual add + RMSNorm, SwiGLU's activation)
-fused into one pass each (csrc/fused_pointwise.cpp). They are built
+the pointwise steps of a layer (RMSNorm, residual add + RMSNorm, SwiGLU's activation,
+the rotary embedding) fused into one pass each (csrc/fused_pointwise.cpp). They are built
 with torch's extension builder (g++ and ninja) the first time a process asks for it, with
 ``-march=native``, into a directory named by a hash of the source, the torch version and
 installation (each virtual environment its own build, rather than one rebuilt in turns)
@@ -108,4 +108,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of contiguous x [..., 2 * width] = [gate | up], in one pass."""
     out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
     torch.ops.memserve.silu_and_mul(out, x)
+    return out
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, dim] (contiguous last dim) rotated by cos, sin [T, rotary_dim] in one
+    pass; dims past rotary_dim pass through (``rope.apply_rotary``)."""
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    torch.ops.memserve.rotary(out, x, cos, sin)
     return out

@@ -89,6 +89,7 @@ class Attention(nn.Module):
         norm = partial(RMSNorm, config.head_dim, config.rms_norm_eps, config.norm_unit_offset)
         self.q_norm = norm() if config.qk_norm else None
         self.k_norm = norm() if config.qk_norm else None
+        self.fused = False  # the rotary embedding through the one-pass CPU kernel (``use_fused_pointwise``)
 
     def forward(
         self,
@@ -104,7 +105,7 @@ class Attention(nn.Module):
         qk = qkv[:, : self.num_heads + self.num_kv_heads]
         if self.q_norm is not None and self.k_norm is not None:  # Qwen3, Gemma 3: each head normalised first
             qk = torch.cat([self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1)
-        qk = apply_rotary(qk, cos, sin)
+        qk = cpu_kernels.rotary(qk, cos[:, 0], sin[:, 0]) if self.fused else apply_rotary(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.num_heads + self.num_kv_heads :]
         k_cache, v_cache = layer_kv(kv_cache, self.layer, plan.layout)
@@ -236,14 +237,15 @@ class LlamaForCausalLM(nn.Module):
 
 
 def use_fused_pointwise(model: LlamaForCausalLM) -> int:
-    """Let ``model``'s norms and SwiGLU MLPs take the fused CPU kernels (csrc/fused_pointwise.cpp);
-    returns how many modules will. Only float32 and bf16 models on the CPU, only where the
-    kernels build, and Gemma's GeGLU stays eager (the kernel is SwiGLU's)."""
+    """Let ``model``'s norms, rotary embeddings and SwiGLU MLPs take the fused CPU kernels
+    (csrc/fused_pointwise.cpp); returns how many modules will. Only float32 and bf16 models
+    on the CPU, only where the kernels build, and Gemma's GeGLU stays eager (the kernel is
+    SwiGLU's)."""
     weight = model.model.norm.weight
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) or not cpu_kernels.available():
         return 0
     fusable = [m for m in model.modules()
-               if isinstance(m, RMSNorm) or (isinstance(m, MLP) and m.act is ACTIVATIONS["silu"])]
+               if isinstance(m, (RMSNorm, Attention)) or (isinstance(m, MLP) and m.act is ACTIVATIONS["silu"])]
     for module in fusable:
         module.fused = True
     return len(fusable)

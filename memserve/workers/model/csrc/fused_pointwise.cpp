@@ -13,6 +13,8 @@
 //                  out = narrow(x * rsqrt(mean(x^2) + eps) * (1 + w))   (Gemma, unit_offset)
 //   add_rms_norm:  sum = narrow(x + residual); out = rms_norm(sum)
 //   silu_and_mul:  out = narrow(narrow(silu(gate)) * up), x = [gate | up] along the last dim
+//   rotary:        out = narrow(narrow(x * cos) + narrow(rotate_half(x) * sin)) on the first
+//                  rotary_dim dims of each head, the rest copied (Phi's partial rotary)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -33,9 +35,26 @@ inline float widen(c10::BFloat16 x) {
   return out;
 }
 
-// A float32 value rounded as T stores it (round to nearest even for bf16), as float32.
+// float32 -> bf16 bits, rounded to nearest even: c10's rounding without its NaN branch,
+// so that loops over it vectorise (every value here is finite; see -ffast-math).
+inline uint16_t bf16_bits(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// A float32 value stored as T (rounded to nearest even for bf16).
+inline float store(float x, float*) { return x; }
+inline c10::BFloat16 store(float x, c10::BFloat16*) { return c10::BFloat16(bf16_bits(x), c10::BFloat16::from_bits()); }
+
+// A float32 value rounded as T stores it, as float32.
 inline float narrow(float x, float*) { return x; }
-inline float narrow(float x, c10::BFloat16*) { return widen(static_cast<c10::BFloat16>(x)); }
+inline float narrow(float x, c10::BFloat16*) {
+  const uint32_t bits = static_cast<uint32_t>(bf16_bits(x)) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
 
 template <typename T>
 void rms_rows(T* out, T* sum_out, const T* x, const T* residual, const T* weight, int64_t rows, int64_t width,
@@ -51,17 +70,18 @@ void rms_rows(T* out, T* sum_out, const T* x, const T* residual, const T* weight
         float v = widen(xr[i]);
         if (rr != nullptr) {
           v = narrow(v + widen(rr[i]), static_cast<T*>(nullptr));
-          sr[i] = static_cast<T>(v);
+          sr[i] = store(v, static_cast<T*>(nullptr));
         }
         squares += v * v;
       }
       const float inv = 1.0f / std::sqrt(squares / static_cast<float>(width) + static_cast<float>(eps));
       const T* source = rr != nullptr ? sr : xr;
       if (unit_offset) {
-        for (int64_t i = 0; i < width; ++i) outr[i] = static_cast<T>(widen(source[i]) * inv * (1.0f + widen(weight[i])));
+        for (int64_t i = 0; i < width; ++i) outr[i] = store(widen(source[i]) * inv * (1.0f + widen(weight[i])), static_cast<T*>(nullptr));
       } else {
         for (int64_t i = 0; i < width; ++i) {
-          outr[i] = static_cast<T>(widen(weight[i]) * narrow(widen(source[i]) * inv, static_cast<T*>(nullptr)));
+          outr[i] = store(widen(weight[i]) * narrow(widen(source[i]) * inv, static_cast<T*>(nullptr)),
+                          static_cast<T*>(nullptr));
         }
       }
     }
@@ -78,7 +98,30 @@ void silu_mul_rows(T* out, const T* x, int64_t rows, int64_t width) {
       for (int64_t i = 0; i < width; ++i) {
         const float g = widen(gate[i]);
         const float act = narrow(g / (1.0f + std::exp(-g)), static_cast<T*>(nullptr));
-        outr[i] = static_cast<T>(act * widen(up[i]));
+        outr[i] = store(act * widen(up[i]), static_cast<T*>(nullptr));
+      }
+    }
+  });
+}
+
+template <typename T>
+void rotary_rows(T* out, const T* x, const T* cos, const T* sin, int64_t tokens, int64_t heads, int64_t dim,
+                 int64_t rotary_dim, int64_t token_stride, int64_t head_stride) {
+  const int64_t half = rotary_dim / 2;
+  at::parallel_for(0, tokens, GRAIN_ROWS, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cos + t * rotary_dim;
+      const T* s = sin + t * rotary_dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* xh = x + t * token_stride + h * head_stride;
+        T* oh = out + (t * heads + h) * dim;
+        for (int64_t i = 0; i < rotary_dim; ++i) {
+          const float rotated = i < half ? -widen(xh[i + half]) : widen(xh[i - half]);
+          const float a = narrow(widen(xh[i]) * widen(c[i]), static_cast<T*>(nullptr));
+          const float b = narrow(rotated * widen(s[i]), static_cast<T*>(nullptr));
+          oh[i] = store(a + b, static_cast<T*>(nullptr));
+        }
+        for (int64_t i = rotary_dim; i < dim; ++i) oh[i] = xh[i];
       }
     }
   });
@@ -139,6 +182,27 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x) {
   }
 }
 
+void rotary(at::Tensor out, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rotary: x [tokens, heads, dim] with contiguous dim");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(),
+              "rotary: out contiguous, of x's shape and dtype");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.sizes() == sin.sizes() &&
+                  cos.size(0) == x.size(0) && cos.size(1) <= x.size(2) && cos.size(1) % 2 == 0 &&
+                  cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "rotary: cos and sin contiguous [tokens, rotary_dim <= dim], even, of x's dtype");
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), rotary_dim = cos.size(1);
+  if (x.scalar_type() == at::kFloat) {
+    rotary_rows<float>(out.data_ptr<float>(), x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                       tokens, heads, dim, rotary_dim, x.stride(0), x.stride(1));
+  } else if (x.scalar_type() == at::kBFloat16) {
+    rotary_rows<c10::BFloat16>(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(),
+                               cos.data_ptr<c10::BFloat16>(), sin.data_ptr<c10::BFloat16>(), tokens, heads, dim,
+                               rotary_dim, x.stride(0), x.stride(1));
+  } else {
+    TORCH_CHECK(false, "rotary: float32 or bfloat16 only");
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(memserve, m) {
@@ -146,10 +210,12 @@ TORCH_LIBRARY_FRAGMENT(memserve, m) {
   m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) sum, Tensor x, Tensor residual, Tensor weight, float eps, "
         "bool unit_offset) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("rotary(Tensor(a!) out, Tensor x, Tensor cos, Tensor sin) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(memserve, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary", &rotary);
 }
