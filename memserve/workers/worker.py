@@ -237,7 +237,7 @@ class Worker:
         instance, which frees them: the gateway times it to price prefix pulls over that
         link (``gateway/link_probe.py``)."""
         try:
-            addrs = self.engine.mempool.alloc_mem(msg.num_blocks)
+            addrs = self.engine.kv_connector.alloc(msg.num_blocks)
         except MemPoolError as exc:  # no room: the link stays unmeasured
             self.channel.send(ProbeDone(msg.transfer_id, 0, str(exc)))
             return
@@ -267,8 +267,7 @@ class Worker:
                 log.warning("worker %d: transfer to %d failed: %s", self.id, msg.dst_instance, error)
             reason = str(error) if error else None
             if isinstance(msg, ProbeTransfer):
-                mover = self.engine.mempool.mover
-                sent_bytes = 0 if error or mover is None else len(addrs) * mover.block_nbytes
+                sent_bytes = 0 if error else len(addrs) * self.engine.kv_connector.block_nbytes
                 self.channel.send(ProbeDone(msg.transfer_id, sent_bytes, reason))
             else:
                 self.channel.send(TransferDone(msg.transfer_id, 0 if error else len(addrs), reason))

@@ -23,7 +23,7 @@ from memserve.kvcache.eviction import SchedulerAware, make_eviction_policy
 from memserve.kvcache.mempool import MemPool
 from memserve.kvcache.prefetch import LookAhead
 from memserve.kvcache.retention import Retention
-from memserve.workers.engine.kv_connector import KVConnector
+from memserve.workers.engine.kv_connector import MemPoolKVConnector
 from memserve.workers.engine.kv_manager import KVCacheManager
 from memserve.workers.engine.ngram_proposer import NgramConfig, NgramProposer
 from memserve.workers.engine.parallel_sampling import name_first_choice
@@ -85,7 +85,7 @@ class Engine:
         limits = SchedulerConfig(cfg.max_num_seqs, max_num_batched_tokens or cfg.max_num_batched_tokens,
                                  self.max_model_len, cfg.long_prefill_token_threshold, cfg.hold_shared_prefills)
         proposer = NgramProposer(NgramConfig.from_dict(cfg.speculative_config)) if cfg.speculative_config else None
-        return Scheduler(KVCacheManager(mempool, KVConnector(mempool, self.runner), enable_prefix_caching,
+        return Scheduler(KVCacheManager(mempool, MemPoolKVConnector(mempool, self.runner), enable_prefix_caching,
                                         self.retention),
                          make_schedule_policy(cfg.schedule_policy, cfg.schedule_policy_options, self.policy_cost),
                          limits, self.eos_token_ids, self.clock, proposer)
