@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from memserve.config import EngineConfig, WorkerConfig
+from memserve.ipc.messages import WorkerStats
 
 log = logging.getLogger("memserve.cluster")
 
@@ -83,7 +84,7 @@ class WorkerHandle:
     process: WorkerProcess | None = None
     ready: bool = False
     last_heartbeat: float = 0.0
-    stats: dict = field(default_factory=dict)
+    stats: WorkerStats = field(default_factory=WorkerStats)  # its latest heartbeat's
     num_blocks: int = 0
     max_model_len: int = 0
     transfer_addr: str = ""
@@ -117,7 +118,7 @@ class WorkerHandle:
         if not self.alive:
             return "starting" if self.process is not None and self.process.poll() is None else "dead"
         late = now - self.last_heartbeat > DEGRADED_AFTER_HEARTBEATS * self.config.heartbeat_s
-        stuck = self.stats.get("loop_age_s", 0.0) > heartbeat_timeout_s + busy_s
+        stuck = self.stats.loop_age_s > heartbeat_timeout_s + busy_s
         return "degraded" if late or stuck else "ok"
 
 
@@ -232,7 +233,7 @@ class Cluster:
         for i in self.workers:
             self.spawn(i)
 
-    def mark_ready(self, instance_id: int, num_blocks: int, max_model_len: int, stats: dict,
+    def mark_ready(self, instance_id: int, num_blocks: int, max_model_len: int, stats: WorkerStats,
                    transfer_addr: str) -> None:
         h = self.workers[instance_id]
         h.ready, h.num_blocks, h.max_model_len, h.stats = True, num_blocks, max_model_len, stats
@@ -242,7 +243,7 @@ class Cluster:
     def transfer_addrs(self) -> dict[int, str]:
         return {i: h.transfer_addr for i, h in self.workers.items() if h.ready}
 
-    def heartbeat(self, instance_id: int, stats: dict) -> None:
+    def heartbeat(self, instance_id: int, stats: WorkerStats) -> None:
         h = self.workers[instance_id]
         h.last_heartbeat, h.stats = time.monotonic(), stats
 

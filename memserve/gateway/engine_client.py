@@ -8,6 +8,7 @@ its old run after the ones its move accounted for."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import secrets
@@ -47,10 +48,10 @@ from memserve.ipc.messages import (
     TransferPrefix,
     WorkerError,
     WorkerReady,
+    WorkerStats,
     choice_request_id,
 )
 from memserve.ipc.probe import ProbeDone, ProbeTransfer
-from memserve.kvcache.address import Tier
 from memserve.kvcache.events import KVEvents
 from memserve.kvcache.mirror import PromptTreeMirror
 
@@ -59,10 +60,43 @@ if TYPE_CHECKING:  # scikit-learn: imported only when the predictor is on
 
 log = logging.getLogger("memserve.gateway")
 
-# The per-tier entries of a worker's MemPool stats (``device``, ``host``, ``disk``).
-TIER_NAMES = frozenset(t.name.lower() for t in Tier)
 # Seconds a prefix pull may take before the request is sent on to recompute instead.
 PULL_TIMEOUT_S = 10.0
+
+
+def worker_entry(stats: WorkerStats) -> dict:
+    """The figures of a worker's latest heartbeat as its entry in ``stats()["workers"]``
+    shows them (and so /health, /metrics and /v1/stats)."""
+    tiers = stats.mempool.tiers
+    return {
+        "num_running": stats.num_running,
+        "num_waiting": stats.num_waiting,
+        "num_preemptions": stats.num_preemptions,
+        "num_held_admissions": stats.num_held_admissions,
+        "preemptions": stats.preemptions,  # by kind: swap, recompute
+        # The schedule policy's KV allocation (cacheopt): reserve and padding in use.
+        "kv_allocation": {} if stats.kv_allocation is None else dataclasses.asdict(stats.kv_allocation),
+        # Allocatable blocks per tier: free plus cached-but-evictable.
+        "free_blocks": {t: v.free + v.evictable for t, v in tiers.items()},
+        # Blocks the worker's index holds per tier (what its KV events describe).
+        "cached_blocks": {t: v.cached for t, v in tiers.items()},
+        # Blocks pinned by requests' cache_control per tier (kvcache/pinning.py).
+        "pinned_blocks": {t: v.pinned for t, v in tiers.items()},
+        # Per tier: bytes used, blocks matched, bytes read and written, blocks being saved down.
+        "kv_tiers": {t: {k: v for k, v in dataclasses.asdict(io).items() if v is not None}
+                     for t, io in stats.mempool.tier_io.items()},
+        "kv_save_queue": stats.mempool.save_queue,
+        "cache_hit_rate": stats.cache_hit_rate,
+        "cached_tokens_total": stats.cached_tokens_total,
+        "prompt_tokens_total": stats.prompt_tokens_total,
+        # Per tier: pool size, allocatable (as free_blocks) and blocks in the index.
+        "kv_blocks": {t: {"total": v.total, "free": v.free + v.evictable, "cached": v.cached}
+                      for t, v in tiers.items()},
+        "pd": dataclasses.asdict(stats.pd),  # KV handoffs sent (prefill) and received (decode)
+        # N-gram speculative decoding (--speculative-config): drafts proposed and accepted.
+        "spec_decode": {"draft_tokens": stats.spec_draft_tokens_total,
+                        "accepted_tokens": stats.spec_accepted_tokens_total},
+    }
 
 
 class WorkerStartError(RuntimeError):
@@ -340,8 +374,7 @@ class ZmqEngineClient:
         workers = []
         states = self.cluster.states(self.router.ledger.work_s)
         for h in self.cluster.workers.values():
-            s = h.stats
-            mp = s.get("mempool", {})
+            mirror = self.mirrors[h.instance_id]
             workers.append({
                 "instance_id": h.instance_id,
                 "role": h.config.role,
@@ -352,36 +385,11 @@ class ZmqEngineClient:
                 "node_id": h.node_id,  # the hostname again, or the Ray node's ID (nodes may share an IP)
                 "heartbeat_age_s": round(time.monotonic() - h.last_heartbeat, 3) if h.ready else None,
                 "restarts": h.restarts,
-                "num_running": s.get("num_running", 0),
-                "num_waiting": s.get("num_waiting", 0),
-                "num_preemptions": s.get("num_preemptions", 0),
-                "num_held_admissions": s.get("num_held_admissions", 0),
-                "preemptions": s.get("preemptions", {}),  # by kind: swap, recompute
-                # The schedule policy's KV allocation (cacheopt): reserve and padding in use.
-                "kv_allocation": s.get("kv_allocation", {}),
-                # Allocatable blocks per tier: free plus cached-but-evictable.
-                "free_blocks": {t: v["free"] + v["evictable"] for t, v in mp.items() if t in TIER_NAMES},
-                # Blocks the worker's index holds per tier (what its KV events describe).
-                "cached_blocks": {t: v["cached"] for t, v in mp.items() if t in TIER_NAMES},
-                # Blocks pinned by requests' cache_control per tier (kvcache/pinning.py).
-                "pinned_blocks": {t: v.get("pinned", 0) for t, v in mp.items() if t in TIER_NAMES},
-                # Per tier: bytes used, blocks matched, bytes read and written, blocks being saved down.
-                "kv_tiers": mp.get("tier_io", {}),
-                "kv_save_queue": mp.get("save_queue", 0),
-                "cache_hit_rate": s.get("cache_hit_rate", 0.0),
-                "cached_tokens_total": s.get("cached_tokens_total", 0),
-                "prompt_tokens_total": s.get("prompt_tokens_total", 0),
-                "mirror_blocks": len(self.mirrors[h.instance_id].entries()),
-                # Per tier: pool size, allocatable (as free_blocks) and blocks in the index; the
-                # mirror's counts of blocks evicted from the index and demoted a tier (stats page).
-                "kv_blocks": {t: {"total": v["total"], "free": v["free"] + v["evictable"], "cached": v["cached"]}
-                              for t, v in mp.items() if t in TIER_NAMES},
-                "evicted_blocks": self.mirrors[h.instance_id].removed_blocks,
-                "demoted_blocks": self.mirrors[h.instance_id].demoted_blocks,
-                "pd": s.get("pd", {}),  # KV handoffs sent (prefill) and received (decode)
-                # N-gram speculative decoding (--speculative-config): drafts proposed and accepted.
-                "spec_decode": {"draft_tokens": s.get("spec_draft_tokens_total", 0),
-                                "accepted_tokens": s.get("spec_accepted_tokens_total", 0)},
+                **worker_entry(h.stats),
+                "mirror_blocks": len(mirror.entries()),
+                # The mirror's counts of blocks evicted from the index and demoted a tier (stats page).
+                "evicted_blocks": mirror.removed_blocks,
+                "demoted_blocks": mirror.demoted_blocks,
             })
         return {"workers": workers, "spare_workers": self.cluster.spare_states(),
                 "num_requests_in_flight": len(self.streams), "moved_requests": dict(self.moves),

@@ -1,19 +1,26 @@
 """Typed gateway <-> worker messages, encoded with msgpack.
 
 Every message is a dataclass with a class-level ``kind`` tag. ``encode`` turns one into
-bytes ``[version, kind, fields...]``; ``decode`` reverses it. Bulk KV data never goes
-through here: it travels as separate zero-copy ZeroMQ frames next to a header message.
+bytes ``[version, kind, fields...]``, a dataclass inside it (a field, a list item, a dict
+value) into the list of its fields; ``decode`` reverses it, rebuilding each dataclass that a
+field's declared type names. Fields travel by position: new ones go at the end. Bulk KV
+data never goes through here: it travels as separate zero-copy ZeroMQ frames next to a
+header message.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import types
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, Union
 
 import msgpack
 
-from memserve.kvcache.events import KVEvent, KVEvents
+from memserve.kvcache.events import KVEvents
 
 PROTOCOL_VERSION = 1
 
@@ -117,13 +124,143 @@ class AbortRequest:
 
 
 @dataclass
+class TierStats:
+    """One MemPool tier's blocks (``MemPool.tier_stats``)."""
+
+    total: int = 0
+    free: int = 0  # on the free list
+    cached: int = 0  # in the worker's index (what its KV events describe)
+    evictable: int = 0  # cached and held by no request: allocatable by evicting them
+    used: int = 0  # held by requests
+    pinned: int = 0  # cached blocks pinned by requests' cache_control (kvcache/pinning.py)
+
+
+@dataclass
+class TierIO:
+    """One tier's traffic; counts of blocks and bytes since the worker started, except
+    ``bytes_used``, ``saving`` and ``queue_depth``, which are as of now."""
+
+    bytes_used: int = 0  # of the blocks allocated there
+    hits: int = 0  # cached blocks matched there
+    read_bytes: int = 0  # loads and saves out of it
+    write_bytes: int = 0
+    saving: int = 0  # blocks being saved down out of it
+    dropped_unsaved: int = 0  # cached blocks dropped though a slower tier exists
+    queue_depth: int = 0  # blocks queued or in flight between it and another tier
+    # The host tier above a disk tier only (None elsewhere): blocks prefetched from the
+    # disk for queued requests, and those of them a request then read.
+    prefetched: int | None = None
+    prefetch_hits: int | None = None
+
+
+@dataclass
+class MemPoolStats:
+    """A worker's MemPool: prompt tokens matched in its index, and per tier (by name:
+    ``device``, ``host``, ``disk``, fastest first) its blocks and traffic."""
+
+    hit_tokens: int = 0
+    query_tokens: int = 0
+    hit_rate: float = 0.0
+    save_queue: int = 0  # save jobs not yet committed
+    tiers: dict[str, TierStats] = field(default_factory=dict)
+    tier_io: dict[str, TierIO] = field(default_factory=dict)
+
+    @classmethod
+    def from_report(cls, report: dict[str, Any]) -> MemPoolStats:
+        """``MemPool.stats()``'s report, typed (kvcache knows no wire format). A key this
+        does not know fails here, in the worker, instead of reading as 0 at the gateway."""
+        io = report["tier_io"]
+        return cls(report["hit_tokens"], report["query_tokens"], report["hit_rate"], report["save_queue"],
+                   {tier: TierStats(**report[tier]) for tier in io}, {tier: TierIO(**v) for tier, v in io.items()})
+
+
+@dataclass
+class KVAllocationStats:
+    """The KV allocation of ``--schedule-policy cacheopt`` (workers/engine/policies/cacheopt)."""
+
+    reserve_blocks: int = 0  # the global reserve
+    reserve_in_use_blocks: int = 0  # lent to requests that outgrew their allocation
+    unheld_blocks: int = 0  # allocated to running requests beyond what they use
+    embedded_total: int = 0
+    reserve_grants_total: int = 0
+    proactive_top_ups_total: int = 0
+    allocation_cuts_total: int = 0
+    room_preemptions_total: int = 0
+
+
+@dataclass
+class PDStats:
+    """A worker's KV handoffs (disaggregated prefill/decode), counted since it started
+    except ``parked``, ``sending`` and ``holding``, which are as of now."""
+
+    # Sent, as a prefill instance (workers/engine/pd_sender.py).
+    handoffs: int = 0
+    failed: int = 0
+    blocks_sent: int = 0
+    blocks_skipped: int = 0  # the receiver held them already
+    bytes_sent: int = 0
+    messages: int = 0
+    transfer_s: float = 0.0
+    kv_ready_s: float = 0.0  # from the end of the prefill step to the KV being at the receiver
+    parked: int = 0  # requests whose KV is kept for a handoff not sent yet
+    sending: int = 0
+    # Received, as a decode instance (workers/engine/pd_receiver.py).
+    resumed: int = 0
+    resumed_without_kv: int = 0
+    blocks_received: int = 0
+    blocks_pinned: int = 0  # the receiver's cached prefix, kept for a transfer
+    reclaimed: int = 0  # received KV freed: its request never resumed
+    holding: int = 0
+    # Transfers that read or wrote the other worker's pools in place, on one host (ipc/kv_transfer.py).
+    in_place_sent: int = 0
+    in_place_received: int = 0
+
+
+@dataclass
+class WorkerStats:
+    """What a worker's heartbeats report: its scheduler's load and counters (those ending
+    in ``_total`` count since it started), its schedule policy's, its MemPool's and its KV
+    handoffs'."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preemptions: int = 0
+    num_held_admissions: int = 0  # admitted after waiting for a running prefill to compute their blocks
+    preemptions: dict[str, int] = field(default_factory=dict)  # by kind: swap, recompute
+    num_swapped_in: int = 0  # blocks loaded from a slower tier
+    prompt_tokens_total: int = 0
+    cached_tokens_total: int = 0  # prompt tokens found cached
+    cache_hit_rate: float = 0.0
+    spec_draft_tokens_total: int = 0  # n-gram speculative decoding (--speculative-config)
+    spec_accepted_tokens_total: int = 0
+    # --schedule-policy cacheopt only: its KV allocation, step time budget and sweet spot.
+    kv_allocation: KVAllocationStats | None = None
+    max_step_ms: float | None = None
+    sweet_spot_tokens: int | None = None
+    mempool: MemPoolStats = field(default_factory=MemPoolStats)
+    num_steps: int = 0
+    pd: PDStats = field(default_factory=PDStats)
+    loop_age_s: float = 0.0  # since the engine loop last went round: a stuck step shows here
+
+    @classmethod
+    def from_report(cls, engine_report: dict[str, Any], pd: PDStats) -> WorkerStats:
+        """``Engine.stats()``'s report, typed, with the KV handoffs' counters. A key this
+        does not know fails here, in the worker, instead of reading as 0 at the gateway."""
+        report = dict(engine_report)
+        mempool = MemPoolStats.from_report(report.pop("mempool"))
+        allocation = report.pop("kv_allocation", None)
+        return cls(**report, mempool=mempool, pd=pd,
+                   kv_allocation=None if allocation is None else KVAllocationStats(**allocation))
+
+
+@dataclass
 class Heartbeat:
     """Sent both ways. From a worker it carries its load and pool statistics."""
 
     kind: ClassVar[str] = "heartbeat"
     instance_id: int
     time: float
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: WorkerStats = field(default_factory=WorkerStats)
 
 
 @dataclass
@@ -139,7 +276,7 @@ class WorkerReady:
     num_blocks: int
     block_size: int
     max_model_len: int
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: WorkerStats = field(default_factory=WorkerStats)
     transfer_addr: str = ""  # where peers reach this worker's KV transfer endpoint
 
 
@@ -278,14 +415,6 @@ MESSAGE_TYPES: dict[str, type] = {
                 ExpectTransfer, TransferExpected, TransferPrefix, TransferDone, HandoffStart, HandoffDone)
 }
 
-# Nested dataclass fields that need rebuilding on decode.
-_NESTED: dict[tuple[str, str], type] = {
-    ("add", "params"): SamplingParams,
-}
-_NESTED_LISTS: dict[tuple[str, str], type] = {
-    ("step", "outputs"): RequestOutput,
-}
-
 
 class Message(Protocol):
     """A message type: a dataclass with a class-level ``kind`` tag."""
@@ -293,31 +422,57 @@ class Message(Protocol):
     kind: ClassVar[str]
 
 
-def register(cls: type[Message], nested: dict[str, type] | None = None,
-             nested_lists: dict[str, type] | None = None) -> type[Message]:
+def register(cls: type[Message]) -> type[Message]:
     """Add a message type defined elsewhere (KV events, transfers) to the codec."""
     MESSAGE_TYPES[cls.kind] = cls
-    for name, sub in (nested or {}).items():
-        _NESTED[(cls.kind, name)] = sub
-    for name, sub in (nested_lists or {}).items():
-        _NESTED_LISTS[(cls.kind, name)] = sub
     return cls
 
 
-def _fields(obj: Any) -> list[Any]:
-    out = []
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            value = _fields(value)
-        elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
-            value = [_fields(v) for v in value]
-        out.append(value)
-    return out
+def _plain(value: Any) -> Any:
+    """``value`` as msgpack carries it: a dataclass, also in a list or as a dict's values,
+    becomes the list of its fields."""
+    if dataclasses.is_dataclass(value):
+        return [_plain(getattr(value, f.name)) for f in dataclasses.fields(value)]
+    if isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict) and value and dataclasses.is_dataclass(next(iter(value.values()))):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _rebuilder(hint: Any) -> Callable[[Any], Any] | None:
+    """What turns a decoded value of the declared type ``hint`` back into it: the
+    dataclasses it names rebuilt, as a field, in a list, as a dict's values or optional.
+    None where msgpack's value is already right."""
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return _decoder(hint)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        one = _rebuilder(inner[0]) if len(inner) == 1 else None
+        return None if one is None else (lambda v: None if v is None else one(v))
+    if origin is list:
+        item = _rebuilder(args[0])
+        return None if item is None else (lambda v: [item(x) for x in v])
+    if origin is dict:
+        entry = _rebuilder(args[1])
+        return None if entry is None else (lambda v: {k: entry(x) for k, x in v.items()})
+    return None
+
+
+@functools.cache
+def _decoder(cls: type) -> Callable[[list[Any]], Any]:
+    """Builds ``cls`` from its encoded fields; worked out once per class, since step
+    outputs are decoded many times a second."""
+    hints = typing.get_type_hints(cls)
+    rebuild = [_rebuilder(hints[f.name]) for f in dataclasses.fields(cls)]
+    if not any(rebuild):
+        return lambda values: cls(*values)
+    return lambda values: cls(*[v if r is None else r(v) for r, v in zip(rebuild, values)])
 
 
 def encode(msg: Any) -> bytes:
-    return msgpack.packb([PROTOCOL_VERSION, msg.kind, *_fields(msg)], use_bin_type=True)
+    return msgpack.packb([PROTOCOL_VERSION, msg.kind, *_plain(msg)], use_bin_type=True)
 
 
 def decode(data: bytes) -> Any:
@@ -327,15 +482,8 @@ def decode(data: bytes) -> Any:
     cls = MESSAGE_TYPES.get(kind)
     if cls is None:
         raise ValueError(f"unknown message kind {kind!r}")
-    kwargs = {}
-    for f, value in zip(dataclasses.fields(cls), values):
-        if (kind, f.name) in _NESTED:
-            value = _NESTED[(kind, f.name)](*value)
-        elif (kind, f.name) in _NESTED_LISTS:
-            value = [_NESTED_LISTS[(kind, f.name)](*v) for v in value]
-        kwargs[f.name] = value
-    return cls(**kwargs)
+    return _decoder(cls)(values)
 
 
 # kvcache's types that travel between processes; kvcache itself knows no wire format.
-register(KVEvents, nested_lists={"events": KVEvent})
+register(KVEvents)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from memserve.ipc.messages import WorkerStats
 from memserve.kvcache.mirror import PromptTreeMirror
 from memserve.sim.runner import SimulatedRunner
 from memserve.workers.engine.engine import Engine
@@ -22,7 +23,7 @@ class SimInstance:
     role: str = "colocated"  # colocated | prefill | decode (sim/pd_flow.py)
     busy: bool = False  # a step event is scheduled
     step_end: float = 0.0  # when its latest step ends (a prefix push waits for it)
-    stats: dict = field(default_factory=dict)  # its MemPool's counts as of its latest step (a heartbeat's)
+    stats: WorkerStats = field(default_factory=WorkerStats)  # its device blocks as of its latest step (a heartbeat's)
 
 
 @dataclass

@@ -59,7 +59,7 @@ from memserve.costmodel.model import CostModel
 from memserve.gateway.routing.admission import OFF, Admission, Verdict, predict
 from memserve.gateway.routing.pd_topology import is_disaggregated, role_caches
 from memserve.gateway.routing.router import Router, RouteRequest, WorkerView
-from memserve.ipc.messages import AddRequest, RequestOutput, SamplingParams
+from memserve.ipc.messages import AddRequest, MemPoolStats, RequestOutput, SamplingParams, TierStats, WorkerStats
 from memserve.kvcache.address import Tier
 from memserve.kvcache.blocks import OutOfBlocks
 from memserve.kvcache.events import KVEvents
@@ -468,7 +468,8 @@ class Simulation:
 
     def _take_stats(self, i: int) -> None:
         """Instance ``i``'s stats report as the router reads it: its device blocks."""
-        self.instances[i].stats = {"mempool": {"device": self.instances[i].engine.mempool.tier_stats(Tier.DEVICE)}}
+        device = TierStats(**self.instances[i].engine.mempool.tier_stats(Tier.DEVICE))
+        self.instances[i].stats = WorkerStats(mempool=MemPoolStats(tiers={"device": device}))
 
     def publish(self, i: int) -> None:
         """Instance ``i``'s KV events reach the router's mirror of its prompt tree."""

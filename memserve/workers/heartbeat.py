@@ -10,15 +10,15 @@ published and how long ago the loop last went round, so a stuck step shows up as
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
-from typing import Any
 
 import zmq
 
 from memserve.ipc.channel import heartbeat_identity
 from memserve.ipc.curve import protect
-from memserve.ipc.messages import Heartbeat, encode
+from memserve.ipc.messages import Heartbeat, WorkerStats, encode
 
 
 class HeartbeatThread(threading.Thread):
@@ -33,21 +33,21 @@ class HeartbeatThread(threading.Thread):
         self._sock.setsockopt(zmq.LINGER, 0)
         protect(self._sock, address, server=False)
         self._sock.connect(address)
-        self._stats: dict[str, Any] = {}
+        self._stats = WorkerStats()
         self._loop_at = time.monotonic()
 
     def tick(self) -> None:
         """Called by the engine loop once per round."""
         self._loop_at = time.monotonic()
 
-    def publish(self, stats: dict[str, Any]) -> None:
+    def publish(self, stats: WorkerStats) -> None:
         """The stats the next heartbeats carry (replacing a reference is atomic)."""
         self._stats = stats
 
     def run(self) -> None:
         while not self._stop_event.wait(self._interval_s):
             now = time.monotonic()
-            stats = {**self._stats, "loop_age_s": now - self._loop_at}
+            stats = dataclasses.replace(self._stats, loop_age_s=now - self._loop_at)
             self._sock.send(encode(Heartbeat(self._instance_id, now, stats)))
 
     def stop(self) -> None:

@@ -34,6 +34,7 @@ from memserve.ipc.messages import (
     ExpectTransfer,
     HandoffStart,
     Heartbeat,
+    PDStats,
     PeerAddresses,
     RequestOutput,
     Shutdown,
@@ -42,6 +43,7 @@ from memserve.ipc.messages import (
     TransferPrefix,
     WorkerError,
     WorkerReady,
+    WorkerStats,
 )
 from memserve.ipc.probe import ProbeDone, ProbeTransfer
 from memserve.kvcache.blocks import MemPoolError
@@ -126,7 +128,7 @@ class Worker:
         self.channel.watch(self.endpoint.socket)
         self._start_kv_publisher()
         self.channel.send(WorkerReady(self.id, self.cfg.role, e.runner.num_blocks, self.cfg.engine.block_size,
-                                      e.max_model_len, e.stats(), self.endpoint.address))
+                                      e.max_model_len, self._stats(), self.endpoint.address))
 
     def run(self) -> None:
         hb = self.cfg.heartbeat_s
@@ -290,10 +292,10 @@ class Worker:
             return
         mempool.event_tokens = self.kv_publisher.translator.event_tokens
 
-    def _stats(self) -> dict:
+    def _stats(self) -> WorkerStats:
         """The engine's statistics and the KV handoffs' (both sides, and how many went in place)."""
-        return {**self.engine.stats(), "pd": {**self.sender.stats(), **self.receiver.stats(),
-                                              **self.endpoint.stats()}}
+        pd = PDStats(**self.sender.stats(), **self.receiver.stats(), **self.endpoint.stats())
+        return WorkerStats.from_report(self.engine.stats(), pd)
 
     def _step(self) -> list[RequestOutput]:
         """One engine step; a failure fails the requests in flight, not the worker."""

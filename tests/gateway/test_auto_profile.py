@@ -43,6 +43,7 @@ from memserve.gateway.router_setup import build_router, profile_model_name
 from memserve.gateway.routing.admission import REJECT, Admission
 from memserve.gateway.routing.route_types import RouteDecision, RouteRequest
 from memserve.gateway.routing.router import Router
+from memserve.ipc.messages import WorkerStats
 
 
 @pytest.fixture
@@ -81,7 +82,7 @@ def test_the_router_routes_by_the_fallback_until_the_cost_model_arrives():
 def test_admission_judges_once_the_router_has_a_cost_model():
     """A 1 ms TTFT SLO cannot be met by a 64-token prefill that takes 32 s or more: before
     the cost model the request is admitted unjudged, after it it is refused."""
-    cluster = SimpleNamespace(workers={i: SimpleNamespace(stats={}, config=SimpleNamespace(role="colocated"))
+    cluster = SimpleNamespace(workers={i: SimpleNamespace(stats=WorkerStats(), config=SimpleNamespace(role="colocated"))
                                        for i in (0, 1)},
                               states=lambda work_s: {0: "ok", 1: "ok"})
     router = Router.named("cost", fallback="prompt-tree")

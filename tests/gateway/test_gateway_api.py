@@ -391,7 +391,7 @@ async def test_health(tokenizer: Tokenizer) -> None:
     async with serve(engine, tokenizer) as client:
         async with client.get("/health") as resp:
             assert resp.status == 200 and (await resp.json())["status"] == "ok"
-        engine.workers[1]["alive"] = False
+        engine.workers[1].alive = False
         async with client.get("/health") as resp:
             body = await resp.json()
             assert resp.status == 503 and "[1]" in body["detail"]

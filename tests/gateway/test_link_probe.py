@@ -17,7 +17,7 @@ from memserve.costmodel.model import BandwidthCost
 from memserve.gateway import link_probe
 from memserve.gateway.engine_client import ZmqEngineClient
 from memserve.gateway.link_probe import PROBE_BLOCKS, PROBE_REPEATS
-from memserve.ipc.messages import ExpectTransfer, TransferExpected, WorkerReady
+from memserve.ipc.messages import ExpectTransfer, TransferExpected, WorkerReady, WorkerStats
 from memserve.ipc.probe import ProbeDone, ProbeTransfer
 
 BLOCK_BYTES = 1000
@@ -36,8 +36,8 @@ class ScriptedWorkers:
         self.failing: set[int] = set()
         self.probes: list[tuple[int, int, int]] = []  # (source, destination, blocks)
         self.cluster = SimpleNamespace(workers={
-            i: SimpleNamespace(instance_id=i, alive=True, node_id=node, num_blocks=num_blocks, process=None, stats={},
-                               config=SimpleNamespace(role="colocated"))
+            i: SimpleNamespace(instance_id=i, alive=True, node_id=node, num_blocks=num_blocks, process=None,
+                               stats=WorkerStats(), config=SimpleNamespace(role="colocated"))
             for i, node in enumerate(nodes)},
             restart=lambda handle: None, mark_ready=lambda *ready: None, transfer_addrs=dict)
         self.client = ZmqEngineClient(SimpleNamespace(send=self._send), self.cluster, 16)

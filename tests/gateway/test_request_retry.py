@@ -17,7 +17,7 @@ from helpers.fake_engine import FakeEngine, MESSAGES, MODEL, async_test, post, s
 from memserve.gateway.engine_client import ZmqEngineClient
 from memserve.gateway.engine_protocol import EngineUnavailable
 from memserve.gateway.request_retry import MAX_MOVES, Move, choose_move
-from memserve.ipc.messages import AddRequest, RequestOutput, SamplingParams, StepOutputs
+from memserve.ipc.messages import AddRequest, RequestOutput, SamplingParams, StepOutputs, WorkerStats
 from memserve.text.tokenizer import Tokenizer
 
 PROMPT = list(range(100, 140))
@@ -28,7 +28,7 @@ class FakeCluster:
     """The workers as the engine client sees them; ``kill`` makes one dead."""
 
     def __init__(self, num_workers: int) -> None:
-        self.workers = {i: SimpleNamespace(instance_id=i, alive=True, process=None, stats={},
+        self.workers = {i: SimpleNamespace(instance_id=i, alive=True, process=None, stats=WorkerStats(),
                                            config=SimpleNamespace(role="colocated"))
                         for i in range(num_workers)}
         self.restarted: list[int] = []

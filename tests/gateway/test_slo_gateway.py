@@ -89,7 +89,7 @@ def samples(text: str) -> dict[tuple[str, tuple], float]:
 async def test_attainment_admission_preemptions_and_predictor_on_metrics(tokenizer):
     engine = FakeEngine(tokenizer)
     engine.delay_s = 0.02  # every gap between tokens is at least 20 ms
-    engine.workers[0]["preemptions"] = {"swap": 2, "recompute": 1}
+    engine.workers[0].stats.preemptions = {"swap": 2, "recompute": 1}
     stats = engine.stats
     engine.stats = lambda: {**stats(), "admission": {"mode": "queue", "held": 3, "max_held": 8,
                                                        "rejected": {"queue_full": 4}, "admitted": {"held": 5}},

@@ -218,7 +218,7 @@ async def test_web_ui_off_keeps_the_stats_api(tokenizer):
         r = await client.get("/v1/stats")
         assert r.status == 200
         snap = await r.json()
-        assert [i["id"] for i in snap["instances"]] == [w["instance_id"] for w in engine.workers]
+        assert [i["id"] for i in snap["instances"]] == [w.instance_id for w in engine.workers]
     async with serve(engine, tokenizer) as client:
         for path, kind in (("/", "text/html"), ("/dashboard", "text/html"), ("/web/chat.js", "text/javascript"),
                            ("/web/style.css", "text/css")):

@@ -5,18 +5,33 @@ from __future__ import annotations
 import asyncio
 import functools
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 import orjson
 from aiohttp.test_utils import TestClient, TestServer
 
 from memserve.gateway.app import create_app
-from memserve.ipc.messages import RequestOutput, SamplingParams
+from memserve.gateway.engine_client import worker_entry
+from memserve.ipc.messages import MemPoolStats, RequestOutput, SamplingParams, TierStats, WorkerStats
 from memserve.text.tokenizer import Tokenizer
 
 MODEL = "smollm2-test"
 REPLY = "Hello! 😀 你好. The end is near."
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Greet me"}]
+
+
+@dataclass
+class FakeWorker:
+    """A worker as the fake engine reports it: its latest heartbeat's stats, shown as the
+    real engine client shows them."""
+
+    instance_id: int
+    stats: WorkerStats
+    alive: bool = True
+
+    def entry(self) -> dict:
+        return {"instance_id": self.instance_id, "alive": self.alive, **worker_entry(self.stats)}
 
 
 class FakeEngine:
@@ -33,12 +48,13 @@ class FakeEngine:
         self.exception: Exception | None = None  # raised before the first output
         self.requests: list[dict] = []
         self.aborted: list[str] = []
+        busy = MemPoolStats(tiers={"device": TierStats(total=128, free=90, cached=12, evictable=10, used=28),
+                                   "host": TierStats(total=512, free=400, used=112)})
         self.workers = [
-            {"instance_id": 0, "alive": True, "num_running": 2, "num_waiting": 1,
-             "free_blocks": {"device": 100, "host": 400}, "cache_hit_rate": 0.25, "cached_tokens_total": 48,
-             "num_held_admissions": 3, "spec_decode": {"draft_tokens": 40, "accepted_tokens": 25}},
-            {"instance_id": 1, "alive": True, "num_running": 0, "num_waiting": 0,
-             "free_blocks": {"device": 128}, "cache_hit_rate": 0.0, "cached_tokens_total": 0},
+            FakeWorker(0, WorkerStats(num_running=2, num_waiting=1, num_held_admissions=3, cache_hit_rate=0.25,
+                                      cached_tokens_total=48, prompt_tokens_total=192, spec_draft_tokens_total=40,
+                                      spec_accepted_tokens_total=25, mempool=busy)),
+            FakeWorker(1, WorkerStats(mempool=MemPoolStats(tiers={"device": TierStats(total=128, free=128)}))),
         ]
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -60,7 +76,7 @@ class FakeEngine:
         self.aborted.append(request_id)
 
     def stats(self) -> dict:
-        return {"workers": self.workers}
+        return {"workers": [w.entry() for w in self.workers]}
 
 
 def async_test(fn):

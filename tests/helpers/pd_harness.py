@@ -89,10 +89,10 @@ async def settled(client: ZmqEngineClient, timeout_s: float = 15.0) -> dict[int,
 
 
 async def wait_stats(client: ZmqEngineClient, instance: int, key: str, at_least: int, timeout_s: float = 10.0) -> int:
-    """Worker ``instance``'s pd counter ``key`` once it reaches ``at_least`` (or at the timeout)."""
+    """Worker ``instance``'s ``PDStats`` counter ``key`` once it reaches ``at_least`` (or at the timeout)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        value = client.cluster.workers[instance].stats.get("pd", {}).get(key, 0)
+        value = getattr(client.cluster.workers[instance].stats.pd, key)
         if value >= at_least or time.monotonic() > deadline:
             return value
         await asyncio.sleep(0.25)

@@ -11,6 +11,7 @@ from memserve.costmodel.model import (
     OperatorCost,
 )
 from memserve.gateway.routing.router import WorkerView
+from memserve.ipc.messages import WorkerStats
 from memserve.kvcache.events import STORED, KVEvent
 from memserve.kvcache.hashing import block_hashes
 from memserve.kvcache.mirror import PromptTreeMirror
@@ -32,7 +33,7 @@ def mirror(i: int, *cached: list[int]) -> PromptTreeMirror:
 
 
 def view(i: int, state: str = "ok", in_flight: int = 0, cached: list[int] | None = None) -> WorkerView:
-    return WorkerView(i, state, in_flight, {}, mirror(i, cached) if cached else PromptTreeMirror(i, BS))
+    return WorkerView(i, state, in_flight, WorkerStats(), mirror(i, cached) if cached else PromptTreeMirror(i, BS))
 
 
 def linear_cost(transfer_bytes_per_s: float = 1.0, decode_per_step: float = 0.0,

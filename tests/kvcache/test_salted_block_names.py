@@ -9,7 +9,7 @@ import dataclasses
 from helpers.mempool import make_pool
 
 from memserve.ipc.kv_transfer import insert_received
-from memserve.ipc.messages import AddRequest, SamplingParams, decode, encode
+from memserve.ipc.messages import AddRequest, SamplingParams, WorkerStats, decode, encode
 from memserve.kvcache.hashing import ROOT_SEED, block_hashes, salt_seed
 from memserve.workers.engine.sequence import Sequence
 
@@ -95,7 +95,7 @@ def _salted_view(i: int, tokens: list[int], salt: str | None):
     m = PromptTreeMirror(i, RBS)
     hashes = block_hashes(tokens, RBS, salt=salt)
     m.apply_event(KVEvent(STORED, hashes, None, [(i << 40) + k for k in range(len(hashes))]))
-    return WorkerView(i, "ok", 0, {}, m)
+    return WorkerView(i, "ok", 0, WorkerStats(), m)
 
 
 def test_router_and_decode_choice_see_a_salts_blocks_only():

@@ -31,6 +31,7 @@ from memserve.gateway.routing.admission import (
     predict,
 )
 from memserve.gateway.routing.router import Router, RouteRequest, WorkerView
+from memserve.ipc.messages import MemPoolStats, TierStats, WorkerStats
 from memserve.kvcache.mirror import PromptTreeMirror
 
 BS = 4
@@ -194,7 +195,7 @@ def linear_cost() -> CostModel:
 def test_predictions_are_the_routers_queued_work_plus_the_prefill():
     cost = linear_cost()
     router = Router.named("least-load", cost, clock=FakeClock())
-    views = [WorkerView(i, "ok", 0, {}, PromptTreeMirror(i, BS)) for i in (0, 1)]
+    views = [WorkerView(i, "ok", 0, WorkerStats(), PromptTreeMirror(i, BS)) for i in (0, 1)]
     # Worker 0 holds a 30-token prompt not yet prefilled, worker 1 a request decoding.
     router.route(RouteRequest("a", list(range(30)), max_tokens=8), views)
     views[0].in_flight = 1
@@ -219,7 +220,8 @@ def test_predictions_are_the_routers_queued_work_plus_the_prefill():
 def test_predictions_wait_for_kv_room_when_kv_binds(prompt, slo_ms, queued_s):
     cost = linear_cost()
     router = Router.named("least-load", cost, clock=FakeClock())
-    view = WorkerView(0, "ok", 0, {"mempool": {"device": {"free": 10, "evictable": 0}}}, PromptTreeMirror(0, BS))
+    device = TierStats(total=16, free=10, used=6)
+    view = WorkerView(0, "ok", 0, WorkerStats(mempool=MemPoolStats(tiers={"device": device})), PromptTreeMirror(0, BS))
     # Two requests decoding, one token out each, 3 blocks (9 tokens) held each: "a" expects
     # 8 tokens (7 to go), "b" 24 (23 to go). A decode step takes 0.05 s.
     for rid, max_tokens in (("a", 8), ("b", 24)):

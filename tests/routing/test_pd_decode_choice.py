@@ -13,6 +13,7 @@ from helpers.sim_pd import conversation, simulate
 from memserve.gateway.engine_protocol import EngineUnavailable
 from memserve.gateway.pd_flow import PDFlow, pick_decode
 from memserve.gateway.routing.route_types import Balance, WorkerView
+from memserve.ipc.messages import WorkerStats
 from memserve.kvcache.events import STORED, KVEvent
 from memserve.kvcache.hashing import block_hashes
 from memserve.kvcache.mirror import PromptTreeMirror
@@ -29,7 +30,7 @@ def view(i: int, in_flight: int, cached: list[int] | None = None, state: str = "
     hashes = block_hashes(cached or [], BS)
     if hashes:
         mirror.apply_event(KVEvent(STORED, hashes, None, list(range(len(hashes)))))
-    return WorkerView(i, state, in_flight, {}, mirror, role)
+    return WorkerView(i, state, in_flight, WorkerStats(), mirror, role)
 
 
 def test_least_loaded_without_a_prompt():

@@ -15,6 +15,7 @@ from memserve.gateway.routing.pending_prefixes import PendingPrefixes
 from memserve.gateway.routing.route_types import RouteDecision
 from memserve.gateway.routing.router import Router, RouteRequest, WorkerView
 from memserve.gateway.routing_metrics import RouterStatsCollector
+from memserve.ipc.messages import MemPoolStats, TierStats, WorkerStats
 from memserve.kvcache.events import STORED, KVEvent
 from memserve.kvcache.hashing import block_hashes
 from memserve.kvcache.mirror import PromptTreeMirror
@@ -98,7 +99,7 @@ def test_once_the_events_arrive_the_mirror_takes_over_the_claim():
     router = Router.named("prompt-tree")
     workers = [view(0), view(1)]
     assert router.route(RouteRequest("a", PROMPT), workers).instance == 0
-    workers[0] = WorkerView(0, "ok", 1, {}, mirror(0, PROMPT))
+    workers[0] = WorkerView(0, "ok", 1, WorkerStats(), mirror(0, PROMPT))
     router.kv_events_applied(workers[0].mirror)
     assert len(router.pending) == 0
     assert router.route(RouteRequest("b", PROMPT), workers) == RouteDecision(0, "cache_hit")
@@ -141,12 +142,12 @@ def test_the_duplicate_charge_covers_blocks_stored_and_blocks_being_computed():
         router.ledger.admit("a", 0, 64, 32, max_tokens=8)
         router.pending.add("a", 0, HASHES)
         router.ledger.admit("other", 0, queued, 0, max_tokens=8)
-        workers = [WorkerView(0, "ok", 2, {}, mirror(0, PROMPT[:32])), view(1)]
+        workers = [WorkerView(0, "ok", 2, WorkerStats(), mirror(0, PROMPT[:32])), view(1)]
         assert router.route(RouteRequest("b", PROMPT), workers).instance == expected
 
 
 def _with_free(i: int, free: int, cached: list[int] | None = None, in_flight: int = 0) -> WorkerView:
-    stats = {"mempool": {"device": {"total": 100, "free": free, "evictable": 0}}}
+    stats = WorkerStats(mempool=MemPoolStats(tiers={"device": TierStats(total=100, free=free)}))
     return WorkerView(i, "ok", in_flight, stats, mirror(i, cached) if cached else PromptTreeMirror(i, BS))
 
 

@@ -51,7 +51,7 @@ def simulate(flags: list[str], ahead: bool, monkeypatch: pytest.MonkeyPatch) -> 
     def recorded(s: int, k: int, history: list) -> None:
         ledger, pending = router.ledger, router.pending
         seen.append((sim.now,
-                     [(inst.stats["mempool"]["device"] if inst.stats else None, inst.mirror.entries(), inst.step_end)
+                     [(inst.stats.mempool.tiers.get("device"), inst.mirror.entries(), inst.step_end)
                       for inst in sim.instances],
                      sorted((rid, e.instance, e.generated, e.expected_tokens) for rid, e in ledger._entries.items()),
                      sorted((rid, p.instance, tuple(p.hashes)) for rid, p in pending._requests.items()),

@@ -135,13 +135,13 @@ async def by_layer_scenario(transport: str) -> None:
                 messages.append({"role": "assistant", "content": tok.decode(answer, skip_special_tokens=True)})
         assert client.pd.counts["handoffs"] == 4 and not client.pd.counts["handoff_failed"]
         assert await wait_stats(client, PREFILL, "handoffs", 4) == 4
-        stats = client.cluster.workers[PREFILL].stats["pd"]
-        assert stats["messages"] == 4 * NUM_LAYERS  # one message per layer, whatever the number of blocks
+        stats = client.cluster.workers[PREFILL].stats.pd
+        assert stats.messages == 4 * NUM_LAYERS  # one message per layer, whatever the number of blocks
         total = sum(math.ceil(len(p) / BLOCK) for p in prompts)
-        assert stats["blocks_skipped"] > 0  # the second turns: the decode instance had their first blocks
-        assert stats["blocks_sent"] + stats["blocks_skipped"] == total
-        assert stats["bytes_sent"] == stats["blocks_sent"] * BLOCK_BYTES
-        assert (stats["in_place_sent"] >= 4) == (transport == "shm"), stats
+        assert stats.blocks_skipped > 0  # the second turns: the decode instance had their first blocks
+        assert stats.blocks_sent + stats.blocks_skipped == total
+        assert stats.bytes_sent == stats.blocks_sent * BLOCK_BYTES
+        assert (stats.in_place_sent >= 4) == (transport == "shm"), stats
         assert await wait_stats(client, DECODE, "resumed", 4) == 4  # reported with its next heartbeat
 
         for i, prompt in enumerate(prompts):  # the prefill instance alone (colocated) answers the same

@@ -68,14 +68,14 @@ async def scenario(transport: str) -> None:
 
         sent = await wait_stats(client, PREFILL, "handoffs", 4)
         assert sent == 4
-        stats = client.cluster.workers[PREFILL].stats["pd"]
+        stats = client.cluster.workers[PREFILL].stats.pd
         total_blocks = sum(math.ceil(len(p) / BLOCK) for turns in results for p, _, _ in turns)
-        assert stats["blocks_skipped"] > 0
-        assert stats["blocks_sent"] + stats["blocks_skipped"] == total_blocks
-        assert stats["bytes_sent"] == stats["blocks_sent"] * BLOCK_BYTES
-        assert 4 <= stats["messages"] <= stats["blocks_sent"]  # by-request-agg: a frame per run of blocks
+        assert stats.blocks_skipped > 0
+        assert stats.blocks_sent + stats.blocks_skipped == total_blocks
+        assert stats.bytes_sent == stats.blocks_sent * BLOCK_BYTES
+        assert 4 <= stats.messages <= stats.blocks_sent  # by-request-agg: a frame per run of blocks
         # shm: the handoffs and the returns all read in place, the other way round too
-        assert (stats["in_place_sent"] >= 4) == (stats["in_place_received"] > 0) == (transport == "shm"), stats
+        assert (stats.in_place_sent >= 4) == (stats.in_place_received > 0) == (transport == "shm"), stats
 
         # The same prompts on the prefill instance alone give the same tokens.
         for n, turns in enumerate(results):

@@ -12,7 +12,7 @@ import pytest
 from helpers.pd_harness import BLOCK, collect, pd_cluster, settled, user_turns
 
 from memserve.gateway.routing.pd_topology import PD_MODES, parse_instances, role_caches
-from memserve.ipc.messages import SamplingParams
+from memserve.ipc.messages import PDStats, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
@@ -34,7 +34,7 @@ def test_table_4_caches():
 
 
 async def serve(roles: list[str], mode: str, conversations: list[list[str]],
-                transfer_mode: str = "by-request-agg") -> tuple[list, dict, dict]:
+                transfer_mode: str = "by-request-agg") -> tuple[list, dict, PDStats]:
     """Every turn's (answer, cached tokens), the gateway's and the prefill worker's PD counters."""
     async with pd_cluster(roles, mode, transfer_mode=transfer_mode) as (client, tok):
         out = []
@@ -50,7 +50,7 @@ async def serve(roles: list[str], mode: str, conversations: list[list[str]],
                 await asyncio.sleep(1.0)  # pd-caching-3 returns the decode KV in the background
         assert not any((await settled(client)).values())
         pd = client.pd.stats() if client.pd else {}
-        return out, pd, client.cluster.workers[0].stats.get("pd", {})
+        return out, pd, client.cluster.workers[0].stats.pd
 
 
 @pytest.mark.slow
@@ -83,4 +83,4 @@ def test_greedy_outputs_identical_across_transfer_modes():
         assert [a for a, _ in turns] == [a for a, _ in reference], transfer_mode
         assert gateway["handoffs"] == 4 and not gateway.get("handoff_failed"), transfer_mode
         if transfer_mode == "by-layer":
-            assert prefill["messages"] == 30 * prefill["handoffs"]  # SmolLM2-135M's 30 layers
+            assert prefill.messages == 30 * prefill.handoffs  # SmolLM2-135M's 30 layers

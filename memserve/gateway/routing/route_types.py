@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from memserve.costmodel.model import BandwidthCost, CostModel
+from memserve.ipc.messages import WorkerStats
 from memserve.kvcache.mirror import PromptTreeMirror
 
 # Why a worker was chosen; /metrics counts decisions by policy and reason.
@@ -36,7 +37,7 @@ class WorkerView:
     instance_id: int
     state: str  # ok | degraded | starting | dead (cluster.WorkerHandle.state)
     in_flight: int  # requests this gateway has there now
-    stats: dict  # the worker's last heartbeat stats
+    stats: WorkerStats  # the worker's last heartbeat's
     mirror: PromptTreeMirror
     role: str = "colocated"  # colocated | prefill | decode: new requests go to the first two only
 

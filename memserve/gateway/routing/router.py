@@ -43,6 +43,7 @@ from memserve.gateway.routing.route_types import (
     WorkerView,
 )
 from memserve.gateway.routing.ttft_errors import TTFTErrors
+from memserve.ipc.messages import TierStats
 from memserve.kvcache.hashing import block_hashes
 from memserve.kvcache.mirror import PromptTreeMirror
 from memserve.registry import make
@@ -124,22 +125,22 @@ class Router:
             if scored and w.state == "ok":
                 stored = len(w.mirror.match_hashes(hashes))
                 pending = max(self.pending.match(w.instance_id, hashes) - stored, 0)
-            device = w.stats.get("mempool", {}).get("device") if self.cost is not None else None
+            device = w.stats.mempool.tiers.get("device") if self.cost is not None else None
             work = self.ledger.scores(w.instance_id)
             out.append(Candidate(w, stored + pending, pending_blocks=pending, queued_s=work.work_s, step_s=work.step_s,
                                  decode_s=work.decode_s,
                                  free_blocks=self._free_blocks(device, work.waiting_tokens, block_size),
-                                 kv_blocks=device.get("total") if device else None))
+                                 kv_blocks=device.total if device is not None else None))
         return out, hashes
 
-    def _free_blocks(self, device: dict | None, waiting_tokens: int, block_size: int) -> int | None:
+    def _free_blocks(self, device: TierStats | None, waiting_tokens: int, block_size: int) -> int | None:
         """Device KV blocks a worker can still allocate: free plus evictable by its last
         stats report (heartbeat, ``device``), less the blocks of the requests routed there
         that have not started (they may have been routed after that report): their
         ``waiting_tokens``."""
-        if not device:
+        if device is None:
             return None
-        return device["free"] + device["evictable"] - math.ceil(waiting_tokens / block_size)
+        return device.free + device.evictable - math.ceil(waiting_tokens / block_size)
 
     def route(self, request: RouteRequest, workers: list[WorkerView]) -> RouteDecision:
         self.pending.discard(request.request_id)  # re-routed: its old claim was never computed
