@@ -46,12 +46,14 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from memserve.gateway.cluster import DEGRADED_AFTER_HEARTBEATS, Cluster
 from memserve.gateway.engine_protocol import EngineUnavailable
 from memserve.gateway.request_stream import RETRY, RequestStream
 from memserve.gateway.routing.decode_choice import pick_decode
+from memserve.gateway.routing.pd_handoff import Handoff, Phase
 from memserve.gateway.routing.pd_topology import role_caches
 from memserve.gateway.routing.route_types import RouteDecision, RouteRequest, WorkerView
 from memserve.ipc.channel import GatewayChannel
@@ -77,8 +79,6 @@ HANDOFF_MAX_S = 120.0
 # for long under load. The ticket holds no blocks but D's pinned prefix (pd-caching-2/3),
 # and every end of the request cancels it; the limit only covers a lost abort.
 EARLY_TICKET_TTL_S = 600.0
-# Resumes of one request after failures, before it fails.
-MAX_RESUMES = 3
 # Reasons a request ends on the decode instance with its answer whole (its KV is worth keeping).
 COMPLETE = ("stop", "length")
 class PDClient(Protocol):
@@ -118,6 +118,22 @@ class PDClient(Protocol):
     def learn(self, request_id: str, output_tokens: int, finish_reason: str | None) -> None: ...
 
 
+@dataclass
+class _Request:
+    """A disaggregated request in the gateway: its ``Handoff`` state and what the gateway
+    adds to it (its stream, and the tasks and answers of naming D and handing off)."""
+
+    state: Handoff
+    stream: RequestStream
+    route: RouteRequest
+    finished: bool = False
+    handoff: asyncio.Task | None = None  # P's send to D, after the first token
+    handoff_since: float = 0.0
+    early: bool = False  # D named (and P told where to send) before the first token
+    naming: asyncio.Task | None = None  # other modes than by-layer: D being named while P prefills
+    done_early: HandoffDone | None = None  # the KV arrived before the first token was seen here
+
+
 class PDFlow:
     def __init__(self, client: PDClient, pd_mode: str, handoff_timeout_s: float = HANDOFF_TIMEOUT_S) -> None:
         self.client = client
@@ -135,6 +151,9 @@ class PDFlow:
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, session_id: str | None,
                        slo: dict | None) -> AsyncIterator[RequestOutput]:
+        """Run one request through P and D (the module docstring), driving its ``Handoff``
+        state by what arrives on its stream: P's and D's outputs, ``RETRY`` when one of
+        them died, ``HandoffDone`` when the KV reached D or the handoff failed."""
         c = self.client
         slo = slo or {}
         route = RouteRequest(request_id, prompt, session_id, slo, params.max_tokens, params.n, params.cache_salt)
@@ -143,108 +162,128 @@ class PDFlow:
         stream = RequestStream(decision.instance)
         c.streams[request_id] = stream
         add = c.add_request(request_id, prompt, params, session_id, slo, handoff=True)
-        prefill, phase = decision.instance, "prefill"
-        tokens: list[int] = []
-        cached: int | None = None  # the prompt tokens the request found cached, from its first output
-        resumes = 0
-        finished = False
-        handoff: asyncio.Task | None = None
-        handoff_since = 0.0
-        early = False  # by-layer: D named (and P told) before the prefill
-        naming: asyncio.Task | None = None  # other modes: D named (and P told) while P prefills
-        done_early: HandoffDone | None = None  # the KV arrived before the first token was seen here
+        r = _Request(Handoff(add, decision.instance), stream, route)
         try:
             if decision.pull_from is not None:
                 await c.pull_prefix(decision.pull_from, decision.instance, prompt, params.cache_salt)
-            early, naming = await self._send_prefill(stream, add, prefill)
-            while not finished:
-                try:
-                    timeout = self.handoff_timeout_s if phase == "handoff" else None
-                    item = await asyncio.wait_for(stream.queue.get(), timeout)
-                except asyncio.TimeoutError:
-                    if self._healthy(prefill, stream.peer) and time.monotonic() - handoff_since < HANDOFF_MAX_S:
-                        continue  # both are alive, one is busy stepping: the handoff goes on
-                    item = HandoffDone(request_id, "", 0, error="the handoff stalled: an instance is not healthy")
-                if item is RETRY and phase == "prefill":
-                    if naming is not None:
-                        naming.cancel()
-                    if early or naming is not None:  # P or D died: both drop the request, D is named anew
-                        await c.send_abort(prefill, request_id)
-                        if stream.peer is not None:
-                            await c.send_abort(stream.peer, request_id)
-                        stream.peer, done_early = None, None
-                    try:
-                        stream.worker = prefill = c.pick_worker(route).instance
-                    except EngineUnavailable:  # no prefill instance is live: a decode instance runs it all
-                        await self._resume(stream, add, tokens, "", fresh=True)
-                        log.warning("request %s: its prefill instance died; running it on decode instance %d",
-                                    request_id, stream.worker)
-                        phase = "decode"
-                        continue
-                    log.warning("request %s: its prefill instance died; retrying on instance %d", request_id, prefill)
-                    early, naming = await self._send_prefill(stream, add, prefill)
-                    continue
-                if isinstance(item, HandoffDone) and phase == "prefill" and item.error is None:
-                    done_early = item  # D has the KV already; P's first token is on its way
-                    continue
-                if isinstance(item, HandoffDone) and phase != "handoff":
+            r.early, r.naming = await self._send_prefill(stream, add, r.state.prefill)
+            while not r.finished:
+                item = await self._next_item(r)
+                phase = r.state.phase
+                if item is RETRY and phase is Phase.PREFILL:
+                    await self._retry_prefill(r)
+                elif isinstance(item, HandoffDone) and phase is Phase.PREFILL and item.error is None:
+                    r.done_early = item  # D has the KV already; P's first token is on its way
+                elif isinstance(item, HandoffDone) and phase is not Phase.HANDOFF:
                     continue  # a late answer: the request resumed without that handoff
-                if item is RETRY or isinstance(item, HandoffDone):
-                    if handoff is not None:
-                        handoff.cancel()
-                    ticket = item.ticket if isinstance(item, HandoffDone) and item.error is None else ""
-                    if not ticket and phase == "handoff":
-                        await c.send_abort(prefill, request_id)  # P drops the KV it kept (or is sending)
-                    if not ticket:
-                        self.counts["handoff_failed" if phase == "handoff" else "decode_lost"] += 1
-                        log.warning("request %s: %s; resuming on a decode instance without its KV", request_id,
-                                    item.error if isinstance(item, HandoffDone) else "an instance died")
-                    resumes += 1
-                    if resumes > MAX_RESUMES:
-                        finished = True
-                        yield RequestOutput(request_id, [], True, "error", error="the request lost its instances")
-                        break
-                    try:
-                        await self._resume(stream, add, tokens, ticket, fresh=not ticket)
-                    except EngineUnavailable as exc:
-                        finished = True
-                        yield RequestOutput(request_id, [], True, "error", error=str(exc))
-                        break
-                    phase = "decode"
-                    continue
-                out: RequestOutput = item
-                if out.error is not None or out.finished:
-                    finished = True
-                tokens += out.new_token_ids
-                if cached is None or phase == "prefill":
-                    cached = out.num_cached_tokens
+                elif item is RETRY or isinstance(item, HandoffDone):
+                    failure = await self._resume_after(r, item)
+                    if failure is not None:
+                        yield failure
                 else:
-                    out.num_cached_tokens = cached  # what the prefill found cached is the request's
-                if phase == "prefill":
-                    if not out.finished and out.new_token_ids:
-                        phase, handoff_since = "handoff", time.monotonic()
-                        if naming is not None:  # P was told where to send unless naming failed
-                            early, naming = await naming, None
-                        if not early:
-                            handoff = asyncio.create_task(self._handoff(stream, request_id, prefill, prompt,
-                                                                        salt=params.cache_salt))
-                        elif done_early is not None:
-                            stream.queue.put_nowait(done_early)
-                if out.finished:
-                    c.learn(request_id, len(tokens), out.finish_reason)
-                if (finished and phase == "decode" and out.finish_reason in COMPLETE and self.pd_mode == "pd-caching-3"
-                        and stream.worker != prefill and c.cluster.workers[prefill].alive):
-                    self._return_kv(stream.worker, prefill, prompt + tokens, params.cache_salt)
-                yield out
+                    yield await self._output(r, item)
         finally:
-            c.release(request_id)
-            for task in (handoff, naming):
-                if task is not None:
-                    task.cancel()
-            if not finished or ((early or naming is not None) and phase == "prefill"):
-                # (D holds what it pinned, or P sent, for a request that ended on P)
-                for instance in {i for i in (prefill, stream.worker, stream.peer) if i is not None}:
-                    await c.send_abort(instance, request_id)
+            await self._end(r)
+
+    async def _next_item(self, r: _Request) -> RequestOutput | HandoffDone:
+        """The next item on the request's stream; during the handoff, a failed
+        ``HandoffDone`` once P or D stops being healthy or ``HANDOFF_MAX_S`` passed."""
+        while True:
+            try:
+                timeout = self.handoff_timeout_s if r.state.phase is Phase.HANDOFF else None
+                return await asyncio.wait_for(r.stream.queue.get(), timeout)
+            except asyncio.TimeoutError:
+                if (self._healthy(r.state.prefill, r.stream.peer)
+                        and time.monotonic() - r.handoff_since < HANDOFF_MAX_S):
+                    continue  # both are alive, one is busy stepping: the handoff goes on
+                return HandoffDone(r.state.request_id, "", 0, error="the handoff stalled: an instance is not healthy")
+
+    async def _retry_prefill(self, r: _Request) -> None:
+        """P died before the first token: run the prefill again on another prefill
+        instance, or with none live, the whole request on a decode instance."""
+        c, rid, add = self.client, r.state.request_id, r.state.add
+        if r.naming is not None:
+            r.naming.cancel()
+        if r.early or r.naming is not None:  # P or D died: both drop the request, D is named anew
+            await c.send_abort(r.state.prefill, rid)
+            if r.stream.peer is not None:
+                await c.send_abort(r.stream.peer, rid)
+            r.stream.peer, r.done_early = None, None
+        try:
+            prefill = c.pick_worker(r.route).instance
+        except EngineUnavailable:  # no prefill instance is live: a decode instance runs it all
+            await self._resume(r.stream, add, r.state.tokens, "", fresh=True)
+            log.warning("request %s: its prefill instance died; running it on decode instance %d", rid,
+                        r.stream.worker)
+            r.state.run_on_decode()
+            return
+        r.stream.worker = prefill
+        r.state.retried(prefill)
+        log.warning("request %s: its prefill instance died; retrying on instance %d", rid, prefill)
+        r.early, r.naming = await self._send_prefill(r.stream, add, prefill)
+
+    async def _resume_after(self, r: _Request, item: RequestOutput | HandoffDone) -> RequestOutput | None:
+        """The handoff ended (with the KV at D: its ticket) or failed, or D died: resume
+        the request on D with its KV, else elsewhere without it; the error output when
+        it cannot go on."""
+        c, rid = self.client, r.state.request_id
+        if r.handoff is not None:
+            r.handoff.cancel()
+        ticket = item.ticket if isinstance(item, HandoffDone) and item.error is None else ""
+        if not ticket:
+            if r.state.phase is Phase.HANDOFF:
+                await c.send_abort(r.state.prefill, rid)  # P drops the KV it kept (or is sending)
+            self.counts["handoff_failed" if r.state.phase is Phase.HANDOFF else "decode_lost"] += 1
+            log.warning("request %s: %s; resuming on a decode instance without its KV", rid,
+                        item.error if isinstance(item, HandoffDone) else "an instance died")
+        if not r.state.resume():
+            r.finished = True
+            return RequestOutput(rid, [], True, "error", error="the request lost its instances")
+        try:
+            await self._resume(r.stream, r.state.add, r.state.tokens, ticket, fresh=not ticket)
+        except EngineUnavailable as exc:
+            r.finished = True
+            return RequestOutput(rid, [], True, "error", error=str(exc))
+        return None
+
+    async def _output(self, r: _Request, out: RequestOutput) -> RequestOutput:
+        """An output of P or D, as the client gets it; P's first token starts the handoff
+        (unless D was named early and told P where to send)."""
+        c, state = self.client, r.state
+        if out.error is not None or out.finished:
+            r.finished = True
+        if state.output(out):
+            r.handoff_since = time.monotonic()
+            if r.naming is not None:  # P was told where to send unless naming failed
+                r.early, r.naming = await r.naming, None
+            if not r.early:
+                r.handoff = asyncio.create_task(self._handoff(r.stream, state.request_id, state.prefill,
+                                                              state.add.prompt_token_ids,
+                                                              salt=state.add.params.cache_salt))
+            elif r.done_early is not None:
+                r.stream.queue.put_nowait(r.done_early)
+        if out.finished:
+            c.learn(state.request_id, len(state.tokens), out.finish_reason)
+        if (r.finished and state.phase is Phase.DECODE and out.finish_reason in COMPLETE
+                and self.pd_mode == "pd-caching-3" and r.stream.worker != state.prefill
+                and c.cluster.workers[state.prefill].alive):
+            self._return_kv(r.stream.worker, state.prefill, state.add.prompt_token_ids + state.tokens,
+                            state.add.params.cache_salt)
+        return out
+
+    async def _end(self, r: _Request) -> None:
+        """The request left the flow (finished, failed, or its client went away): stop its
+        tasks, and unless it finished where it should, have every instance it touched
+        free what it holds for it."""
+        rid = r.state.request_id
+        self.client.release(rid)
+        for task in (r.handoff, r.naming):
+            if task is not None:
+                task.cancel()
+        if not r.finished or ((r.early or r.naming is not None) and r.state.phase is Phase.PREFILL):
+            # (D holds what it pinned, or P sent, for a request that ended on P)
+            for instance in {i for i in (r.state.prefill, r.stream.worker, r.stream.peer) if i is not None}:
+                await self.client.send_abort(instance, rid)
 
     def _healthy(self, *instances: int | None) -> bool:
         """Alive and heartbeating (a long step alone does not count: the handoff is served
@@ -350,6 +389,11 @@ class PDFlow:
         task = asyncio.get_running_loop().create_task(run())
         self._returns.add(task)
         task.add_done_callback(self._returns.discard)
+
+    @property
+    def pending_returns(self) -> int:
+        """pd-caching-3's KV returns still in flight."""
+        return len(self._returns)
 
     def stats(self) -> dict:
         return {"mode": self.pd_mode, **self.counts}

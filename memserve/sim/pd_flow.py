@@ -1,5 +1,6 @@
 """Disaggregated prefill/decode in the simulator: the gateway's request flow
-(``gateway/pd_flow.py``) on the virtual clock, driving the real prefill and decode sides
+(``gateway/pd_flow.py``) on the virtual clock, each request in the same ``Handoff`` states
+(``gateway/routing/pd_handoff.py``), driving the real prefill and decode sides
 (``HandoffSender``, ``KVReceiver``) over simulated links (``sim/transfer.py``).
 
 1. The router picks a prefill instance P (decode instances never take a new prompt). P
@@ -31,6 +32,7 @@ from typing import Protocol
 
 from memserve.costmodel.model import CostModel
 from memserve.gateway.routing.decode_choice import pick_decode
+from memserve.gateway.routing.pd_handoff import Handoff, Phase
 from memserve.gateway.routing.pd_topology import role_caches
 from memserve.gateway.routing.route_types import WorkerView
 from memserve.ipc.messages import (
@@ -69,13 +71,12 @@ class SimHost(Protocol):
 
 
 @dataclass
-class _Handoff:
-    add: AddRequest
-    prefill: int
+class _SimRequest:
+    """A disaggregated request in the simulator: the gateway's ``Handoff`` state and the
+    decode instance named for it."""
+
+    state: Handoff
     decode: int | None = None
-    phase: str = "prefill"  # prefill -> handoff -> decode
-    first: list[int] = dataclasses.field(default_factory=list)  # the token(s) P produced
-    cached: int = 0  # prompt tokens P found cached: the request's cached tokens
 
 
 class SimPDFlow:
@@ -91,7 +92,7 @@ class SimPDFlow:
             endpoint = self.network.endpoint(inst.engine.mempool)
             self.senders.append(HandoffSender(inst.engine, endpoint, sim.clock))
             self.receivers.append(KVReceiver(inst.engine, endpoint, clock=sim.clock))
-        self._handoffs: dict[str, _Handoff] = {}
+        self._handoffs: dict[str, _SimRequest] = {}
         self._ids = itertools.count()
         self.counts: Counter[str] = Counter()
 
@@ -101,7 +102,7 @@ class SimPDFlow:
         engine = self.sim.instances[instance].engine
         if add.params.max_tokens <= 1 or len(add.prompt_token_ids) + 1 >= engine.max_model_len:
             return engine.add_request(add, self.sim.now)
-        self._handoffs[add.request_id] = _Handoff(add, instance)
+        self._handoffs[add.request_id] = _SimRequest(Handoff(add, instance))
         return self.senders[instance].add(dataclasses.replace(add, handoff=True))
 
     def filter(self, instance: int, outputs: list[RequestOutput], done_at: float) -> list[RequestOutput]:
@@ -110,29 +111,22 @@ class SimPDFlow:
         cached tokens the prefill found."""
         for out in self.senders[instance].filter(outputs):
             h = self._handoffs.get(out.request_id)
-            if h is None:
-                continue
-            if h.phase == "prefill":
-                h.cached = out.num_cached_tokens
-                if not out.finished and out.new_token_ids:
-                    h.phase, h.first = "handoff", list(out.new_token_ids)
-                    self.sim.schedule(done_at, functools.partial(self._start, out.request_id))
-            else:
-                out.num_cached_tokens = h.cached
+            if h is not None and h.state.output(out):
+                self.sim.schedule(done_at, functools.partial(self._start, out.request_id))
         return outputs
 
     def _start(self, rid: str) -> None:
         """Name the decode instance, let it pin what it caches, and start P's send."""
         h = self._handoffs[rid]
-        h.decode = self._pick_decode(h.add.prompt_token_ids)
+        prompt = h.state.add.prompt_token_ids
+        h.decode = self._pick_decode(prompt)
         self.sim.in_flight[rid].instance = h.decode
-        prompt = h.add.prompt_token_ids
         ticket = f"handoff-{next(self._ids)}"
         num_blocks = math.ceil(len(prompt) / self.block_size)
         # At least the last block is sent: it holds the prompt's tail (a partial block).
         pin = prompt[: (num_blocks - 1) * self.block_size] if self.decode_caches else None
-        reply = self.receivers[h.decode].expect(ExpectTransfer(0, ticket, h.prefill, num_blocks, pin, rid))
-        done = self.senders[h.prefill].start(HandoffStart(rid, h.decode, ticket, reply.cached_blocks,
+        reply = self.receivers[h.decode].expect(ExpectTransfer(0, ticket, h.state.prefill, num_blocks, pin, rid))
+        done = self.senders[h.state.prefill].start(HandoffStart(rid, h.decode, ticket, reply.cached_blocks,
                                                           self.decode_caches))
         if done is not None:
             self._handoff_done(done)
@@ -157,11 +151,12 @@ class SimPDFlow:
         if done.error is not None:
             self.counts["handoff_failed"] += 1
             self.receivers[decode].abort(done.request_id)  # frees what D pinned for it
-            decode, ticket = self._pick_decode(h.add.prompt_token_ids, exclude=decode), ""
+            decode, ticket = self._pick_decode(h.state.add.prompt_token_ids, exclude=decode), ""
             h.decode = decode
             self.sim.in_flight[done.request_id].instance = decode
-        h.phase = "decode"
-        resume = dataclasses.replace(h.add, handoff=False, output_token_ids=list(h.first), kv_ticket=ticket)
+        h.state.resume()  # once at most here: a simulated decode instance does not die
+        resume = dataclasses.replace(h.state.add, handoff=False, output_token_ids=list(h.state.tokens),
+                                     kv_ticket=ticket)
         refused = self.receivers[decode].resume(resume)
         if refused is not None:
             rid = done.request_id
@@ -173,10 +168,10 @@ class SimPDFlow:
         """The request ended; pd-caching-3 returns a whole answer's KV to its prefill
         instance once D's last step is over."""
         h = self._handoffs.pop(rid, None)
-        if h is None or not ok or h.phase != "decode" or self.pd_mode != "pd-caching-3":
+        if h is None or not ok or h.state.phase is not Phase.DECODE or self.pd_mode != "pd-caching-3":
             return
-        tokens = h.add.prompt_token_ids + output
-        decode, prefill = h.decode, h.prefill
+        tokens = h.state.add.prompt_token_ids + output
+        decode, prefill = h.decode, h.state.prefill
         assert decode is not None
         self.sim.schedule(at, lambda: self._return_kv(decode, prefill, tokens))
 

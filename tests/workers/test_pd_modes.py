@@ -47,7 +47,8 @@ async def serve(roles: list[str], mode: str, conversations: list[list[str]],
                 assert error is None
                 out.append((answer, cached))
                 messages.append({"role": "assistant", "content": tok.decode(answer, skip_special_tokens=True)})
-                await asyncio.sleep(1.0)  # pd-caching-3 returns the decode KV in the background
+                while client.pd is not None and client.pd.pending_returns:  # pd-caching-3's, in the background
+                    await asyncio.sleep(0.05)
         assert not any((await settled(client)).values())
         pd = client.pd.stats() if client.pd else {}
         return out, pd, client.cluster.workers[0].stats.pd
