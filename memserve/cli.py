@@ -76,6 +76,10 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cpu-prefill-attention", default="auto", choices=["auto", "blocked", "sdpa"],
                    help="CPU prefill attention: oneDNN products over query blocks in float32, torch's SDPA, or "
                         "auto (default): whichever a short probe at start-up measures faster on this CPU")
+    p.add_argument("--quantization", "-q", default="auto", choices=["auto", "none", "gguf"],
+                   help="weights as the checkpoint ships them: auto (default) runs a GGUF file's Q4_0, Q4_1 and "
+                        "Q8_0 linear weights quantized on the CPU (docs/quantization.md); none widens every "
+                        "weight to --dtype; gguf insists on quantized execution")
     p.add_argument("--enforce-eager", action="store_true",
                    help="on a GPU, run every step eagerly: no CUDA graphs, which otherwise replay decode steps "
                         "(captured at start-up per batch size and context width)")
@@ -284,6 +288,7 @@ def _run_up(args: argparse.Namespace) -> int:
         cpu_gemm=args.cpu_gemm,
         cpu_attention=args.cpu_attention,
         cpu_prefill_attention=args.cpu_prefill_attention,
+        quantization=args.quantization,
         enforce_eager=args.enforce_eager,
         block_size=args.block_size,
         num_blocks=args.num_blocks,

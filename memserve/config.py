@@ -23,6 +23,7 @@ class EngineConfig:
     cpu_gemm: str = "onednn"  # onednn (prepacked weights) | torch (F.linear); workers/model/packed_linear.py
     cpu_attention: str = "kernel"  # kernel (compiled decode attention, workers/model/cpu_kernels.py) | torch (SDPA)
     cpu_prefill_attention: str = "auto"  # auto (the faster here) | blocked | sdpa: workers/model/prefill_probe.py
+    quantization: str = "auto"  # auto | none | gguf: GGUF weights run quantized on the CPU (workers/model/gguf_linear.py)
     enforce_eager: bool = False  # on CUDA, no decode graphs (workers/model/decode_graphs.py)
     block_size: int = 16
     num_blocks: int | None = None  # overrides kv_cache_gb

@@ -61,6 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--cpu-gemm", default="onednn", choices=["onednn", "torch"], help="see memserve up --help")
     p.add_argument("--cpu-attention", default="kernel", choices=["kernel", "torch"], help="see memserve up --help")
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf"], help="see memserve up --help")
     p.add_argument("--context", type=int, default=512, help="tokens in each decode sequence's KV")
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes")
     p.add_argument("--drafts", default="0",
@@ -188,11 +189,14 @@ def memory_bandwidth(nbytes: int = 512 << 20, reps: int = 5) -> float:
 
 def decode_bytes(runner, kv_tokens: int) -> int:
     """Bytes a decode step must read: every weight once (the embedding only as the
-    lm_head when tied) and the K and V of the batch's ``kv_tokens`` context tokens."""
+    lm_head when tied; quantized weights as stored) and the K and V of the batch's ``kv_tokens`` context tokens."""
     model, cfg = runner.model, runner.model_config
     element = runner.pools.device.element_size()
     # Linear layers (lm_head included; plain or packed) plus the norms' weights.
-    weights = sum(m.in_features * m.out_features for m in model.modules() if hasattr(m, "in_features")) * element
+    linears = [m for m in model.modules() if hasattr(m, "in_features")]
+    # GGUF-quantized layers read their blocks' bytes; the others every weight at ``element``.
+    weights = sum(m.blocks.numel() if hasattr(m, "blocks") else m.in_features * m.out_features * element
+                  for m in linears)
     weights += (2 * cfg.num_layers + 1) * cfg.hidden_size * element
     kv = kv_tokens * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * element
     return weights + kv
@@ -211,7 +215,8 @@ def setup(args: argparse.Namespace):
     if args.threads:
         torch.set_num_threads(args.threads)
     block_size = 16
-    cfg = EngineConfig(dtype=args.dtype, cpu_gemm=args.cpu_gemm, cpu_attention=args.cpu_attention, num_blocks=blocks_needed(args, block_size), block_size=block_size,
+    cfg = EngineConfig(dtype=args.dtype, cpu_gemm=args.cpu_gemm, cpu_attention=args.cpu_attention,
+                       quantization=args.quantization, num_blocks=blocks_needed(args, block_size), block_size=block_size,
                        async_save=False)
     runner = ModelRunner(cfg, ensure_model_dir(None))
     runner.pools.device.normal_()

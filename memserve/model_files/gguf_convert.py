@@ -7,7 +7,9 @@ float32, which holds every dequantized value exactly, under the names and in the
 of the Hugging Face checkpoint that llama.cpp's ``convert_hf_to_gguf.py`` converted: its
 per-architecture tensor names are mapped back, stacked experts split per expert, the
 Q/K row permutation of its llama architecture undone, and the ``+ 1`` it adds to Gemma's
-norm weights taken off again. The config is rebuilt from the metadata the same converter
+norm weights taken off again. Linear weights of the types memserve runs quantized (Q4_0, Q4_1, Q8_0) are also
+kept as the file stores them, in ``gguf_blocks.safetensors`` (the tied lm_head as the
+embedding's blocks), so that a worker need not widen them. The config is rebuilt from the metadata the same converter
 writes, with llama.cpp's own defaults for what it leaves out (Gemma's attention scale and
 sliding-layer pattern), so the folder means what llama.cpp would run.
 
@@ -33,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader, ReaderTensor
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from safetensors.numpy import save_file
 
@@ -43,8 +45,15 @@ from memserve.model_files.hub_cache import hub_snapshot, is_repo_id
 log = logging.getLogger(__name__)
 
 # Part of the cache key: bump it when the converted folder's content changes.
-CONVERTER_VERSION = 3
+CONVERTER_VERSION = 4
 WEIGHTS_FILE = "model.safetensors"
+# The linear layers' weights as the file stores them, where their type runs quantized
+# (workers/model/gguf_linear.py): uint8 rows of ggml blocks under the Hugging Face
+# weight's name, each tensor's ggml type id in the file's metadata under the same name.
+QUANTIZED_FILE = "gguf_blocks.safetensors"
+QUANTIZED_TYPES = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0}
+# Linear layers, by the end of their Hugging Face weight's name.
+_LINEAR_SUFFIXES = ("_proj.weight", "lm_head.weight")
 # llama.cpp's tensor names (gguf.constants.TENSOR_NAMES) -> Hugging Face's, within
 # ``model.layers.N``. "{expert}": llama.cpp stacks the experts of a projection along the
 # first axis of one tensor; the Hugging Face checkpoint has one tensor per expert.
@@ -408,6 +417,34 @@ def read_gguf_weights(m: GGUFMetadata) -> dict[str, np.ndarray]:
     return weights
 
 
+def read_quantized_linears(m: GGUFMetadata) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """The linear layers' weights in the types that run quantized, as uint8 rows of ggml
+    blocks under their Hugging Face names (Q/K rows unpermuted like the float ones), and
+    each one's ggml type id; the embedding's blocks serve as the lm_head when it is tied."""
+    arch = architecture(m)
+    num_heads = int(m("attention.head_count"))
+    num_kv_heads = int(m("attention.head_count_kv", num_heads))
+    blocks: dict[str, np.ndarray] = {}
+    types: dict[str, str] = {}
+    names = {t.name for t in m.reader.tensors}
+    for tensor in m.reader.tensors:
+        name = hf_tensor_name(tensor.name, m.arch)
+        if tensor.name == "token_embd.weight" and "output.weight" not in names:
+            name = "lm_head.weight"
+        if name is None or "{expert}" in name or not name.endswith(_LINEAR_SUFFIXES):
+            continue
+        if tensor.tensor_type not in QUANTIZED_TYPES:
+            continue
+        rows = tensor.data
+        if arch.permuted_qk and ".q_proj." in name:
+            rows = unpermute_rotary_rows(rows, num_heads)
+        elif arch.permuted_qk and ".k_proj." in name:
+            rows = unpermute_rotary_rows(rows, num_kv_heads)
+        blocks[name] = np.ascontiguousarray(rows)
+        types[name] = str(int(tensor.tensor_type))
+    return blocks, types
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Write config, generation config, tokenizer (with chat template) and float32 weights."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -424,6 +461,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     GenerationConfig.from_model_config(config).save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(out_dir)
     save_file(read_gguf_weights(metadata), str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+    blocks, types = read_quantized_linears(metadata)
+    if blocks:
+        save_file(blocks, str(out_dir / QUANTIZED_FILE), metadata=types)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -66,7 +66,7 @@ class ModelRunner:
         self.device = torch.device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         torch.manual_seed(cfg.seed)
-        self.model = load_model(model_dir, self.dtype, self.device, cfg.cpu_gemm)
+        self.model = load_model(model_dir, self.dtype, self.device, cfg.cpu_gemm, cfg.quantization)
         self.model_config = self.model.config
         self.vocab_size = self.model_config.vocab_size
         self.max_position_embeddings = self.model_config.max_position_embeddings

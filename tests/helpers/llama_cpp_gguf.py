@@ -72,10 +72,13 @@ EXPERT_NAMES = {
 }
 
 
-def write_gguf(folder: Path, path: Path, window_key: bool = False) -> Path:
+def write_gguf(folder: Path, path: Path, window_key: bool = False,
+               quantized: gguf.GGMLQuantizationType | None = None) -> Path:
     """The model in ``folder`` (config.json, model.safetensors) converted into ``path``.
     ``window_key``: also write a Mistral's sliding window under the key llama.cpp's other
-    architectures use (its converter leaves it out of the llama architecture)."""
+    architectures use (its converter leaves it out of the llama architecture).
+    ``quantized``: store the matrices in that type, quantized by the ``gguf`` package's
+    own quantizers (the embedding in Q8_0, as llama.cpp's Q4 mixes do)."""
     config = json.loads((folder / "config.json").read_text())
     arch = ARCHITECTURES[config["model_type"]]
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
@@ -84,7 +87,12 @@ def write_gguf(folder: Path, path: Path, window_key: bool = False) -> Path:
         writer.add_sliding_window(config["sliding_window"])
     write_byte_level_tokenizer(writer, config["vocab_size"])
     for name, values in gguf_tensors(config, load_file(folder / "model.safetensors")):
-        writer.add_tensor(name, np.ascontiguousarray(values, dtype=np.float32))
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        if quantized is not None and values.ndim == 2 and values.shape[1] % 32 == 0:
+            kind = gguf.GGMLQuantizationType.Q8_0 if name == "token_embd.weight" else quantized
+            writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(name, values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

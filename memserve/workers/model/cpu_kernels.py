@@ -3,7 +3,8 @@
 torch ships no paged attention for CPU, and reading KV blocks in place from Python costs
 an op per block (see attention.py): the decode kernel is a small C++ torch op. Beside it,
 the pointwise steps of a layer (RMSNorm, residual add + RMSNorm, SwiGLU's activation,
-the rotary embedding) fused into one pass each (csrc/fused_pointwise.cpp). They are built
+the rotary embedding) fused into one pass each (csrc/fused_pointwise.cpp), and products
+over GGUF-quantized weights as the file stores them (csrc/gguf_linear.cpp). They are built
 with torch's extension builder (g++ and ninja) the first time a process asks for it, with
 ``-march=native``, into a directory named by a hash of the source, the torch version and
 installation (each virtual environment its own build, rather than one rebuilt in turns)
@@ -27,7 +28,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "fused_pointwise.cpp"))
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "fused_pointwise.cpp",
+                                                                             "gguf_linear.cpp"))
 CACHE_DIR = Path(os.environ.get("MEMSERVE_KERNEL_CACHE", Path.home() / ".cache" / "memserve" / "kernels"))
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]  # fast-math: vectorised exp (see the source)
 
@@ -116,4 +118,23 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     pass; dims past rotary_dim pass through (``rope.apply_rotary``)."""
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     torch.ops.memserve.rotary(out, x, cos, sin)
+    return out
+
+
+# Activation rows ``gguf_matmul`` takes at once (the kernel's MAX_ROWS).
+GGUF_MATMUL_MAX_ROWS = 16
+
+
+def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """x [rows <= GGUF_MATMUL_MAX_ROWS, in] float32 times the GGUF-quantized weight rows
+    ``blocks`` [out, row bytes] of ggml type ``ggml_type``, transposed: [rows, out] float32."""
+    out = x.new_empty(x.shape[0], blocks.shape[0])
+    torch.ops.memserve.gguf_matmul(out, x, blocks, ggml_type)
+    return out
+
+
+def gguf_dequantize(blocks: torch.Tensor, ggml_type: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """The weights [out, in_features] the GGUF blocks hold, in ``dtype`` (float32 or bf16)."""
+    out = torch.empty(blocks.shape[0], in_features, dtype=dtype)
+    torch.ops.memserve.gguf_dequantize(out, blocks, ggml_type)
     return out

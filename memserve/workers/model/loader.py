@@ -9,6 +9,8 @@ text model is read, renamed to a text-only model's names."""
 
 from __future__ import annotations
 
+import json
+import logging
 import re
 import weakref
 from collections import defaultdict
@@ -17,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from memserve.workers.model.gguf_linear import describe, fused_blocks, quantize_linears, read_blocks, use_quantized
 from memserve.workers.model.llama import LlamaForCausalLM, use_fused_pointwise
 from memserve.workers.model.model_config import ModelConfig
 from memserve.workers.model.packed_linear import (
@@ -24,6 +27,8 @@ from memserve.workers.model.packed_linear import (
     pack_linears,
     packing_supported,
 )
+
+log = logging.getLogger(__name__)
 
 # Our fused parameter -> the Hugging Face parameters concatenated (along the output dim) into it.
 _FUSED = {
@@ -41,8 +46,8 @@ _IGNORED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_to
 # A multimodal Gemma 3's text model under its checkpoint's (or transformers 5's) names -> a text model's.
 _TEXT_MODEL_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
                         ("model.language_model.", "model."))
-# Models held by this process, by (folder, dtype, device, CPU GEMM): see ``load_model``.
-_loaded: weakref.WeakValueDictionary[tuple[str, torch.dtype, str, str], LlamaForCausalLM] = (
+# Models held by this process, by (folder, dtype, device, CPU GEMM, quantization): see ``load_model``.
+_loaded: weakref.WeakValueDictionary[tuple[str, torch.dtype, str, str, str], LlamaForCausalLM] = (
     weakref.WeakValueDictionary())
 
 
@@ -121,12 +126,15 @@ def stack_expert_weights(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 
 def load_model(
-    folder: str | Path, dtype: torch.dtype, device: str | torch.device, cpu_gemm: str = "onednn"
+    folder: str | Path, dtype: torch.dtype, device: str | torch.device, cpu_gemm: str = "onednn",
+    quantization: str = "auto",
 ) -> LlamaForCausalLM:
     """Load the model in ``folder`` onto ``device`` in ``dtype``, ready for inference. On CPU
     its linear layers run through oneDNN-packed weights (``packed_linear.py``) unless
     ``cpu_gemm`` is "torch" or oneDNN cannot pack ``dtype`` here, and its norms and SwiGLU
-    through the fused pointwise kernels where they build.
+    through the fused pointwise kernels where they build. A folder converted from a GGUF
+    file runs its quantized linear weights as the file stores them (``gguf_linear.py``)
+    unless ``quantization`` is "none".
 
     A model this process already holds with the same settings is shared, not loaded again:
     inference only reads the weights (every runner keeps its own KV pools), so the engines
@@ -134,14 +142,27 @@ def load_model(
     freed with the last runner that uses it."""
     if cpu_gemm not in CPU_GEMMS:
         raise ValueError(f"unknown CPU GEMM {cpu_gemm!r}; expected one of {CPU_GEMMS}")
-    key = (str(Path(folder).resolve()), dtype, str(torch.device(device)), cpu_gemm)
+    quantized = use_quantized(quantization, Path(folder), torch.device(device))
+    key = (str(Path(folder).resolve()), dtype, str(torch.device(device)), cpu_gemm, str(quantized))
     model = _loaded.get(key)
     if model is None:
-        model = _loaded[key] = _load(Path(folder), dtype, device, cpu_gemm)
+        model = _loaded[key] = _load(Path(folder), dtype, device, cpu_gemm, quantized)
     return model
 
 
-def _load(folder: Path, dtype: torch.dtype, device: str | torch.device, cpu_gemm: str) -> LlamaForCausalLM:
+def refuse_quantization_config(folder: Path) -> None:
+    """A Hugging Face checkpoint quantized by a method memserve does not run (FP8, AWQ,
+    GPTQ, ...) is refused by name, not as weights that do not fit."""
+    config = json.loads((folder / "config.json").read_text())
+    method = (config.get("quantization_config") or {}).get("quant_method")
+    if method is not None:
+        raise ValueError(f"{folder}: quantization_config with quant_method {method!r} is not supported "
+                         "(memserve runs GGUF files' Q4_0, Q4_1 and Q8_0 weights quantized, and float checkpoints)")
+
+
+def _load(folder: Path, dtype: torch.dtype, device: str | torch.device, cpu_gemm: str,
+          quantized: bool = False) -> LlamaForCausalLM:
+    refuse_quantization_config(folder)
     config = ModelConfig.from_folder(folder)
     weights = fuse_hf_weights(stack_expert_weights(read_safetensors(folder, dtype, device)))
     tie = config.tie_word_embeddings or "lm_head.weight" not in weights
@@ -159,6 +180,10 @@ def _load(folder: Path, dtype: torch.dtype, device: str | torch.device, cpu_gemm
     model.load_state_dict(weights, strict=False, assign=True)
     if tie:
         model.lm_head.weight = model.model.embed_tokens.weight
+    if quantized:
+        blocks, types = fused_blocks(*read_blocks(folder), _FUSED)
+        log.info("%s: %d linear layers run GGUF-quantized %s", folder.name,
+                 quantize_linears(model, blocks, types, dtype), describe(types))
     if cpu_gemm == "onednn" and packing_supported(dtype, torch.device(device)):
         pack_linears(model)
     use_fused_pointwise(model)

@@ -1,0 +1,256 @@
+// Linear layers over GGUF-quantized weights, read as the file stores them.
+//
+// A weight row of K inputs is K / 32 blocks, each 32 weights and their scale (llama.cpp's
+// ggml-common.h layouts, little-endian):
+//   Q4_0: fp16 d, 16 bytes of nibbles        w = (q - 8) * d   (q: byte j's low nibble is
+//   Q4_1: fp16 d, fp16 m, 16 bytes           w = q * d + m      weight j, its high nibble
+//   Q8_0: fp16 d, 32 int8                    w = q * d          weight j + 16)
+// gguf_matmul multiplies a few activation rows (decode steps) by such rows without ever
+// widening the weight matrix: per block and activation row it sums q_i x_i over the raw
+// values and applies the scale once (d Σ q_i x_i + m Σ x_i), so the bytes read per step
+// are the file's (4.5-8.5 bits a weight against 32 for float32), which is what bounds a
+// decode step. With AVX-512 (-march=native on a CPU that has it) a block is two
+// 16-lane vectors, widened from its bytes in registers; elsewhere the plain loops below,
+// which compilers vectorise less well. Sums are float32; the result equals the dequantized weights' product up
+// to the order of float32 sums and roundings. gguf_dequantize widens a whole matrix, for prefill chunks,
+// where a oneDNN product over widened weights is faster than this loop.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t BLOCK = 32;
+constexpr int64_t MAX_ROWS = 16;  // activation rows gguf_matmul takes at once
+enum Type : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml's type ids
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+#ifdef __F16C__
+  return _cvtsh_ss(bits);  // one instruction, where c10's conversion is a dozen
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
+
+int64_t block_bytes(int64_t type) {
+  switch (type) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q8_0: return 34;
+    default: TORCH_CHECK(false, "GGUF type ", type, " is not executed quantized (Q4_0, Q4_1, Q8_0 are)");
+  }
+  return 0;
+}
+
+// The 32 weights of the block at ``p``, widened to float32.
+template <int64_t TYPE>
+inline void widen_block(const uint8_t* p, float* w) {
+  const float d = half_at(p);
+  if constexpr (TYPE == Q8_0) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(p + 2);
+    for (int64_t i = 0; i < BLOCK; ++i) w[i] = static_cast<float>(q[i]) * d;
+  } else {
+    const float m = TYPE == Q4_1 ? half_at(p + 2) : -8.0f * d;
+    const uint8_t* q = p + (TYPE == Q4_1 ? 4 : 2);
+    for (int64_t i = 0; i < BLOCK / 2; ++i) {
+      w[i] = static_cast<float>(q[i] & 0x0F) * d + m;
+      w[i + BLOCK / 2] = static_cast<float>(q[i] >> 4) * d + m;
+    }
+  }
+}
+
+// Σ q_i x_i over one block's quantized values (d and m are applied by the caller:
+// w_i x_i summed = d * Σ q_i x_i + m * Σ x_i).
+template <int64_t TYPE>
+inline float block_dot(const uint8_t* p, const float* x) {
+  float sum = 0.0f;
+  if constexpr (TYPE == Q8_0) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(p + 2);
+    for (int64_t i = 0; i < BLOCK; ++i) sum += static_cast<float>(q[i]) * x[i];
+    return sum;
+  }
+  // Low nibbles then high nibbles, each a 16-wide loop the compiler vectorises.
+  const uint8_t* q = p + (TYPE == Q4_1 ? 4 : 2);
+  float high = 0.0f;
+  for (int64_t i = 0; i < BLOCK / 2; ++i) sum += static_cast<float>(q[i] & 0x0F) * x[i];
+  for (int64_t i = 0; i < BLOCK / 2; ++i) high += static_cast<float>(q[i] >> 4) * x[i + BLOCK / 2];
+  return sum + high;
+}
+
+#ifdef __AVX512F__
+// One block's 32 values as two float vectors (values 0-15, 16-31), unscaled: Q4's raw
+// nibbles (0..15), Q8_0's int8.
+template <int64_t TYPE>
+inline void block_values(const uint8_t* p, __m512& low, __m512& high) {
+  if constexpr (TYPE == Q8_0) {
+    low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2))));
+    high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 18))));
+  } else {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (TYPE == Q4_1 ? 4 : 2))));
+    low = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)));
+    high = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+  }
+}
+#endif
+
+#ifdef __AVX512F__
+// out[r, n] for R activation rows from ``r0`` on, against weight row ``row``: R vector
+// accumulators held in registers (R is small and known here), the block widened once
+// for all R rows.
+template <int64_t TYPE, int64_t R>
+inline void dot_rows(float* out, const float* x, const float* block_sums, const uint8_t* row, int64_t r0,
+                     int64_t n, int64_t n_out, int64_t k) {
+  const int64_t nb = k / BLOCK, bytes = block_bytes(TYPE);
+  __m512 vacc[R];
+  float acc[R];
+  for (int64_t r = 0; r < R; ++r) {
+    vacc[r] = _mm512_setzero_ps();
+    acc[r] = 0.0f;
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* block = row + b * bytes;
+    const float d = half_at(block);
+    const float m = TYPE == Q4_1 ? half_at(block + 2) : -8.0f * d;
+    __m512 low, high;
+    block_values<TYPE>(block, low, high);
+    const __m512 scale = _mm512_set1_ps(d);
+    for (int64_t r = 0; r < R; ++r) {
+      const float* xr = x + (r0 + r) * k + b * BLOCK;
+      const __m512 dot = _mm512_fmadd_ps(high, _mm512_loadu_ps(xr + 16), _mm512_mul_ps(low, _mm512_loadu_ps(xr)));
+      vacc[r] = _mm512_fmadd_ps(scale, dot, vacc[r]);
+      if (TYPE != Q8_0) acc[r] += m * block_sums[(r0 + r) * nb + b];
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) out[(r0 + r) * n_out + n] = acc[r] + _mm512_reduce_add_ps(vacc[r]);
+}
+#endif
+
+template <int64_t TYPE>
+void matmul_rows(float* out, const float* x, const uint8_t* blocks, int64_t rows, int64_t n_out, int64_t k) {
+  const int64_t nb = k / BLOCK, bytes = block_bytes(TYPE), row_bytes = nb * bytes;
+  std::vector<float> block_sums(rows * nb, 0.0f);  // Σ x_i per block, for the offset m (or -8 d)
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      float sum = 0.0f;
+      for (int64_t i = 0; i < BLOCK; ++i) sum += x[r * k + b * BLOCK + i];
+      block_sums[r * nb + b] = sum;
+    }
+  }
+  at::parallel_for(0, n_out, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* row = blocks + n * row_bytes;
+#ifdef __AVX512F__
+      // Four rows at a time; the weight row stays in L1 between groups.
+      int64_t r0 = 0;
+      for (; r0 + 4 <= rows; r0 += 4) dot_rows<TYPE, 4>(out, x, block_sums.data(), row, r0, n, n_out, k);
+      const int64_t left = rows - r0;
+      if (left == 3) dot_rows<TYPE, 3>(out, x, block_sums.data(), row, r0, n, n_out, k);
+      if (left == 2) dot_rows<TYPE, 2>(out, x, block_sums.data(), row, r0, n, n_out, k);
+      if (left == 1) dot_rows<TYPE, 1>(out, x, block_sums.data(), row, r0, n, n_out, k);
+#else
+      for (int64_t r = 0; r < rows; ++r) {
+        float acc = 0.0f;
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* block = row + b * bytes;
+          const float d = half_at(block);
+          const float m = TYPE == Q4_1 ? half_at(block + 2) : -8.0f * d;
+          const float dot = block_dot<TYPE>(block, x + r * k + b * BLOCK);
+          acc += TYPE == Q8_0 ? d * dot : d * dot + m * block_sums[r * nb + b];
+        }
+        out[r * n_out + n] = acc;
+      }
+#endif
+    }
+  });
+}
+
+template <int64_t TYPE, typename T>
+void dequantize_rows(T* out, const uint8_t* blocks, int64_t n_out, int64_t k) {
+  const int64_t nb = k / BLOCK, bytes = block_bytes(TYPE), row_bytes = nb * bytes;
+  at::parallel_for(0, n_out, 16, [&](int64_t begin, int64_t end) {
+    float w[BLOCK];
+    for (int64_t n = begin; n < end; ++n) {
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* block = blocks + n * row_bytes + b * bytes;
+        T* dst = out + n * k + b * BLOCK;
+#ifdef __AVX512F__
+        if constexpr (std::is_same_v<T, float>) {
+          const float d = half_at(block);
+          const __m512 scale = _mm512_set1_ps(d);
+          const __m512 offset = _mm512_set1_ps(TYPE == Q4_1 ? half_at(block + 2) : TYPE == Q4_0 ? -8.0f * d : 0.0f);
+          __m512 low, high;
+          block_values<TYPE>(block, low, high);
+          _mm512_storeu_ps(dst, _mm512_fmadd_ps(low, scale, offset));
+          _mm512_storeu_ps(dst + 16, _mm512_fmadd_ps(high, scale, offset));
+          continue;
+        }
+#endif
+        widen_block<TYPE>(block, w);
+        for (int64_t i = 0; i < BLOCK; ++i) dst[i] = static_cast<T>(w[i]);
+      }
+    }
+  });
+}
+
+void check_blocks(const at::Tensor& blocks, int64_t type, int64_t k) {
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
+              "GGUF blocks: contiguous uint8 [out_features, row bytes]");
+  TORCH_CHECK(k % BLOCK == 0 && blocks.size(1) == k / BLOCK * block_bytes(type),
+              "GGUF blocks: ", blocks.size(1), " bytes a row do not hold ", k, " weights of type ", type);
+}
+
+// out [rows, n] float32 = x [rows, k] float32 @ W^T, W the GGUF ``blocks`` [n, k / 32 blocks].
+void gguf_matmul(at::Tensor out, const at::Tensor& x, const at::Tensor& blocks, int64_t type) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(0) <= MAX_ROWS,
+              "gguf_matmul: x contiguous float32 [rows <= ", MAX_ROWS, ", in_features]");
+  check_blocks(blocks, type, x.size(1));
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == x.size(0) &&
+                  out.size(1) == blocks.size(0), "gguf_matmul: out contiguous float32 [rows, out_features]");
+  auto run = type == Q4_0 ? matmul_rows<Q4_0> : type == Q4_1 ? matmul_rows<Q4_1> : matmul_rows<Q8_0>;
+  run(out.data_ptr<float>(), x.data_ptr<float>(), blocks.data_ptr<uint8_t>(), x.size(0), blocks.size(0), x.size(1));
+}
+
+// out [n, k] (float32 or bf16) = the weights the GGUF ``blocks`` hold.
+void gguf_dequantize(at::Tensor out, const at::Tensor& blocks, int64_t type) {
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == blocks.size(0),
+              "gguf_dequantize: out contiguous [out_features, in_features]");
+  check_blocks(blocks, type, out.size(1));
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  const int64_t n = out.size(0), k = out.size(1);
+  if (out.scalar_type() == at::kFloat) {
+    auto run = type == Q4_0 ? dequantize_rows<Q4_0, float> : type == Q4_1 ? dequantize_rows<Q4_1, float>
+                                                                           : dequantize_rows<Q8_0, float>;
+    run(out.data_ptr<float>(), src, n, k);
+  } else if (out.scalar_type() == at::kBFloat16) {
+    auto run = type == Q4_0 ? dequantize_rows<Q4_0, c10::BFloat16>
+               : type == Q4_1 ? dequantize_rows<Q4_1, c10::BFloat16>
+                              : dequantize_rows<Q8_0, c10::BFloat16>;
+    run(out.data_ptr<c10::BFloat16>(), src, n, k);
+  } else {
+    TORCH_CHECK(false, "gguf_dequantize: float32 or bfloat16 only");
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(memserve, m) {
+  m.def("gguf_matmul(Tensor(a!) out, Tensor x, Tensor blocks, int type) -> ()");
+  m.def("gguf_dequantize(Tensor(a!) out, Tensor blocks, int type) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(memserve, CPU, m) {
+  m.impl("gguf_matmul", &gguf_matmul);
+  m.impl("gguf_dequantize", &gguf_dequantize);
+}

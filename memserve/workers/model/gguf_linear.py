@@ -1,0 +1,127 @@
+"""Linear layers whose weights stay GGUF-quantized in memory (Q4_0, Q4_1, Q8_0), on the CPU.
+
+A decode step reads every weight once, so its time is the weights' bytes over the memory
+bandwidth: kept as the file stores them (4.5-8.5 bits a weight), SmolLM2's linear layers
+are about a fifth of their float32 bytes. Steps of at most ``GGUF_MATMUL_MAX_ROWS`` rows
+(decode batches) multiply the blocks directly (csrc/gguf_linear.cpp); longer chunks
+(prefills) widen the weight for the one product, where the widening costs less than the
+product it feeds. Either way the result is the dequantized weight's product up to float
+rounding, so a quantized model serves the tokens of the float32 folder converted from the
+same file (``model_files/gguf_convert.py``), which is what ``--quantization none`` runs.
+
+``quantize_linears`` swaps a loaded model's linear layers for these where the converted
+folder holds their blocks; fused projections (q/k/v, gate/up) take their parts' blocks
+concatenated by rows, when all parts share one type.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from safetensors import safe_open
+from torch import nn
+
+from memserve.workers.model import cpu_kernels
+
+QUANTIZED_FILE = "gguf_blocks.safetensors"  # written by model_files/gguf_convert.py
+QUANTIZATIONS = ("auto", "none", "gguf")
+
+
+class GGUFLinear(nn.Module):
+    """``nn.Linear`` (no bias) over GGUF blocks [out_features, row bytes] of one ggml type."""
+
+    def __init__(self, blocks: torch.Tensor, ggml_type: int, in_features: int, dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("blocks", blocks, persistent=False)
+        self.ggml_type, self.in_features, self.out_features = ggml_type, in_features, blocks.shape[0]
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] <= cpu_kernels.GGUF_MATMUL_MAX_ROWS:
+            out = cpu_kernels.gguf_matmul(rows.float().contiguous(), self.blocks, self.ggml_type).to(x.dtype)
+        else:
+            weight = cpu_kernels.gguf_dequantize(self.blocks, self.ggml_type, self.in_features, x.dtype)
+            out = F.linear(rows, weight)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, ggml_type={self.ggml_type}"
+
+
+def read_blocks(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """The quantized linear weights a converted GGUF folder holds, and their ggml types;
+    empty where it holds none (a Hugging Face checkpoint, a float GGUF)."""
+    path = folder / QUANTIZED_FILE
+    if not path.is_file():
+        return {}, {}
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata() or {}
+        blocks = {name: f.get_tensor(name) for name in f.keys()}
+    return blocks, {name: int(metadata[name]) for name in blocks}
+
+
+def fused_blocks(blocks: dict[str, torch.Tensor], types: dict[str, int],
+                 fused: dict[str, tuple[str, ...]]) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """``blocks`` under the model's parameter names: the parts of each fused projection
+    (``fused``: our name -> the checkpoint's, as the loader fuses float weights)
+    concatenated by rows where they share one type, dropped otherwise (that projection
+    then runs on its float weights)."""
+    out, out_types = dict(blocks), dict(types)
+    for name in blocks:
+        for ours, parts in fused.items():
+            marker = f".{parts[0]}."
+            if marker not in name:
+                continue
+            prefix, suffix = name.split(marker)
+            names = [f"{prefix}.{part}.{suffix}" for part in parts]
+            found = [n for n in names if n in blocks]
+            for n in found:
+                out.pop(n)
+                out_types.pop(n)
+            if len(found) == len(names) and len({types[n] for n in names}) == 1:
+                out[f"{prefix}.{ours}.{suffix}"] = torch.cat([blocks[n] for n in names])
+                out_types[f"{prefix}.{ours}.{suffix}"] = types[names[0]]
+    return out, out_types
+
+
+def use_quantized(quantization: str, folder: Path, device: torch.device) -> bool:
+    """Whether the model in ``folder`` runs its GGUF-quantized weights as they are:
+    ``auto`` where it has some and this is a CPU with the kernels; ``gguf`` insists."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; expected one of {QUANTIZATIONS}")
+    if quantization == "none":
+        return False
+    has_blocks = (folder / QUANTIZED_FILE).is_file()
+    runnable = device.type == "cpu" and cpu_kernels.available()
+    if quantization == "gguf" and not (has_blocks and runnable):
+        why = "it holds no GGUF weights of a type run quantized (Q4_0, Q4_1, Q8_0)" if not has_blocks else \
+            "GGUF weights run quantized only on the CPU, with memserve's CPU kernels built"
+        raise ValueError(f"--quantization gguf cannot serve {folder}: {why}")
+    return has_blocks and runnable
+
+
+def quantize_linears(model: nn.Module, blocks: dict[str, torch.Tensor], types: dict[str, int],
+                     dtype: torch.dtype) -> int:
+    """Replace each linear layer of ``model`` whose weight (by parameter name) is in
+    ``blocks`` by a ``GGUFLinear``; returns how many were."""
+    replaced = 0
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            weight = f"{parent_name}.{name}.weight" if parent_name else f"{name}.weight"
+            if isinstance(child, nn.Linear) and weight in blocks and child.bias is None:
+                setattr(parent, name, GGUFLinear(blocks[weight], types[weight], child.in_features, dtype))
+                replaced += 1
+    return replaced
+
+
+def describe(types: dict[str, int]) -> str:
+    """Counts of the quantized weights by ggml type, for the log."""
+    counts: dict[str, int] = {}
+    for t in types.values():
+        counts[GGMLQuantizationType(t).name] = counts.get(GGMLQuantizationType(t).name, 0) + 1
+    return json.dumps(counts)
