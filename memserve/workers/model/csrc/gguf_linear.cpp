@@ -6,12 +6,11 @@
 //   Q4_1: fp16 d, fp16 m, 16 bytes           w = q * d + m      weight j, its high nibble
 //   Q8_0: fp16 d, 32 int8                    w = q * d          weight j + 16)
 // gguf_matmul multiplies a few activation rows (decode steps) by such rows without ever
-// widening the weight matrix: per block and activation row it sums q_i x_i over the raw
-// values and applies the scale once (d Σ q_i x_i + m Σ x_i), so the bytes read per step
-// are the file's (4.5-8.5 bits a weight against 32 for float32), which is what bounds a
-// decode step. With AVX-512 (-march=native on a CPU that has it) a block is two
-// 16-lane vectors, widened from its bytes in registers; elsewhere the plain loops below,
-// which compilers vectorise less well. Sums are float32; the result equals the dequantized weights' product up
+// widening the weight matrix in memory: each block is widened in registers (two 16-lane
+// vectors with AVX-512, -march=native on a CPU that has it; 32 floats on the stack
+// elsewhere) and used for every activation row, so the bytes read per step are the
+// file's (4.5-8.5 bits a weight against 32 for float32), which is what bounds a decode
+// step. Sums are float32; the result equals the dequantized weights' product up
 // to the order of float32 sums and roundings. gguf_dequantize widens a whole matrix, for prefill chunks,
 // where a oneDNN product over widened weights is faster than this loop.
 #include <ATen/ATen.h>
@@ -22,7 +21,6 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
-#include <vector>
 
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
@@ -71,24 +69,6 @@ inline void widen_block(const uint8_t* p, float* w) {
   }
 }
 
-// Σ q_i x_i over one block's quantized values (d and m are applied by the caller:
-// w_i x_i summed = d * Σ q_i x_i + m * Σ x_i).
-template <int64_t TYPE>
-inline float block_dot(const uint8_t* p, const float* x) {
-  float sum = 0.0f;
-  if constexpr (TYPE == Q8_0) {
-    const int8_t* q = reinterpret_cast<const int8_t*>(p + 2);
-    for (int64_t i = 0; i < BLOCK; ++i) sum += static_cast<float>(q[i]) * x[i];
-    return sum;
-  }
-  // Low nibbles then high nibbles, each a 16-wide loop the compiler vectorises.
-  const uint8_t* q = p + (TYPE == Q4_1 ? 4 : 2);
-  float high = 0.0f;
-  for (int64_t i = 0; i < BLOCK / 2; ++i) sum += static_cast<float>(q[i] & 0x0F) * x[i];
-  for (int64_t i = 0; i < BLOCK / 2; ++i) high += static_cast<float>(q[i] >> 4) * x[i + BLOCK / 2];
-  return sum + high;
-}
-
 #ifdef __AVX512F__
 // One block's 32 values as two float vectors (values 0-15, 16-31), unscaled: Q4's raw
 // nibbles (0..15), Q8_0's int8.
@@ -106,70 +86,58 @@ inline void block_values(const uint8_t* p, __m512& low, __m512& high) {
 #endif
 
 #ifdef __AVX512F__
-// out[r, n] for R activation rows from ``r0`` on, against weight row ``row``: R vector
-// accumulators held in registers (R is small and known here), the block widened once
-// for all R rows.
+// out[r, n] for R activation rows from ``r0`` on, against weight row ``row``: each block
+// widened once into two vectors of weights (q d + m), then two FMAs per activation row
+// into R accumulators held in registers (R is small and known here).
 template <int64_t TYPE, int64_t R>
-inline void dot_rows(float* out, const float* x, const float* block_sums, const uint8_t* row, int64_t r0,
-                     int64_t n, int64_t n_out, int64_t k) {
+inline void dot_rows(float* out, const float* x, const uint8_t* row, int64_t r0, int64_t n, int64_t n_out,
+                     int64_t k) {
   const int64_t nb = k / BLOCK, bytes = block_bytes(TYPE);
   __m512 vacc[R];
-  float acc[R];
-  for (int64_t r = 0; r < R; ++r) {
-    vacc[r] = _mm512_setzero_ps();
-    acc[r] = 0.0f;
-  }
+  for (int64_t r = 0; r < R; ++r) vacc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* block = row + b * bytes;
     const float d = half_at(block);
-    const float m = TYPE == Q4_1 ? half_at(block + 2) : -8.0f * d;
+    const __m512 scale = _mm512_set1_ps(d);
+    const __m512 offset = _mm512_set1_ps(TYPE == Q4_1 ? half_at(block + 2) : TYPE == Q4_0 ? -8.0f * d : 0.0f);
     __m512 low, high;
     block_values<TYPE>(block, low, high);
-    const __m512 scale = _mm512_set1_ps(d);
+    low = _mm512_fmadd_ps(low, scale, offset);
+    high = _mm512_fmadd_ps(high, scale, offset);
     for (int64_t r = 0; r < R; ++r) {
       const float* xr = x + (r0 + r) * k + b * BLOCK;
-      const __m512 dot = _mm512_fmadd_ps(high, _mm512_loadu_ps(xr + 16), _mm512_mul_ps(low, _mm512_loadu_ps(xr)));
-      vacc[r] = _mm512_fmadd_ps(scale, dot, vacc[r]);
-      if (TYPE != Q8_0) acc[r] += m * block_sums[(r0 + r) * nb + b];
+      vacc[r] = _mm512_fmadd_ps(high, _mm512_loadu_ps(xr + 16), _mm512_fmadd_ps(low, _mm512_loadu_ps(xr), vacc[r]));
     }
   }
-  for (int64_t r = 0; r < R; ++r) out[(r0 + r) * n_out + n] = acc[r] + _mm512_reduce_add_ps(vacc[r]);
+  for (int64_t r = 0; r < R; ++r) out[(r0 + r) * n_out + n] = _mm512_reduce_add_ps(vacc[r]);
 }
 #endif
 
 template <int64_t TYPE>
 void matmul_rows(float* out, const float* x, const uint8_t* blocks, int64_t rows, int64_t n_out, int64_t k) {
-  const int64_t nb = k / BLOCK, bytes = block_bytes(TYPE), row_bytes = nb * bytes;
-  std::vector<float> block_sums(rows * nb, 0.0f);  // Σ x_i per block, for the offset m (or -8 d)
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t b = 0; b < nb; ++b) {
-      float sum = 0.0f;
-      for (int64_t i = 0; i < BLOCK; ++i) sum += x[r * k + b * BLOCK + i];
-      block_sums[r * nb + b] = sum;
-    }
-  }
+  const int64_t row_bytes = k / BLOCK * block_bytes(TYPE);
   at::parallel_for(0, n_out, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* row = blocks + n * row_bytes;
 #ifdef __AVX512F__
       // Four rows at a time; the weight row stays in L1 between groups.
       int64_t r0 = 0;
-      for (; r0 + 4 <= rows; r0 += 4) dot_rows<TYPE, 4>(out, x, block_sums.data(), row, r0, n, n_out, k);
+      for (; r0 + 4 <= rows; r0 += 4) dot_rows<TYPE, 4>(out, x, row, r0, n, n_out, k);
       const int64_t left = rows - r0;
-      if (left == 3) dot_rows<TYPE, 3>(out, x, block_sums.data(), row, r0, n, n_out, k);
-      if (left == 2) dot_rows<TYPE, 2>(out, x, block_sums.data(), row, r0, n, n_out, k);
-      if (left == 1) dot_rows<TYPE, 1>(out, x, block_sums.data(), row, r0, n, n_out, k);
+      if (left == 3) dot_rows<TYPE, 3>(out, x, row, r0, n, n_out, k);
+      if (left == 2) dot_rows<TYPE, 2>(out, x, row, r0, n, n_out, k);
+      if (left == 1) dot_rows<TYPE, 1>(out, x, row, r0, n, n_out, k);
 #else
-      for (int64_t r = 0; r < rows; ++r) {
-        float acc = 0.0f;
-        for (int64_t b = 0; b < nb; ++b) {
-          const uint8_t* block = row + b * bytes;
-          const float d = half_at(block);
-          const float m = TYPE == Q4_1 ? half_at(block + 2) : -8.0f * d;
-          const float dot = block_dot<TYPE>(block, x + r * k + b * BLOCK);
-          acc += TYPE == Q8_0 ? d * dot : d * dot + m * block_sums[r * nb + b];
+      float w[BLOCK];
+      for (int64_t r = 0; r < rows; ++r) out[r * n_out + n] = 0.0f;
+      for (int64_t b = 0; b < k / BLOCK; ++b) {
+        widen_block<TYPE>(row + b * block_bytes(TYPE), w);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* xr = x + r * k + b * BLOCK;
+          float sum = 0.0f;
+          for (int64_t i = 0; i < BLOCK; ++i) sum += w[i] * xr[i];
+          out[r * n_out + n] += sum;
         }
-        out[r * n_out + n] = acc;
       }
 #endif
     }
