@@ -132,3 +132,12 @@ def test_a_checkpoint_quantized_by_another_method_is_refused_by_name(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="quant_method 'awq' is not supported"):
         load_model(tmp_path, torch.float32, "cpu", quantization="none")
+
+
+def test_readers_of_the_folders_weights_do_not_take_the_blocks_for_weights(quantized_file):
+    from memserve.predictor.embeddings import TokenEmbeddings
+    from memserve.workers.model.loader import read_safetensors
+
+    folder, _ = quantized_file
+    assert all(t.is_floating_point() for t in read_safetensors(folder, torch.float32, "cpu").values())
+    TokenEmbeddings.from_model_dir(folder)  # the gateway's length predictor reads the embedding table

@@ -25,9 +25,9 @@ from gguf import GGMLQuantizationType
 from safetensors import safe_open
 from torch import nn
 
+from memserve.model_files.gguf_convert import QUANTIZED_FILE
 from memserve.workers.model import cpu_kernels
 
-QUANTIZED_FILE = "gguf_blocks.safetensors"  # written by model_files/gguf_convert.py
 QUANTIZATIONS = ("auto", "none", "gguf")
 
 
