@@ -31,41 +31,43 @@ disk block found missing or corrupt on loading is a miss (``commit_swap_in``), t
 forgotten (REMOVED events).
 
 Pure Python: the data moves through a ``BlockMover`` that the model runner implements.
-The class is split by concern: memory, index and state here, tier moves in
-``tiering.py``, the transfer API in ``transfer_api.py``.
+
+Shape (after SGLang's ``HiRadixCache`` over its ``HiCacheController``). ``MemPool`` is
+the API and owns the radix index, the hit counters and the transfer endpoint; it is
+composed of parts that own the rest of the state, each stating its invariants:
+
+- ``BlockTable`` (``block_table.py``): the per-tier block pools, which node owns which
+  block, the KV event log, and the checks on addresses;
+- ``TierController`` (``tier_controller.py``), an abstract base: the bytes, that is the
+  mover, the saver with its queue and thread, the blocks in flight and the bytes moved
+  per tier;
+- ``TierMoves`` (``tiering.py``): the index side of tier moves (the cascade, saves,
+  prefetches, swap-in commits).
+
+The parts call each other only through their methods; the MemPool calls the controller
+only through the interface it declares.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
-from collections import Counter
 from collections.abc import Callable, Sequence
 from enum import IntFlag
 from typing import Any
 
-from memserve.kvcache.address import (
-    BLOCK_MASK,
-    INSTANCE_SHIFT,
-    TIER_MASK,
-    TIER_SHIFT,
-    Tier,
-    addr_instance,
-    addr_str,
-    make_addrs,
-)
-from memserve.kvcache.blocks import BlockPool, MemPoolError, OutOfBlocks
+from memserve.kvcache.address import Tier, addr_block, addr_str, addr_tier, make_addrs
+from memserve.kvcache.block_table import BlockTable
+from memserve.kvcache.blocks import MemPoolError, OutOfBlocks
 from memserve.kvcache.disk_store import DiskStore
-from memserve.kvcache.events import REMOVED, STORED, KVEvent
 from memserve.kvcache.eviction import EvictionPolicy
+from memserve.kvcache.events import KVEvent
 from memserve.kvcache.hashing import block_hashes
-from memserve.kvcache.mover import BlockMover
+from memserve.kvcache.mover import BlockMover, Buffer, TransferEndpoint
 from memserve.kvcache.pinning import Pins
-from memserve.kvcache.pool_state import Held
 from memserve.kvcache.radix import RadixIndex, RadixNode
 from memserve.kvcache.saver import InlineSaver, Saver
+from memserve.kvcache.tier_controller import BlockMoverController, TierController
 from memserve.kvcache.tiering import TierMoves
-from memserve.kvcache.transfer_api import TransferAPI
 
 __all__ = ["BlockMover", "KVFlags", "MemPool", "MemPoolError", "OutOfBlocks", "Tier"]
 
@@ -83,11 +85,7 @@ class KVFlags(IntFlag):
 _RELEASE = int(KVFlags.RELEASE)  # tested as a plain int: an IntFlag operation takes a microsecond
 
 
-def _tier_of(node: RadixNode) -> int:
-    return (node.addr >> TIER_SHIFT) & TIER_MASK
-
-
-class MemPool(TierMoves, TransferAPI):
+class MemPool:
     """MemServe's elastic memory pool for one inference instance."""
 
     def __init__(
@@ -109,48 +107,39 @@ class MemPool(TierMoves, TransferAPI):
         self.instance_id = instance_id
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.mover = mover
-        self._clock = clock if clock is not None else itertools.count().__next__
-        self._pools: list[BlockPool | None] = [None] * len(Tier)
-        for tier, n in num_blocks.items():
-            if n > 0:
-                self._pools[Tier(tier)] = BlockPool(n)
-        self.tiers = [Tier(t) for t, p in enumerate(self._pools) if p is not None]
-        if not self.tiers:
-            raise ValueError("a MemPool needs blocks in at least one tier")
-        self._node_of: list[list[RadixNode | None]] = [[None] * (p.num_blocks if p else 0) for p in self._pools]
-        self.index = RadixIndex(block_size, self._clock, eviction)
-        self.pins = (Pins(self.index, [p.num_blocks for p in self._pools if p is not None], max_pinned_fraction,
-                          self._clock, max_pinned_fraction_per_key) if max_pinned_fraction > 0 else None)
-        self._events: list[KVEvent] = []
+        self._table = BlockTable(instance_id, num_blocks)
+        self.tiers = self._table.tiers  # the tiers this pool has blocks in, fastest first
+        clock = clock if clock is not None else itertools.count().__next__
+        self.index = RadixIndex(block_size, clock, eviction)
+        # Blocks requests pinned (cache_control); None: pinning is off.
+        self.pins = (Pins(self.index, [self._table.pool(t, "pins").num_blocks for t in self.tiers],
+                          max_pinned_fraction, clock, max_pinned_fraction_per_key) if max_pinned_fraction > 0 else None)
         # Set to a dict by a consumer that needs the tokens of stored blocks (the worker's
         # vLLM-format KV event publisher): insert records hash -> the block's tokens there,
         # and the consumer takes them out. None: nothing is recorded.
         self.event_tokens: dict[int, Sequence[int]] | None = None
         self._hit_tokens = 0
         self._query_tokens = 0
-        self._transfer = None
-        self.saver: Saver = saver if saver is not None else InlineSaver(mover)
-        self.disk = disk
-        # Per tier: blocks ``kick_saves`` keeps free or being saved down: a fraction of the
-        # tier, and at least what one engine step allocates (``step_blocks``), so that a
-        # step finds free blocks instead of dropping cached ones.
-        self._watermark = [min(p.num_blocks, max(1, math.ceil(save_watermark * p.num_blocks), step_blocks))
-                           if p else 0 for p in self._pools]
-        self._saving = [0] * len(Tier)  # per tier: cached blocks being saved out of it (pinned)
-        self._incoming = [0] * len(Tier)  # per tier: blocks reserved for saves into it
-        self._io_bytes = [[0, 0] for _ in Tier]  # per tier: bytes read from it, written to it
         self._hits = [0] * len(Tier)  # per tier: blocks matched there
-        self._dropped_unsaved = [0] * len(Tier)  # per tier: blocks dropped though a slower tier exists
-        self._corrupt: list[RadixNode] = []  # disk blocks found bad, forgotten once idle
-        self._prefetched: set[int] = set()  # blocks a prefetch started moving up, not read since
-        self._prefetch_blocks = 0  # blocks prefetched disk -> host
-        self._prefetch_hits = 0  # prefetched blocks a request then matched on the host
+        self._transfer: TransferEndpoint | None = None
+        self._ctl: TierController = BlockMoverController(mover, saver if saver is not None else InlineSaver(mover))
+        self.disk = disk  # the DISK tier's files, when there is one
+        self._moves = TierMoves(self.index, self._table, self._ctl, disk, save_watermark, step_blocks)
         if disk is not None:
-            disk_pool = self._pools[Tier.DISK]
+            disk_pool = self._table.find(Tier.DISK)
             if disk_pool is None or disk_pool.num_blocks != disk.num_blocks:
                 raise ValueError("a disk store needs a DISK tier of as many blocks")
-            self._adopt_disk(disk.scan(instance_id))
+            self._moves.adopt_disk(disk.scan(instance_id))
+
+    @property
+    def mover(self) -> BlockMover | None:
+        """The bytes behind block ids (None: no tier moves, no transfers)."""
+        return self._ctl.mover
+
+    @property
+    def saver(self) -> Saver:
+        """Where demotions are copied (``saver.py``)."""
+        return self._ctl.saver
 
     # ---------------------------------------------------------------- memory
 
@@ -163,58 +152,41 @@ class MemPool(TierMoves, TransferAPI):
         expects under ``ticket``."""
         if instance is not None and instance != self.instance_id:
             return self._endpoint().allocate(instance, size, Tier(type), ticket)
-        pool = self._pool(type, "alloc_mem")
+        pool = self._table.pool(type, "alloc_mem")
         short = size - pool.num_free
         if short > 0:
-            self._catch_up_saves(type, short)
-            short = size - pool.num_free
-        if short > 0:
-            if short > self.index.idle_count(type):
-                raise OutOfBlocks(
-                    f"alloc_mem: need {size} {Tier(type).name} blocks; {pool.num_free} free and "
-                    f"{self.index.idle_count(type)} evictable of {pool.num_blocks}"
-                )
-            self._evict(type, short)
+            self._moves.make_room(type, size, short)
         return make_addrs(self.instance_id, type, pool.alloc(size))
 
     def can_alloc(self, size: int, tier: Tier = Tier.DEVICE) -> bool:
         """Whether ``alloc_mem(size, tier)`` would succeed now (free + evictable blocks)."""
-        pool = self._pools[tier] if 0 <= tier < len(self._pools) else None
+        pool = self._table.find(tier)
         if pool is None:
             return False
-        self._catch_up_saves(tier, size - pool.num_free)
+        self._moves.catch_up_saves(tier, size - pool.num_free)
         return size <= pool.num_free + self.index.idle_count(tier)
-
-    def _catch_up_saves(self, tier: int, short: int) -> None:
-        """When ``tier``'s idle blocks cannot cover ``short`` but asynchronous saves out of
-        it are in flight, wait for them: once written they free their sources (or, used
-        meanwhile, become evictable again) instead of the allocation failing."""
-        if 0 < short and self.index.idle_count(tier) < short and self._saving[tier] and not self.saver.inline:
-            self.saver.wait()
-            self._finish_saves()
 
     def free_mem(self, addrs: Sequence[int]) -> None:
         """Drop one reference on each address. An unindexed block nobody holds returns to
         the free list; an indexed one stays cached. All or nothing: misuse (double free,
         unknown or foreign address) raises ``MemPoolError`` and changes nothing."""
-        groups = self._split(addrs, "free_mem")
+        groups = self._table.split(addrs, "free_mem")
         if len(groups) > 1:
             for tier, blocks in groups:
-                self._check_release(tier, blocks)
+                self._table.check_release(tier, blocks)
         for tier, blocks in groups:
             self._release(tier, blocks)
 
     def _release(self, tier: int, blocks: list[int]) -> None:
-        pool = self._pools[tier]
-        assert pool is not None  # a tier of _split's
+        pool = self._table.pool(tier, "free_mem")
         if not self.index.cached_count(tier):
             try:
                 pool.free(blocks)
             except MemPoolError:
-                self._check_release(tier, blocks)  # raises, naming the address
+                self._table.check_release(tier, blocks)  # raises, naming the address
                 raise
             return
-        owners = self._node_of[tier]
+        owners = self._table.owners(tier)
         nodes = []
         private = []
         for b in blocks:
@@ -226,26 +198,14 @@ class MemPool(TierMoves, TransferAPI):
         try:
             self.index.unlock(nodes)
         except MemPoolError:
-            self._check_release(tier, blocks)  # raises, naming the address
+            self._table.check_release(tier, blocks)  # raises, naming the address
             raise
         try:
             pool.free(private)
         except MemPoolError:
             self.index.lock(nodes)
-            self._check_release(tier, blocks)
+            self._table.check_release(tier, blocks)
             raise
-
-    def _check_release(self, tier: int, blocks: list[int]) -> None:
-        owners = self._node_of[tier]
-        pool = self._pool(tier, "free_mem")
-        for b, n in Counter(blocks).items():
-            node = owners[b]
-            held = node.lock if node is not None else pool.refcount(b)
-            if held < n:
-                where = addr_str(self._addr(tier, b))
-                if held < 1:
-                    raise MemPoolError(f"free_mem: {where} is not held (already freed, or never allocated)")
-                raise MemPoolError(f"free_mem: {where} is held {held} times, released {n} times")
 
     # ----------------------------------------------------------------- index
 
@@ -275,24 +235,21 @@ class MemPool(TierMoves, TransferAPI):
         return newly
 
     def _index_chain(self, parent_hash: int | None, hashes: Sequence[int], addrs: Sequence[int]) -> int:
-        groups = self._split(addrs, "insert")
+        groups = self._table.split(addrs, "insert")
         if len(groups) != 1:
             raise MemPoolError("insert: the new blocks of one call must be in one tier")
         tier, blocks = groups[0]
         if parent_hash is not None:
             parent = self.index.get(parent_hash)
             assert parent is not None  # insert found it indexed (known_prefix)
-            if _tier_of(parent) > tier:
+            if parent.tier > tier:
                 return 0  # never below a slower parent: eviction could not go deepest-first
         try:
-            locks = self._pool(tier, "insert").park(blocks)
+            locks = self._table.pool(tier, "insert").park(blocks)
         except MemPoolError as e:
             raise MemPoolError(f"insert: every new block must be held by the caller ({e})") from e
         created = self.index.add_chain(parent_hash, hashes, addrs, locks)
-        owners = self._node_of[tier]
-        for b, node in zip(blocks, created):
-            owners[b] = node
-        self._events.append(KVEvent(STORED, list(hashes), parent_hash, list(addrs)))
+        self._table.own(tier, blocks, created, parent_hash, hashes, addrs)
         return len(created)
 
     def match(self, tokens: Sequence[int], take_ref: bool = True, hashes: Sequence[int] | None = None,
@@ -316,16 +273,9 @@ class MemPool(TierMoves, TransferAPI):
             self._hit_tokens += len(nodes) * self.block_size
             hits = self._hits
             for n in nodes:
-                hits[(n.addr >> TIER_SHIFT) & TIER_MASK] += 1
-            if self._prefetched:
-                self._count_prefetch_hits(nodes)
+                hits[n.tier] += 1
+            self._moves.count_prefetch_hits(nodes)
         return [n.addr for n in nodes]
-
-    def _count_prefetch_hits(self, nodes: list[RadixNode]) -> None:
-        for n in nodes:
-            if n.hash in self._prefetched and n.tier != Tier.DISK:
-                self._prefetched.discard(n.hash)
-                self._prefetch_hits += 1
 
     def drop(self, node: RadixNode) -> int:
         """Unindex an idle cached block and everything below it, whatever their tiers, and
@@ -335,22 +285,167 @@ class MemPool(TierMoves, TransferAPI):
         if self.disk is not None:
             for n in removed:
                 self.disk.forget(n.hash)
-        self._forget(removed)
+        self._moves.forget(removed)
         return len(removed)
 
     def delete(self, tokens: Sequence[int], hashes: Sequence[int] | None = None) -> int:
         """Drop the cached blocks only this prompt uses (see ``RadixIndex.delete``);
         returns how many. ``hashes``: its block names (a salted prompt's must be given)."""
         removed = self.index.delete(tokens, hashes)
-        self._forget(removed)
+        self._moves.forget(removed)
         return len(removed)
+
+    # ----------------------------------------------------------------- tiers
+
+    def kick_saves(self) -> None:
+        """Commit the saves that finished, then start demotions so that every tier with
+        a slower one has ``watermark`` blocks free or being saved (slowest tier first:
+        its saves make room for the faster tier's). Never waits for a copy."""
+        self._moves.kick_saves()
+
+    def demote(self, tier: Tier, n: int) -> int:
+        """Start saving up to ``n`` of ``tier``'s least valuable idle blocks to the next
+        slower tier, as far as it has room without waiting; returns how many."""
+        return self._moves.demote(tier, n)
+
+    def poll_saves(self) -> None:
+        """Move the blocks whose saves finished to their copies; forget corrupt disk
+        blocks nobody holds any more. Cheap and I/O-free: call it before scheduling."""
+        self._moves.poll_saves()
+
+    def flush_saves(self) -> None:
+        """Wait for every save in flight and commit it (tests, shutdown)."""
+        self._moves.flush_saves()
+
+    def persist(self) -> None:
+        """Save every idle cached block of the faster tiers to the disk tier, as far as
+        it holds them (a graceful shutdown: the next run re-indexes them). Slower tiers
+        go first, so a block never lands below a child of a faster tier."""
+        self._moves.persist()
+
+    def swap_out(self, n: int) -> list[tuple[int, int]]:
+        """Move up to ``n`` least recently used cached device blocks to the host tier,
+        waiting for the copies; returns ``(old, new)`` addresses. Fewer move when fewer
+        are idle or the host is full of blocks in use."""
+        return self._moves.swap_out(n)
+
+    def prefetch_window(self) -> int:
+        """Host blocks the look-ahead window may claim for prefetches: the host tier less
+        the free blocks kept for device demotions (its watermark, at most half of it);
+        0 without a disk and a host tier."""
+        return self._moves.prefetch_window()
+
+    def prefetch_room(self) -> int:
+        """Host blocks a prefetch may fill now: the free ones beyond that reserve
+        (negative when the host must first save that many down)."""
+        return self._moves.prefetch_room()
+
+    def prefetch(self, nodes: list[RadixNode]) -> int:
+        """Start copying idle disk blocks up to the host tier through the saver
+        (AttentionStore §3.3.1), parents before children, as far as ``prefetch_room``
+        allows; returns how many started. Like a save, the block stays readable on disk
+        meanwhile and moves only if nobody used it (then a load reads it from the host)."""
+        return self._moves.prefetch(nodes)
+
+    def swap_in(self, addrs: Sequence[int]) -> list[int]:
+        """Copy held blocks of slower tiers to new device blocks; returns the device
+        addresses, each held once by the caller. The caller keeps its references to the
+        old addresses (free them as usual). An indexed block is re-pointed to its device
+        copy; pass a prompt's blocks parent first. Raises when a disk block was missing or
+        corrupt (the blocks before it are swapped in)."""
+        device_addrs = self.prepare_swap_in(addrs)
+        self._ctl.load(self.swap_in_copies(addrs, device_addrs))
+        intact = self.commit_swap_in(addrs, device_addrs)
+        if intact < len(addrs):
+            self.free_mem(device_addrs)
+            raise MemPoolError(f"swap_in: {addr_str(addrs[intact])} could not be read (missing or corrupt)")
+        return device_addrs
+
+    def prepare_swap_in(self, addrs: Sequence[int]) -> list[int]:
+        """First half of an asynchronous ``swap_in``: checks ``addrs`` and allocates their
+        device blocks (held once by the caller), copying nothing. Copy them (the runs of
+        ``swap_in_copies``) off the scheduling path, then ``commit_swap_in``. Both the
+        sources (held by the caller) and the new device blocks (private) are safe from
+        eviction meanwhile."""
+        self._moves.check_swap_in(addrs)
+        return self.alloc_mem(len(addrs), Tier.DEVICE)
+
+    @staticmethod
+    def swap_in_copies(addrs: Sequence[int], device_addrs: Sequence[int]) -> list[tuple[Tier, list[int], list[int]]]:
+        """(source tier, source blocks, device blocks) runs that a swap-in copies."""
+        pairs = [(addr_tier(a), addr_block(a), addr_block(d)) for a, d in zip(addrs, device_addrs)]
+        return [(tier, [p[1] for p in run], [p[2] for p in run])
+                for tier, run in ((t, list(g)) for t, g in itertools.groupby(pairs, key=lambda p: p[0]))]
+
+    def commit_swap_in(self, addrs: Sequence[int], device_addrs: Sequence[int]) -> int:
+        """Second half of an asynchronous ``swap_in``, once the copies are done: indexed
+        sources are re-pointed to their device copies. A source another swap-in already
+        promoted keeps that copy; this one's stays private to the caller. Returns how
+        many leading blocks arrived: a disk block whose file was missing or corrupt, and
+        every block after it, are not committed (their device blocks stay private to the
+        caller, to recompute) and the bad blocks are forgotten once nobody holds them."""
+        return self._moves.commit_swap_in(addrs, device_addrs)
+
+    # -------------------------------------------------------------- transfer
+
+    def attach_transfer(self, endpoint: TransferEndpoint) -> None:
+        """Called by the endpoint that carries this instance's transfers (``ipc/kv_transfer.py``):
+        the bytes of ``transfer`` travel through it, never through the MemPool."""
+        if self._transfer is not None and self._transfer is not endpoint:
+            raise MemPoolError("a transfer endpoint is already attached")
+        self._transfer = endpoint
+
+    def transfer(
+        self, instance: int, src: Sequence[int], dst: Sequence[int] | None = None, flags: int = 0,
+        private: Any = None, ticket: str = "",
+    ) -> list[int]:
+        """Copy the held blocks ``src`` to ``instance`` and return their addresses there.
+        Without ``dst`` the receiver allocates them (device, or host with ``KVFlags.HOST``);
+        ``private`` (msgpack-able) reaches the receiving engine with the addresses. The
+        receiver accepts only a transfer it expects under ``ticket``."""
+        return self._endpoint().send(instance, list(src), dst, flags, private, ticket)
+
+    def transfer_with_insert(
+        self,
+        instance: int,
+        tokens: Sequence[int],
+        src: Sequence[int],
+        dst: Sequence[int] | None = None,
+        flags: int = 0,
+        private: Any = None,
+        first_block: int = 0,
+        ticket: str = "",
+    ) -> list[int]:
+        """``transfer`` plus an ``insert(tokens, ...)`` at the receiver, saving a round
+        trip. ``src`` holds blocks ``first_block..`` of ``tokens``; the receiver must have
+        the blocks before ``first_block`` cached (incremental transfer)."""
+        return self._endpoint().send(instance, list(src), dst, flags, private, ticket, list(tokens), first_block)
+
+    def check_held(self, addrs: Sequence[int], op: str) -> None:
+        """Raise unless every address is a local block someone holds."""
+        self._table.held(addrs, op)
+
+    def read_blocks(self, addrs: Sequence[int]) -> list[Buffer]:
+        """The bytes of held blocks, in order, as the mover's per-run buffers."""
+        self._ctl.need_mover("read_blocks")
+        return self._ctl.read(self._table.runs_by_tier(addrs, "read_blocks"))
+
+    def write_blocks(self, addrs: Sequence[int], buffers: Sequence[Buffer]) -> None:
+        """Store blocks given back to back across ``buffers`` (the sender's runs) into
+        held blocks ``addrs``, re-cut into this pool's runs for the mover."""
+        self._ctl.need_mover("write_blocks")
+        self._ctl.write(self._table.runs_by_tier(addrs, "write_blocks"), buffers)
+
+    def _endpoint(self) -> TransferEndpoint:
+        if self._transfer is None:
+            raise MemPoolError("no transfer endpoint attached to this MemPool")
+        return self._transfer
 
     # ----------------------------------------------------------------- state
 
     def drain_events(self) -> list[KVEvent]:
         """Index changes since the last call, in order (for ``KVEvents``)."""
-        events, self._events = self._events, []
-        return events
+        return self._table.drain_events()
 
     def stats(self) -> dict[str, Any]:
         """Hit rate; per tier (``device``, ...) its block counts (``used``: held by
@@ -362,45 +457,46 @@ class MemPool(TierMoves, TransferAPI):
             "hit_tokens": self._hit_tokens,
             "query_tokens": self._query_tokens,
             "hit_rate": self._hit_tokens / self._query_tokens if self._query_tokens else 0.0,
-            "save_queue": self.saver.pending(),
+            "save_queue": self._ctl.pending(),
         }
         io: dict[str, dict[str, int]] = {}
-        nbytes = self.mover.block_nbytes if self.mover is not None else 0
+        nbytes = self._ctl.block_nbytes
         for tier in self.tiers:
-            pool = self._pool(tier, "stats")
+            pool = self._table.pool(tier, "stats")
             allocated = pool.num_blocks - pool.num_free
             name = tier.name.lower()
             out[name] = self.tier_stats(tier)
+            read, written = self._ctl.io_bytes(tier)
             io[name] = {
                 "bytes_used": allocated * nbytes,
                 "hits": self._hits[tier],
-                "read_bytes": self._io_bytes[tier][0],
-                "write_bytes": self._io_bytes[tier][1],
-                "saving": self._saving[tier],
-                "dropped_unsaved": self._dropped_unsaved[tier],
+                "read_bytes": read,
+                "write_bytes": written,
+                "saving": self._ctl.saving(tier),
+                "dropped_unsaved": self._moves.dropped_unsaved(tier),
                 # blocks queued or in flight between this tier and another (saves, prefetches)
-                "queue_depth": self._saving[tier] + self._incoming[tier],
+                "queue_depth": self._ctl.saving(tier) + self._ctl.incoming(tier),
             }
         if self.pins is not None:
             for tier, n in self.pins.per_tier().items():
                 if tier in self.tiers:
                     out[tier.name.lower()]["pinned"] = n
         if Tier.HOST in self.tiers and Tier.DISK in self.tiers:
-            io["host"]["prefetched"] = self._prefetch_blocks
-            io["host"]["prefetch_hits"] = self._prefetch_hits
+            io["host"]["prefetched"] = self._moves.prefetch_blocks
+            io["host"]["prefetch_hits"] = self._moves.prefetch_hits
         out["tier_io"] = io
         return out
 
     def tier_stats(self, tier: Tier) -> dict[str, int]:
         """One tier's block counts, as in ``stats`` (without pins)."""
-        pool = self._pool(tier, "stats")
+        pool = self._table.pool(tier, "stats")
         evictable = self.index.idle_count(tier)
         return {
             "total": pool.num_blocks,
             "free": pool.num_free,
             "cached": self.index.cached_count(tier),
             "evictable": evictable,
-            "used": pool.num_blocks - pool.num_free - evictable - self._saving[tier] - self._incoming[tier],
+            "used": pool.num_blocks - pool.num_free - evictable - self._ctl.saving(tier) - self._ctl.incoming(tier),
         }
 
     def close(self) -> None:
@@ -409,78 +505,5 @@ class MemPool(TierMoves, TransferAPI):
         self.flush_saves()
         if self.disk is not None:
             self.persist()
-        self.saver.close()
+        self._ctl.close()
 
-    # -------------------------------------------------------------- internals
-
-    def _forget(self, removed: list[RadixNode]) -> None:
-        """Return the blocks of nodes just removed from the index to their free lists."""
-        if not removed:
-            return
-        for tier, group in itertools.groupby(removed, key=_tier_of):
-            blocks = [n.addr & BLOCK_MASK for n in group]
-            owners = self._node_of[tier]
-            for b in blocks:
-                owners[b] = None
-            self._pool(tier, "forget").release(blocks)
-        if self._prefetched:
-            self._prefetched.difference_update(n.hash for n in removed)
-        self._events.append(KVEvent(REMOVED, [n.hash for n in removed]))
-
-    def _addr(self, tier: int, block: int) -> int:
-        return (self.instance_id << INSTANCE_SHIFT) | (tier << TIER_SHIFT) | block
-
-    def _split(self, addrs: Sequence[int], op: str) -> list[tuple[int, list[int]]]:
-        """``(tier, blocks)`` groups of local addresses; raises on foreign or unknown ones."""
-        if not addrs:
-            return []
-        base = addrs[0] & ~BLOCK_MASK
-        tier = (base >> TIER_SHIFT) & TIER_MASK
-        pool = self._pools[tier] if tier < len(self._pools) else None
-        if base >> INSTANCE_SHIFT == self.instance_id and pool is not None:
-            blocks = [a - base for a in addrs]
-            if min(blocks) >= 0 and max(blocks) < pool.num_blocks:
-                return [(tier, blocks)]
-        groups: dict[int, list[int]] = {}
-        for a in addrs:
-            tier = (a >> TIER_SHIFT) & TIER_MASK
-            if addr_instance(a) != self.instance_id:
-                raise MemPoolError(f"{op}: {addr_str(a)} belongs to instance {addr_instance(a)}, this is {self.instance_id}")
-            pool = self._pools[tier] if tier < len(self._pools) else None
-            if pool is None or not 0 <= a & BLOCK_MASK < pool.num_blocks:
-                raise MemPoolError(f"{op}: {addr_str(a)} is not a block of this pool")
-            groups.setdefault(tier, []).append(a & BLOCK_MASK)
-        return list(groups.items())
-
-    def _runs_by_tier(self, addrs: Sequence[int], op: str) -> list[tuple[Tier, list[int]]]:
-        """Maximal runs of consecutive same-tier held addresses, in order."""
-        return [
-            (Tier(tier), [e.block for e in group])
-            for tier, group in itertools.groupby(self._held(addrs, op), key=lambda e: e.tier)
-        ]
-
-    def _held(self, addrs: Sequence[int], op: str) -> list[Held]:
-        """Each address decoded; raises unless it is a local block someone holds."""
-        self._split(addrs, op)
-        if len(set(addrs)) != len(addrs):
-            raise MemPoolError(f"{op}: repeated addresses")
-        out = []
-        for a in addrs:
-            tier, block = (a >> TIER_SHIFT) & TIER_MASK, a & BLOCK_MASK
-            node = self._node_of[tier][block]
-            held = node.lock if node is not None else self._pool(tier, op).refcount(block)
-            if held < 1:
-                raise MemPoolError(f"{op}: {addr_str(a)} is not held by anyone")
-            out.append(Held(a, tier, block, node))
-        return out
-
-    def _pool(self, tier: int, op: str) -> BlockPool:
-        pool = self._pools[tier] if 0 <= tier < len(self._pools) else None
-        if pool is None:
-            raise MemPoolError(f"{op}: this pool has no {Tier(tier).name if tier < len(Tier) else tier} tier")
-        return pool
-
-    def _need_mover(self, op: str) -> BlockMover:
-        if self.mover is None:
-            raise MemPoolError(f"{op} needs a BlockMover")
-        return self.mover

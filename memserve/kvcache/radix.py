@@ -34,15 +34,7 @@ from collections.abc import Callable, Iterable, Sequence
 from types import MappingProxyType
 from typing import cast
 
-from memserve.kvcache.address import (
-    TIER_MASK,
-    TIER_SHIFT,
-    Tier,
-    addr_block,
-    addr_instance,
-    addr_str,
-    addr_tier,
-)
+from memserve.kvcache.address import Tier, addr_block, addr_instance, addr_str, addr_tier
 from memserve.kvcache.blocks import MemPoolError
 from memserve.kvcache.eviction import LRU, EvictionPolicy, Priority
 from memserve.kvcache.hashing import block_hashes
@@ -57,27 +49,27 @@ _NUM_TIERS = len(Tier)
 class TreeNode:
     """A place in the prefix tree: the index's root, or a cached block (``RadixNode``)."""
 
-    __slots__ = ("hash", "parent", "children", "addr", "lock", "busy_children", "last_access", "born")
+    __slots__ = ("hash", "parent", "children", "addr", "tier", "lock", "busy_children", "last_access", "born")
 
     hash: int | None  # the block's name; None for the root, which names no block
     parent: TreeNode | None  # None for the root and for a node taken out of the tree
     children: dict[int, RadixNode]
+    # ``addr_tier(addr)``, set with ``addr`` (here and in ``RadixIndex.move``): the index's
+    # loops over many nodes read it instead of decoding the address. The root has none.
+    tier: Tier
 
-    def __init__(
-        self, block_hash: int | None, parent: TreeNode | None, addr: int, lock: int, busy_children: int, now: float
-    ) -> None:
+    def __init__(self, block_hash: int | None, parent: TreeNode | None, addr: int, tier: Tier | None, lock: int,
+                 busy_children: int, now: float) -> None:
         self.hash = block_hash
         self.parent = parent
         self.children = _NO_CHILDREN
         self.addr = addr
+        if tier is not None:
+            self.tier = tier
         self.lock = lock
         self.busy_children = busy_children
         self.last_access = now
         self.born = now  # when the block entered the cache (FIFO eviction)
-
-    @property
-    def tier(self) -> Tier:
-        return addr_tier(self.addr)
 
     @property
     def block(self) -> int:
@@ -103,10 +95,6 @@ class RadixNode(TreeNode):
     hash: int
 
 
-def _tier(node: TreeNode) -> int:
-    return (node.addr >> TIER_SHIFT) & TIER_MASK
-
-
 class RadixIndex:
     """Prefix tree of cached blocks, shared by the worker's MemPool and the gateway."""
 
@@ -120,7 +108,7 @@ class RadixIndex:
         self._clock = clock if clock is not None else itertools.count().__next__
         self._eviction = eviction if eviction is not None else LRU()
         # The root is locked for good, so busy/idle propagation stops below it.
-        self.root = TreeNode(None, None, -1, 1, 0, 0)
+        self.root = TreeNode(None, None, -1, None, 1, 0, 0)
         self._nodes: dict[int, RadixNode] = {}
         self._count = [0] * _NUM_TIERS
         self._idle = [0] * _NUM_TIERS
@@ -198,7 +186,7 @@ class RadixIndex:
         for n in self._nodes.values():
             parent = n.parent
             assert parent is not None  # an indexed node hangs below the root or another node
-            out.add((n.hash, parent.hash, _tier(n)))
+            out.add((n.hash, parent.hash, n.tier))
         return out
 
     # ------------------------------------------------------------- structure
@@ -236,11 +224,12 @@ class RadixIndex:
         while last_busy >= 0 and not locks[last_busy]:
             last_busy -= 1
         now = self._clock()
+        tiers = [addr_tier(a) for a in addrs]
         created: list[RadixNode] = []
         append = created.append
         node: TreeNode = parent
-        for h, a, lock in zip(hashes, addrs, locks):
-            child = RadixNode(h, node, a, lock, 1, now)
+        for h, a, t, lock in zip(hashes, addrs, tiers, locks):
+            child = RadixNode(h, node, a, t, lock, 1, now)
             if node is not parent:
                 node.children = {h: child}
             append(child)
@@ -251,7 +240,6 @@ class RadixIndex:
         nodes.update(zip(hashes, created))
         for i in range(max(last_busy, 0), n):  # no busy child below these
             created[i].busy_children = 0
-        tiers = [(a >> TIER_SHIFT) & TIER_MASK for a in addrs]
         if tiers.count(tiers[0]) == n:
             self._count[tiers[0]] += n
         else:
@@ -270,12 +258,12 @@ class RadixIndex:
 
     def _add_one(self, parent: TreeNode, block_hash: int, addr: int, lock: int) -> RadixNode:
         """``add_chain`` of one block."""
-        node = RadixNode(block_hash, parent, addr, lock, 0, self._clock())
+        tier = addr_tier(addr)
+        node = RadixNode(block_hash, parent, addr, tier, lock, 0, self._clock())
         if parent.children is _NO_CHILDREN:
             parent.children = {}
         parent.children[block_hash] = node
         self._nodes[block_hash] = node
-        tier = (addr >> TIER_SHIFT) & TIER_MASK
         self._count[tier] += 1
         if lock:
             parent.busy_children += 1
@@ -318,7 +306,7 @@ class RadixIndex:
         parent = node.parent
         if node.children or node.lock or node.busy_children or parent is None:
             raise MemPoolError(f"cannot remove {node!r}: only idle leaves can be removed")
-        tier = (node.addr >> TIER_SHIFT) & TIER_MASK
+        tier = node.tier
         del self._nodes[node.hash]
         del parent.children[node.hash]
         node.parent = None
@@ -329,12 +317,13 @@ class RadixIndex:
     def move(self, node: RadixNode, addr: int, lock: int | None = None) -> None:
         """Re-point ``node`` to a block elsewhere (tier move); optionally reset its lock
         count (a busy node stays busy)."""
-        old_tier, new_tier = _tier(node), (addr >> TIER_SHIFT) & TIER_MASK
+        old_tier, new_tier = node.tier, addr_tier(addr)
         if lock is not None:
             if lock < 1 or node.lock < 1:
                 raise MemPoolError(f"move of {node!r}: only the holders of a locked node can change")
             node.lock = lock
         node.addr = addr
+        node.tier = new_tier
         if old_tier == new_tier:
             return
         self._count[old_tier] -= 1
@@ -383,7 +372,7 @@ class RadixIndex:
         their new priority; their stale heap entries are skipped when popped."""
         for node in nodes:
             if node.parent is not None and node.idle:
-                tier = _tier(node)
+                tier = node.tier
                 if self._frontier(node, tier):
                     self._push(tier, node)
 
@@ -392,10 +381,9 @@ class RadixIndex:
     def lock(self, nodes: Iterable[RadixNode]) -> None:
         """Take one reference on each node."""
         idle = self._idle
-        shift, mask = TIER_SHIFT, TIER_MASK
         for node in nodes:
             if not node.lock and not node.busy_children:  # idle -> busy
-                idle[(node.addr >> shift) & mask] -= 1
+                idle[node.tier] -= 1
                 parent = node.parent
                 assert parent is not None  # an idle node is in the tree, below the root
                 parent.busy_children += 1
@@ -427,9 +415,8 @@ class RadixIndex:
     def _became_busy(self, node: TreeNode) -> None:
         """``node`` was idle and now has a busy child: so do its idle ancestors."""
         idle = self._idle
-        shift, mask = TIER_SHIFT, TIER_MASK
         while True:
-            idle[(node.addr >> shift) & mask] -= 1
+            idle[node.tier] -= 1
             parent = node.parent
             assert parent is not None  # the walk ends at the root at the latest (locked for good)
             node = parent
@@ -441,10 +428,9 @@ class RadixIndex:
         """``node`` just lost its last lock and has no busy child; ancestors kept busy
         only by it become idle too (and are stamped ``now`` unless it is None)."""
         idle = self._idle
-        shift, mask = TIER_SHIFT, TIER_MASK
         child_tier = -1  # tier of the child we came up from
         while True:
-            tier = (node.addr >> shift) & mask
+            tier = node.tier
             idle[tier] += 1
             if now is not None:
                 node.last_access = now
@@ -472,7 +458,6 @@ class RadixIndex:
         selected: set[RadixNode] = set()
         out: list[RadixNode] = []
         priority_of, pop = self._eviction.priority, heapq.heappop
-        shift, mask = TIER_SHIFT, TIER_MASK
         while len(out) < n:
             if not heap:
                 raise AssertionError(f"tier {tier}: {self._idle[tier]} idle blocks counted but none listed")
@@ -482,7 +467,7 @@ class RadixIndex:
                 node in selected
                 or node.parent is None
                 or priority != priority_of(node)
-                or (node.addr >> shift) & mask != tier
+                or node.tier != tier
                 or node.lock
                 or node.busy_children
                 or (node.children and not self._frontier(node, tier, selected))
@@ -491,7 +476,7 @@ class RadixIndex:
             selected.add(node)
             out.append(node)
             parent = node.parent
-            if (isinstance(parent, RadixNode) and (parent.addr >> shift) & mask == tier and not parent.lock
+            if (isinstance(parent, RadixNode) and parent.tier == tier and not parent.lock
                     and not parent.busy_children and self._frontier(parent, tier, selected)):
                 # No compaction here: it would not know about ``selected``.
                 heapq.heappush(heap, (priority_of(parent), next(self._seq), parent))
@@ -500,14 +485,14 @@ class RadixIndex:
     def _frontier(self, node: RadixNode, tier: int, gone: set[RadixNode] | frozenset = frozenset()) -> bool:
         """True when no child of ``node`` (other than those in ``gone``) is in ``tier``."""
         for child in node.children.values():
-            if (child.addr >> TIER_SHIFT) & TIER_MASK == tier and child not in gone:
+            if child.tier == tier and child not in gone:
                 return False
         return True
 
     def _left_tier(self, parent: TreeNode, tier: int) -> None:
         """A child of ``parent`` left ``tier``: the parent may now be on that tier's frontier."""
         if (self._evicts and not parent.lock and not parent.busy_children and isinstance(parent, RadixNode)
-                and (parent.addr >> TIER_SHIFT) & TIER_MASK == tier and self._frontier(parent, tier)):
+                and parent.tier == tier and self._frontier(parent, tier)):
             self._push(tier, parent)
 
     def _push(self, tier: int, node: RadixNode) -> None:
@@ -523,7 +508,7 @@ class RadixIndex:
         heap = [
             (self._eviction.priority(n), next(self._seq), n)
             for n in self._nodes.values()
-            if _tier(n) == tier and n.idle and self._frontier(n, tier)
+            if n.tier == tier and n.idle and self._frontier(n, tier)
         ]
         heapq.heapify(heap)
         self._heaps[tier] = heap

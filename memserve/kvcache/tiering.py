@@ -1,8 +1,9 @@
-"""Moving cached blocks between a MemPool's tiers (device -> host -> disk -> dropped): the
-capacity-driven cascade, ``swap_out``, ``swap_in`` whole or in two halves around an
-asynchronous copy, and the disk tier's re-indexing at start-up. A mixin of ``MemPool``:
-it works on the pool's block pools, index, mover and saver (``mempool.py`` states the
-invariants).
+"""The index side of moving cached blocks between a MemPool's tiers (device -> host ->
+disk -> dropped): the capacity-driven cascade, saves, prefetches, the commit of a swap-in
+and the disk tier's re-indexing at start-up. ``TierMoves`` decides which blocks move
+where and what a finished copy means for the index; the bytes move through the
+``TierController`` (``tier_controller.py``), ownership changes through the
+``BlockTable`` (``block_table.py``).
 
 Saving down. With an asynchronous saver (``saver.ThreadSaver``) a tier is demoted ahead
 of need: ``kick_saves`` (after every engine step) keeps each tier that has a slower one
@@ -12,123 +13,173 @@ the block): it stays readable and matchable on its source tier and cannot be evi
 ``poll_saves`` moves it to its copy once the copy is written, unless it was used
 meanwhile (then the copy is given back and the block stays where it is hot).
 
-Evicting never drops what a slower tier could keep. When ``alloc_mem`` finds too few
+Evicting never drops what a slower tier could keep. When an allocation finds too few
 free blocks (the saver fell behind, or the watermark was too small for the step), it
 waits for the saves in flight out of that tier, then demotes idle blocks on demand,
 copying inside the call, as the synchronous saver (``saver.InlineSaver``, the baseline
 and the simulator's choice) always does. A block is dropped only at the end of the
 cascade, or when every slower tier is full of blocks in use; ``dropped_unsaved`` counts
-the latter, which the tiers exist to avoid."""
+the latter, which the tiers exist to avoid.
+
+Invariants kept here:
+
+- A cached block's children never sit in a faster tier than the block itself: a tier
+  gives up only its frontier (blocks with no child in it), a save lands only below its
+  parent (``_may_land``), a swap-in promotes parents first.
+- Between ``_save`` and its commit a block holds one extra index reference and its
+  destination block is parked with no owner; the commit moves the node or gives the
+  destination back, and drops that reference either way.
+- ``prefetched`` names blocks a prefetch started moving up and no request has matched
+  since; a name leaves it when matched above the disk tier or forgotten.
+"""
 
 from __future__ import annotations
 
-import itertools
 import logging
+import math
 from collections.abc import Sequence
 
-from memserve.kvcache.address import (
-    BLOCK_MASK,
-    TIER_MASK,
-    TIER_SHIFT,
-    Tier,
-    addr_str,
-    make_addrs,
-)
-from memserve.kvcache.blocks import MemPoolError
-from memserve.kvcache.events import MOVED, STORED, KVEvent
-from memserve.kvcache.pool_state import Held, PoolState
-from memserve.kvcache.radix import RadixNode
+from memserve.kvcache.address import Tier, addr_block, addr_str, make_addrs
+from memserve.kvcache.block_table import BlockTable, Held
+from memserve.kvcache.blocks import MemPoolError, OutOfBlocks
+from memserve.kvcache.disk_store import DiskStore
+from memserve.kvcache.radix import RadixIndex, RadixNode
 from memserve.kvcache.saver import SaveJob
+from memserve.kvcache.tier_controller import TierController
 
 log = logging.getLogger("memserve.kvcache")
 
 
-class TierMoves(PoolState):
+class TierMoves:
+    """A part of one MemPool; the methods it exposes as its own API (``kick_saves``,
+    ``swap_out``, ``prefetch``, ...) are documented there."""
+
+    def __init__(self, index: RadixIndex, table: BlockTable, controller: TierController, disk: DiskStore | None,
+                 save_watermark: float, step_blocks: int) -> None:
+        self._index = index
+        self._table = table
+        self._ctl = controller
+        self._disk = disk
+        # Per tier: blocks ``kick_saves`` keeps free or being saved down: a fraction of the
+        # tier, and at least what one engine step allocates (``step_blocks``), so that a
+        # step finds free blocks instead of dropping cached ones.
+        self._watermark = [0] * len(Tier)
+        for tier in table.tiers:
+            n = table.pool(tier, "watermark").num_blocks
+            self._watermark[tier] = min(n, max(1, math.ceil(save_watermark * n), step_blocks))
+        self._dropped_unsaved = [0] * len(Tier)  # per tier: blocks dropped though a slower tier exists
+        self._corrupt: list[RadixNode] = []  # disk blocks found bad, forgotten once idle
+        self._prefetched: set[int] = set()
+        self.prefetch_blocks = 0  # blocks prefetched disk -> host
+        self.prefetch_hits = 0  # prefetched blocks a request then matched on the host
+
+    def dropped_unsaved(self, tier: int) -> int:
+        return self._dropped_unsaved[tier]
+
+    # ------------------------------------------------------------ allocating
+
+    def make_room(self, tier: Tier, size: int, short: int) -> None:
+        """Free ``short`` more blocks of ``tier`` for an allocation of ``size``: wait for
+        saves, demote, drop; raises ``OutOfBlocks`` (changing nothing) when even evicting
+        every idle block would not do."""
+        pool = self._table.pool(tier, "alloc_mem")
+        self.catch_up_saves(tier, short)
+        short = size - pool.num_free
+        if short > 0:
+            if short > self._index.idle_count(tier):
+                raise OutOfBlocks(
+                    f"alloc_mem: need {size} {Tier(tier).name} blocks; {pool.num_free} free and "
+                    f"{self._index.idle_count(tier)} evictable of {pool.num_blocks}"
+                )
+            self._evict(tier, short)
+
+    def catch_up_saves(self, tier: int, short: int) -> None:
+        """When ``tier``'s idle blocks cannot cover ``short`` but asynchronous saves out of
+        it are in flight, wait for them: once written they free their sources (or, used
+        meanwhile, become evictable again) instead of the allocation failing."""
+        if 0 < short and self._index.idle_count(tier) < short and self._ctl.saving(tier) and not self._ctl.inline:
+            self._ctl.wait()
+            self._finish_saves()
+
+    def forget(self, removed: list[RadixNode]) -> None:
+        """Nodes just removed from the index: their blocks go back to the free lists."""
+        self._table.forget(removed)
+        if removed and self._prefetched:
+            self._prefetched.difference_update(n.hash for n in removed)
+
     # ------------------------------------------------------------- saving down
 
     def kick_saves(self) -> None:
-        """Commit the saves that finished, then start demotions so that every tier with
-        a slower one has ``watermark`` blocks free or being saved (slowest tier first:
-        its saves make room for the faster tier's). Never waits for a copy."""
         self.poll_saves()
-        if self.saver.inline:
-            return  # a synchronous saver demotes on demand, in alloc_mem
-        for tier in reversed(self.tiers):
-            self.demote(tier, self._watermark[tier] - self._pool(tier, "kick_saves").num_free - self._saving[tier])
+        if self._ctl.inline:
+            return  # a synchronous saver demotes on demand, when allocating
+        for tier in reversed(self._table.tiers):
+            free = self._table.pool(tier, "kick_saves").num_free
+            self.demote(tier, self._watermark[tier] - free - self._ctl.saving(tier))
 
     def demote(self, tier: Tier, n: int) -> int:
-        """Start saving up to ``n`` of ``tier``'s least valuable idle blocks to the next
-        slower tier, as far as it has room without waiting; returns how many."""
         nxt = self._next_tier(tier)
         if nxt is None:
             return 0
-        n = min(n, self.index.idle_count(tier), self._room(nxt))
+        n = min(n, self._index.idle_count(tier), self._room(nxt))
         if n > 0:
-            self._save(self.index.select_evictable(tier, n), nxt)
+            self._save(self._index.select_evictable(tier, n), nxt)
         return max(n, 0)
 
     def poll_saves(self) -> None:
-        """Move the blocks whose saves finished to their copies; forget corrupt disk
-        blocks nobody holds any more. Cheap and I/O-free: call it before scheduling."""
         self._finish_saves()
         self._drop_corrupt()
 
     def flush_saves(self) -> None:
-        """Wait for every save in flight and commit it (tests, shutdown)."""
-        self.saver.wait()
+        self._ctl.wait()
         self.poll_saves()
 
     def persist(self) -> None:
-        """Save every idle cached block of the faster tiers to the disk tier, as far as
-        it holds them (a graceful shutdown: the next run re-indexes them). Slower tiers
-        go first, so a block never lands below a child of a faster tier."""
-        if self._pools[Tier.DISK] is None or self.mover is None:
+        table, index = self._table, self._index
+        if table.find(Tier.DISK) is None or self._ctl.mover is None:
             return
         self.flush_saves()
         for tier in (Tier.HOST, Tier.DEVICE):
-            if self._pools[tier] is None:
+            if table.find(tier) is None:
                 continue
-            if tier == Tier.DEVICE and self._pools[Tier.HOST] is not None and self.index.cached_count(Tier.HOST):
+            if tier == Tier.DEVICE and table.find(Tier.HOST) is not None and index.cached_count(Tier.HOST):
                 return  # a device block could end up on disk above a child left on the host
-            n = min(self.index.idle_count(tier), self._room(Tier.DISK))
+            n = min(index.idle_count(tier), self._room(Tier.DISK))
             if n > 0:
-                self._save(self.index.select_evictable(tier, n), Tier.DISK)
+                self._save(index.select_evictable(tier, n), Tier.DISK)
                 self.flush_saves()
 
     def swap_out(self, n: int) -> list[tuple[int, int]]:
-        """Move up to ``n`` least recently used cached device blocks to the host tier,
-        waiting for the copies; returns ``(old, new)`` addresses. Fewer move when fewer
-        are idle or the host is full of blocks in use."""
-        host = self._pool(Tier.HOST, "swap_out")
-        self._need_mover("swap_out")
-        room = host.num_free + self.index.idle_count(Tier.HOST)
-        n = min(n, self.index.idle_count(Tier.DEVICE), room)
+        host = self._table.pool(Tier.HOST, "swap_out")
+        self._ctl.need_mover("swap_out")
+        room = host.num_free + self._index.idle_count(Tier.HOST)
+        n = min(n, self._index.idle_count(Tier.DEVICE), room)
         if n <= 0:
             return []
-        job = self._save(self.index.select_evictable(Tier.DEVICE, n), Tier.HOST)
-        self.saver.wait()
+        job = self._save(self._index.select_evictable(Tier.DEVICE, n), Tier.HOST)
+        self._ctl.wait()
         mine = {addr for _, addr, _ in job.owner}
         return [pair for pair in self._finish_saves() if pair[0] in mine]
 
-    def _evict(self, tier: int, n: int) -> None:
+    def _evict(self, tier: Tier, n: int) -> None:
         """Free ``n`` blocks of ``tier`` now, keeping their bytes wherever a slower tier can
         hold them: first the saves in flight out of ``tier`` are waited for (they free
         their sources), then its least valuable idle blocks are demoted to the next slower
         tier, waiting for the copies, as far as that tier can take them (making room down
         the cascade in turn). Only what no slower tier can hold is dropped; from a tier
         that has a slower one that is counted as ``dropped_unsaved``."""
-        pool = self._pool(tier, "evict")
+        pool = self._table.pool(tier, "evict")
         target = pool.num_free + n
-        if self._saving[tier] and not self.saver.inline:
-            self.saver.wait()
+        if self._ctl.saving(tier) and not self._ctl.inline:
+            self._ctl.wait()
             self._finish_saves()
-        victims = self.index.select_evictable(tier, target - pool.num_free)
+        victims = self._index.select_evictable(tier, target - pool.num_free)
         if not victims:
             return
         nxt = self._next_tier(tier)
         keep = 0
         if nxt is not None:
-            keep = min(len(victims), self._pool(nxt, "evict").num_free + self.index.idle_count(nxt))
+            keep = min(len(victims), self._table.pool(nxt, "evict").num_free + self._index.idle_count(nxt))
         # Drop the oldest: victims come deepest first, so none of them is an ancestor of a
         # demoted one (and pinned blocks come last, so they are the ones kept). A dropped
         # block's slower descendants go with it.
@@ -136,62 +187,57 @@ class TierMoves(PoolState):
         if dropped:
             if nxt is not None:
                 self._dropped_unsaved[tier] += len(dropped)
-            self._forget([gone for v in dropped for gone in self.index.remove_subtree(v)])
+            self.forget([gone for v in dropped for gone in self._index.remove_subtree(v)])
         if keep:
             assert nxt is not None  # only a slower tier keeps any
             self._save(victims[len(victims) - keep :], nxt)
-            self.saver.wait()
+            self._ctl.wait()
             self._finish_saves()
 
     def _room(self, tier: Tier) -> int:
         """Blocks a save into ``tier`` can get without waiting: free ones, plus idle ones
         when ``tier`` is the last (they are dropped; a middle tier saves its own down)."""
-        room = self._pool(tier, "save").num_free
+        room = self._table.pool(tier, "save").num_free
         if self._next_tier(tier) is None:
-            room += self.index.idle_count(tier)
+            room += self._index.idle_count(tier)
         return room
 
     def _save(self, nodes: list[RadixNode], dst: Tier) -> SaveJob:
         """Start copying idle indexed blocks of one tier to new blocks of ``dst``: the
         copies are parked, the sources pinned until ``_finish_saves``."""
         src = nodes[0].tier
-        dst_pool = self._pool(dst, "save")
+        dst_pool = self._table.pool(dst, "save")
         short = len(nodes) - dst_pool.num_free
         if short > 0:
             self._evict(dst, short)
         dst_blocks = dst_pool.alloc(len(nodes))
         dst_pool.park(dst_blocks)
-        self.index.lock(nodes)
-        if dst == Tier.DISK and self.disk is not None:
+        self._index.lock(nodes)
+        if dst == Tier.DISK and self._disk is not None:
             for node, slot in zip(nodes, dst_blocks):
                 parent = node.parent
                 assert parent is not None  # an indexed node
-                self.disk.name(slot, node.hash, parent.hash)
-        self._saving[src] += len(nodes)
-        self._incoming[dst] += len(nodes)
-        job = SaveJob(src, [n.addr & BLOCK_MASK for n in nodes], dst, dst_blocks,
+                self._disk.name(slot, node.hash, parent.hash)
+        job = SaveJob(src, [addr_block(n.addr) for n in nodes], dst, dst_blocks,
                       owner=[(n, n.addr, n.last_access) for n in nodes])
-        self.saver.submit(job)
+        self._ctl.start_save(job)
         return job
 
     def _finish_saves(self) -> list[tuple[int, int]]:
         """Commit every finished save; returns the ``(old, new)`` addresses moved."""
         pairs: list[tuple[int, int]] = []
-        for job in self.saver.completed():
+        for job in self._ctl.finished_saves():
             pairs += self._finish_save(job)
         return pairs
 
     def _finish_save(self, job: SaveJob) -> list[tuple[int, int]]:
         src, dst = job.src_tier, job.dst_tier
-        n = len(job.src_blocks)
-        self._saving[src] -= n
-        self._incoming[dst] -= n
-        src_pool, dst_pool = self._pool(src, "save"), self._pool(dst, "save")
+        src_pool, dst_pool = self._table.pool(src, "save"), self._table.pool(dst, "save")
         moved: list[tuple[RadixNode, int, int]] = []
         unpin: list[RadixNode] = []
         unused: list[int] = []
         landing: set[RadixNode] = set()
-        unread = self.disk.failed(job.src_blocks) if src == Tier.DISK and self.disk is not None else set()
+        unread = self._disk.failed(job.src_blocks) if src == Tier.DISK and self._disk is not None else set()
         for (node, addr, stamp), sb, db in zip(job.owner, job.src_blocks, job.dst_blocks):
             if node.addr != addr:  # swapped in meantime: the pin went with the old block, now private
                 src_pool.free([sb])
@@ -208,28 +254,21 @@ class TierMoves(PoolState):
                 unpin.append(node)
                 unused.append(db)
         if job.error is not None:
-            log.warning("saving %d blocks %s -> %s failed: %r", n, Tier(src).name, Tier(dst).name, job.error)
-        else:
-            nbytes = self._need_mover("save").block_nbytes
-            self._io_bytes[src][0] += n * nbytes
-            self._io_bytes[dst][1] += n * nbytes
+            log.warning("saving %d blocks %s -> %s failed: %r", len(job.src_blocks), Tier(src).name, Tier(dst).name,
+                        job.error)
         dst_pool.release(unused)
         if unpin:
-            self.index.unlock(unpin, touch=False)
+            self._index.unlock(unpin, touch=False)
         if not moved:
             return []
-        src_owner, dst_owner = self._node_of[src], self._node_of[dst]
         pairs = []
-        for node, sb, db in moved:
-            new = self._addr(dst, db)
+        for node, _, db in moved:
+            new = self._table.addr(dst, db)
             pairs.append((node.addr, new))
-            self.index.move(node, new)
-            src_owner[sb] = None
-            dst_owner[db] = node
+            self._index.move(node, new)
+        self._table.moved([(node, src, sb) for node, sb, _ in moved])
         src_pool.release([sb for _, sb, _ in moved])
-        nodes = [node for node, _, _ in moved]
-        self.index.unlock(nodes, touch=False)
-        self._events.append(KVEvent(MOVED, [node.hash for node in nodes], None, [new for _, new in pairs]))
+        self._index.unlock([node for node, _, _ in moved], touch=False)
         return pairs
 
     def _may_land(self, node: RadixNode, dst: Tier, landing: set[RadixNode]) -> bool:
@@ -238,123 +277,82 @@ class TierMoves(PoolState):
         only with or after its parent: never a child above it)."""
         parent = node.parent
         assert parent is not None  # a block being saved is pinned: in the tree
-        return parent is self.index.root or parent.tier <= dst or parent in landing
+        return parent is self._index.root or parent.tier <= dst or parent in landing
 
     # -------------------------------------------------------------- prefetching
 
     def prefetch_window(self) -> int:
-        """Host blocks the look-ahead window may claim for prefetches: the host tier less
-        the free blocks kept for device demotions (its watermark, at most half of it);
-        0 without a disk and a host tier."""
-        host = self._pools[Tier.HOST]
-        if host is None or self._pools[Tier.DISK] is None or self.mover is None:
+        host = self._table.find(Tier.HOST)
+        if host is None or self._table.find(Tier.DISK) is None or self._ctl.mover is None:
             return 0
         return host.num_blocks - self._prefetch_reserve()
 
     def prefetch_room(self) -> int:
-        """Host blocks a prefetch may fill now: the free ones beyond that reserve
-        (negative when the host must first save that many down)."""
         if not self.prefetch_window():
             return 0
-        return self._pool(Tier.HOST, "prefetch").num_free - self._prefetch_reserve()
+        return self._table.pool(Tier.HOST, "prefetch").num_free - self._prefetch_reserve()
 
     def _prefetch_reserve(self) -> int:
-        return min(self._watermark[Tier.HOST], self._pool(Tier.HOST, "prefetch").num_blocks // 2)
+        return min(self._watermark[Tier.HOST], self._table.pool(Tier.HOST, "prefetch").num_blocks // 2)
 
     def prefetch(self, nodes: list[RadixNode]) -> int:
-        """Start copying idle disk blocks up to the host tier through the saver
-        (AttentionStore §3.3.1), parents before children, as far as ``prefetch_room``
-        allows; returns how many started. Like a save, the block stays readable on disk
-        meanwhile and moves only if nobody used it (then a load reads it from the host)."""
         nodes = [n for n in nodes if n.tier == Tier.DISK and n.idle][: max(0, self.prefetch_room())]
         if not nodes:
             return 0
         self._save(nodes, Tier.HOST)
         self._prefetched.update(n.hash for n in nodes)
-        self._prefetch_blocks += len(nodes)
+        self.prefetch_blocks += len(nodes)
         return len(nodes)
+
+    def count_prefetch_hits(self, nodes: list[RadixNode]) -> None:
+        """A request matched ``nodes``: those a prefetch brought up count as its hits."""
+        if not self._prefetched:
+            return
+        for n in nodes:
+            if n.hash in self._prefetched and n.tier != Tier.DISK:
+                self._prefetched.discard(n.hash)
+                self.prefetch_hits += 1
 
     # -------------------------------------------------------------- loading up
 
-    def swap_in(self, addrs: Sequence[int]) -> list[int]:
-        """Copy held blocks of slower tiers to new device blocks; returns the device
-        addresses, each held once by the caller. The caller keeps its references to the
-        old addresses (free them as usual). An indexed block is re-pointed to its device
-        copy; pass a prompt's blocks parent first. Raises when a disk block was missing or
-        corrupt (the blocks before it are swapped in)."""
-        device_addrs = self.prepare_swap_in(addrs)
-        mover = self._need_mover("swap_in")
-        for tier, src, dst in self.swap_in_copies(addrs, device_addrs):
-            mover.copy_blocks(tier, src, Tier.DEVICE, dst)
-        intact = self.commit_swap_in(addrs, device_addrs)
-        if intact < len(addrs):
-            self.free_mem(device_addrs)
-            raise MemPoolError(f"swap_in: {addr_str(addrs[intact])} could not be read (missing or corrupt)")
-        return device_addrs
-
-    def prepare_swap_in(self, addrs: Sequence[int]) -> list[int]:
-        """First half of an asynchronous ``swap_in``: checks ``addrs`` and allocates their
-        device blocks (held once by the caller), copying nothing. Copy them (the runs of
-        ``swap_in_copies``) off the scheduling path, then ``commit_swap_in``. Both the
-        sources (held by the caller) and the new device blocks (private) are safe from
-        eviction meanwhile."""
-        self._need_mover("swap_in")
-        entries = self._held(addrs, "swap_in")
+    def check_swap_in(self, addrs: Sequence[int]) -> None:
+        """Raise unless ``addrs`` are held blocks of slower tiers whose parents are on the
+        device or come before them."""
+        self._ctl.need_mover("swap_in")
         promoted: set[RadixNode] = set()
-        for e in entries:
+        for e in self._table.held(addrs, "swap_in"):
             if e.tier == Tier.DEVICE:
                 raise MemPoolError(f"swap_in: {addr_str(e.addr)} is already on the device")
             if e.node is not None:
                 parent = e.node.parent
                 assert parent is not None  # a held indexed node is in the tree
-                if parent is not self.index.root and parent.tier != Tier.DEVICE and parent not in promoted:
+                if parent is not self._index.root and parent.tier != Tier.DEVICE and parent not in promoted:
                     raise MemPoolError(f"swap_in: {addr_str(e.addr)}'s parent block is not on the device; pass it first")
                 promoted.add(e.node)
-        return self.alloc_mem(len(entries), Tier.DEVICE)
-
-    @staticmethod
-    def swap_in_copies(addrs: Sequence[int], device_addrs: Sequence[int]) -> list[tuple[Tier, list[int], list[int]]]:
-        """(source tier, source blocks, device blocks) runs that a swap-in copies."""
-        pairs = [((a >> TIER_SHIFT) & TIER_MASK, a & BLOCK_MASK, d & BLOCK_MASK) for a, d in zip(addrs, device_addrs)]
-        return [(Tier(tier), [p[1] for p in run], [p[2] for p in run])
-                for tier, run in ((t, list(g)) for t, g in itertools.groupby(pairs, key=lambda p: p[0]))]
 
     def commit_swap_in(self, addrs: Sequence[int], device_addrs: Sequence[int]) -> int:
-        """Second half of an asynchronous ``swap_in``, once the copies are done: indexed
-        sources are re-pointed to their device copies. A source another swap-in already
-        promoted keeps that copy; this one's stays private to the caller. Returns how
-        many leading blocks arrived: a disk block whose file was missing or corrupt, and
-        every block after it, are not committed (their device blocks stay private to the
-        caller, to recompute) and the bad blocks are forgotten once nobody holds them."""
-        entries = self._held(addrs, "swap_in")
+        entries = self._table.held(addrs, "swap_in")
         intact = self._intact_prefix(entries)
-        nbytes = self._need_mover("swap_in").block_nbytes
-        for e in entries[:intact]:
-            self._io_bytes[e.tier][0] += nbytes
-        self._io_bytes[Tier.DEVICE][1] += intact * nbytes
+        self._ctl.count_load([e.tier for e in entries[:intact]])
         moved: list[tuple[RadixNode, Held, int]] = []
         for e, d in zip(entries[:intact], device_addrs):
             if e.node is not None and e.node.addr == e.addr:
-                moved.append((e.node, e, d & BLOCK_MASK))
+                moved.append((e.node, e, addr_block(d)))
         if not moved:
             return intact
-        self._pool(Tier.DEVICE, "swap_in").park([b for _, _, b in moved])
-        device_owner = self._node_of[Tier.DEVICE]
+        self._table.pool(Tier.DEVICE, "swap_in").park([b for _, _, b in moved])
         for node, e, b in moved:
             holders = node.lock
-            self.index.move(node, self._addr(Tier.DEVICE, b), lock=1)
-            self._node_of[e.tier][e.block] = None
-            device_owner[b] = node
-            self._pool(e.tier, "swap_in").unpark([e.block], [holders])
-        nodes = [node for node, _, _ in moved]
-        self._events.append(KVEvent(MOVED, [n.hash for n in nodes], None, [n.addr for n in nodes]))
+            self._index.move(node, self._table.addr(Tier.DEVICE, b), lock=1)
+            self._table.pool(e.tier, "swap_in").unpark([e.block], [holders])
+        self._table.moved([(node, e.tier, e.block) for node, e, _ in moved])
         return intact
 
     def _intact_prefix(self, entries: list[Held]) -> int:
         """How many leading entries' bytes a load delivered (all but disk misses)."""
-        if self.disk is None:
+        if self._disk is None:
             return len(entries)
-        bad = self.disk.failed(e.block for e in entries if e.tier == Tier.DISK)
+        bad = self._disk.failed(e.block for e in entries if e.tier == Tier.DISK)
         if not bad:
             return len(entries)
         first = len(entries)
@@ -375,37 +373,35 @@ class TierMoves(PoolState):
             if node.parent is None or node.tier != Tier.DISK:
                 continue  # already gone
             if node.idle:
-                self._forget(self.index.remove_subtree(node))
+                self.forget(self._index.remove_subtree(node))
             else:
                 waiting.append(node)
         self._corrupt = waiting
 
     # --------------------------------------------------------------- start-up
 
-    def _adopt_disk(self, entries: list[tuple[int, int | None]]) -> None:
+    def adopt_disk(self, entries: list[tuple[int, int | None]]) -> None:
         """Index the valid blocks an earlier run left on disk (``DiskStore.scan``: parents
         first, entry i in slot i) as cached disk blocks, one STORED event per chain run."""
         if not entries:
             return
-        pool = self._pool(Tier.DISK, "adopt")
+        pool = self._table.pool(Tier.DISK, "adopt")
         slots = pool.alloc(len(entries))
         if slots != list(range(len(entries))):
             raise MemPoolError("the disk tier must be adopted before any allocation")
         pool.park(slots)
-        owners = self._node_of[Tier.DISK]
         i = 0
         while i < len(entries):
             j = i + 1
             while j < len(entries) and entries[j][1] == entries[j - 1][0]:
                 j += 1
             hashes = [h for h, _ in entries[i:j]]
-            addrs = make_addrs(self.instance_id, Tier.DISK, slots[i:j])
-            for slot, node in zip(slots[i:j], self.index.add_chain(entries[i][1], hashes, addrs)):
-                owners[slot] = node
-            self._events.append(KVEvent(STORED, hashes, entries[i][1], addrs))
+            addrs = make_addrs(self._table.instance_id, Tier.DISK, slots[i:j])
+            nodes = self._index.add_chain(entries[i][1], hashes, addrs)
+            self._table.own(Tier.DISK, slots[i:j], nodes, entries[i][1], hashes, addrs)
             i = j
 
     def _next_tier(self, tier: int) -> Tier | None:
-        if self.mover is None:
+        if self._ctl.mover is None:
             return None
-        return next((t for t in self.tiers if t > tier), None)
+        return next((t for t in self._table.tiers if t > tier), None)

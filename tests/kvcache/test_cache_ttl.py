@@ -91,7 +91,7 @@ def test_blocks_in_use_never_expire():
 def test_expired_blocks_leave_the_host_and_the_disk_with_their_files(tmp_path):
     clock = Clock()
     pool, memory = tiered_pool(tmp_path, device=4, host=4, disk_blocks=8)
-    pool._clock = pool.index._clock = clock
+    pool.index._clock = clock
     retention = Retention(pool, TTL, clock)
     old, new = prompt(5, 4), prompt(6, 4)
     cache_filled(pool, memory, old, seed=5)

@@ -173,7 +173,7 @@ def test_random_workload_with_saves_in_flight_keeps_every_block_accounted_for(tm
     each flush every block is indexed or held, and no child sits above its parent."""
     clock = Clock()
     pool, _ = tiered_pool(tmp_path, device=24, host=12, disk_blocks=12, watermark=0.25)
-    pool._clock = pool.index._clock = clock  # the workload's clock drives LRU
+    pool.index._clock = clock  # the workload's clock drives LRU
     for step, running in enumerate(random_workload(pool, clock, seed=5, steps=300)):
         pool.kick_saves()
         if step % 3 == 0:
