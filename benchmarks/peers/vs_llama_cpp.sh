@@ -21,7 +21,9 @@
 # Run it on a quiet machine. Environment: PYTHON (memserve's interpreter), LLAMA_CPP_DIR
 # (build folder, default ~/.cache/memserve/llama.cpp), LLAMA_CPP_PYTHON_VERSION (the sdist,
 # default 0.3.36), WEIGHTS (q4_1 or f32), CONCURRENCY (1), REQUESTS (8), INPUT_LEN (128),
-# OUTPUT_LEN (256), OUT (results folder).
+# OUTPUT_LEN (256), OUT (results folder), LLAMA_ARGS (extra llama-server options, e.g.
+# --no-repack where its weight repacking crashes, as llama.cpp 0.5.0-dev's does on Q4_1
+# weights on an AMX Xeon).
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
@@ -71,7 +73,7 @@ mkdir -p "$OUT"
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "machine: $THREADS cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
   echo "llama.cpp: $("$BIN/llama-server" --version 2>&1 | head -1) from llama-cpp-python $LLAMA_CPP_PYTHON_VERSION;" \
-       "-t $THREADS -tb $THREADS --parallel $CONCURRENCY, weights $LLAMA_GGUF"
+       "-t $THREADS -tb $THREADS --parallel $CONCURRENCY ${LLAMA_ARGS:-}, weights $LLAMA_GGUF"
   echo "memserve: --dtype float32 --quantization $QUANTIZATION, weights $GGUF"
   echo "workload: $REQUESTS random prompts of $INPUT_LEN tokens, $OUTPUT_LEN tokens out, concurrency $CONCURRENCY"
 } | tee "$OUT/settings.txt"
@@ -99,7 +101,7 @@ bench memserve "http://127.0.0.1:$MEMSERVE_PORT"
 stop_server
 
 "$BIN/llama-server" -m "$LLAMA_GGUF" --alias "$NAME" --port "$LLAMA_PORT" -t "$THREADS" -tb "$THREADS" \
-  --parallel "$CONCURRENCY" -c $((4096 * CONCURRENCY)) >"$OUT/llama-server.log" 2>&1 &
+  --parallel "$CONCURRENCY" -c $((4096 * CONCURRENCY)) ${LLAMA_ARGS:-} >"$OUT/llama-server.log" 2>&1 &
 SERVER_PID=$!
 wait_healthy "http://127.0.0.1:$LLAMA_PORT" "$OUT/llama-server.log"
 bench llama.cpp "http://127.0.0.1:$LLAMA_PORT"

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.engine_generate import generate
+from helpers.hf_greedy import transformers_greedy
 from helpers.llama_cpp_gguf import write_gguf
 from helpers.one_thread import one_intra_op_thread  # noqa: F401 (autouse fixture)
 from safetensors.numpy import load_file
@@ -103,13 +104,7 @@ def test_memserve_serves_the_converted_folder_like_transformers(converted):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(original, dtype=torch.float32)
-    reference = []
-    with torch.no_grad():
-        for ids in prompts():
-            input_ids = torch.tensor([ids])
-            out = hf.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=NEW_TOKENS,
-                              min_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)
-            reference.append(out[0, len(ids):].tolist())
+    reference = transformers_greedy(hf, prompts(), NEW_TOKENS)
     engine = build_engine(EngineConfig(model=str(folder), dtype="float32", num_blocks=32, max_num_seqs=4), folder)
     assert [tokens for tokens, _ in generate(engine, prompts(), NEW_TOKENS)] == reference
 

@@ -17,6 +17,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 from helpers.engine_generate import generate
+from helpers.hf_greedy import transformers_greedy
 from helpers.llama_cpp_gguf import write_gguf
 from helpers.one_thread import one_intra_op_thread  # noqa: F401 (autouse fixture)
 
@@ -75,13 +76,7 @@ def test_memserve_serves_the_blocks_with_the_dequantized_weights_greedy_tokens(q
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)  # the widened weights
-    reference = []
-    with torch.no_grad():
-        for ids in prompts():
-            input_ids = torch.tensor([ids])
-            out = hf.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=NEW_TOKENS,
-                              min_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)
-            reference.append(out[0, len(ids):].tolist())
+    reference = transformers_greedy(hf, prompts(), NEW_TOKENS)
     cfg = EngineConfig(model=str(folder), dtype="float32", num_blocks=32, max_num_seqs=4, quantization="gguf")
     engine = build_engine(cfg, folder)
     quantized = [m for m in engine.runner.model.modules() if isinstance(m, GGUFLinear)]

@@ -28,8 +28,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "fused_pointwise.cpp",
-                                                                             "gguf_linear.cpp"))
+SOURCES = tuple(Path(__file__).parent / "csrc" / name
+                for name in ("paged_decode.cpp", "fused_pointwise.cpp", "gguf_linear.cpp"))
+# Included by the sources: part of what a build is named by.
+HEADERS = (Path(__file__).parent / "csrc" / "bf16.h",)
 CACHE_DIR = Path(os.environ.get("MEMSERVE_KERNEL_CACHE", Path.home() / ".cache" / "memserve" / "kernels"))
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]  # fast-math: vectorised exp (see the source)
 
@@ -49,7 +51,7 @@ def _cpu_signature() -> str:
 
 def build_dir() -> Path:
     key = hashlib.sha256(
-        b"\0".join([*(source.read_bytes() for source in SOURCES), torch.__version__.encode(), str(Path(torch.__file__).parent).encode(),
+        b"\0".join([*(source.read_bytes() for source in SOURCES + HEADERS), torch.__version__.encode(), str(Path(torch.__file__).parent).encode(),
                    _cpu_signature().encode(), " ".join(FLAGS).encode()])
     ).hexdigest()[:16]
     return CACHE_DIR / key

@@ -19,42 +19,19 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "bf16.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
 namespace {
 
+using memserve_kernels::narrow;
+using memserve_kernels::store;
+using memserve_kernels::widen;
+
 constexpr int64_t GRAIN_ROWS = 16;
-
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-
-// float32 -> bf16 bits, rounded to nearest even: c10's rounding without its NaN branch,
-// so that loops over it vectorise (every value here is finite; see -ffast-math).
-inline uint16_t bf16_bits(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
-
-// A float32 value stored as T (rounded to nearest even for bf16).
-inline float store(float x, float*) { return x; }
-inline c10::BFloat16 store(float x, c10::BFloat16*) { return c10::BFloat16(bf16_bits(x), c10::BFloat16::from_bits()); }
-
-// A float32 value rounded as T stores it, as float32.
-inline float narrow(float x, float*) { return x; }
-inline float narrow(float x, c10::BFloat16*) {
-  const uint32_t bits = static_cast<uint32_t>(bf16_bits(x)) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
 
 template <typename T>
 void rms_rows(T* out, T* sum_out, const T* x, const T* residual, const T* weight, int64_t rows, int64_t width,

@@ -17,6 +17,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "bf16.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -27,13 +29,7 @@ namespace {
 
 constexpr int64_t PARTITION = 512;
 
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
+using memserve_kernels::widen;
 
 constexpr int64_t MAX_DIM = 256;
 
