@@ -52,6 +52,8 @@ OP_KINDS = {
     "aten::_index_put_impl_": "KV write",
     "aten::index_copy_": "KV write",
     "aten::argmax": "sampling",
+    "memserve::gguf_matmul": "matmul (linear, lm_head)",  # --quantization auto on a GGUF file
+    "memserve::gguf_dequantize": "matmul (linear, lm_head)",
 }
 
 
