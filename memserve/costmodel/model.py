@@ -136,6 +136,19 @@ class CostModel:
             total_context_tokens = batch_size * longest_context
         return d.per_step + d.per_seq * batch_size + d.per_context_token * total_context_tokens
 
+    def decode_steps_s(self, batch_size: int, total_context_tokens: int, longest_context: int,
+                       num_steps: int) -> list[float]:
+        """``decode_step_s`` of ``num_steps`` decode steps in a row of the same sequences,
+        each holding one more token in every step (the simulator times a run of them at
+        once); the same sums, without a call per step."""
+        if batch_size <= 0:
+            return [0.0] * num_steps
+        d = self.decode
+        fixed, per_token = d.per_step + d.per_seq * batch_size, d.per_context_token
+        if d.padded:
+            return [fixed + per_token * (batch_size * (longest_context + k)) for k in range(num_steps)]
+        return [fixed + per_token * (total_context_tokens + k * batch_size) for k in range(num_steps)]
+
     def step_s(self, prefills: Iterable[tuple[int, float]], batch_size: int, total_context_tokens: int,
                longest_context: int | None = None) -> float:
         """One step that prefills ``prefills`` (as in ``prefill_batch_s``) and decodes

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from memserve.ipc.messages import WorkerStats
+from memserve.ipc.messages import MemPoolStats, TierStats, WorkerStats
+from memserve.kvcache.address import Tier
 from memserve.kvcache.mirror import PromptTreeMirror
+from memserve.sim.plain_decodes import PlainDecodes
 from memserve.sim.runner import SimulatedRunner
 from memserve.workers.engine.engine import Engine
 from memserve.workload.records import RequestRecord
@@ -23,7 +25,27 @@ class SimInstance:
     role: str = "colocated"  # colocated | prefill | decode (sim/pd_flow.py)
     busy: bool = False  # a step event is scheduled
     step_end: float = 0.0  # when its latest step ends (a prefix push waits for it)
-    stats: WorkerStats = field(default_factory=WorkerStats)  # its device blocks as of its latest step (a heartbeat's)
+    plain: PlainDecodes = field(init=False)  # its plain decode steps, for the run-ahead
+    _device: dict[str, int] | None = field(default=None, init=False, repr=False)  # counted by the latest take_stats
+    _stats: WorkerStats = field(default_factory=WorkerStats, init=False, repr=False)  # the report last built
+    _built: dict[str, int] | None = field(default=None, init=False, repr=False)  # the counts it was built from
+
+    def __post_init__(self) -> None:
+        self.plain = PlainDecodes(self.engine, self.runner)
+
+    def take_stats(self) -> None:
+        """Count its device blocks for its stats report, as a heartbeat does (about as
+        often as its steps end); the report is built when the router reads it."""
+        self._device = self.engine.mempool.tier_stats(Tier.DEVICE)
+
+    @property
+    def stats(self) -> WorkerStats:
+        """Its stats report as the router reads it: its device blocks as of the latest
+        ``take_stats`` (none before the first)."""
+        if self._built is not self._device and self._device is not None:
+            self._stats = WorkerStats(mempool=MemPoolStats(tiers={"device": TierStats(**self._device)}))
+            self._built = self._device
+        return self._stats
 
 
 @dataclass

@@ -36,15 +36,16 @@ def synthetic_token(last_token: int, context_len: int) -> int:
     tokens ending in ``last_token``. A function of the context, as greedy decoding is:
     the copies of a session (``--share-ratio``) get the same answers, so their next
     turns' prompts stay identical and share the cache, as on a real model."""
-    return synthetic_answer(last_token, context_len, 1)[0]
+    return 1 + zlib.crc32(b"%d:%d" % (last_token, context_len)) % (SIM_VOCAB - 2)
 
 
 def synthetic_answer(last_token: int, context_len: int, num_tokens: int) -> list[int]:
     """The next ``num_tokens`` tokens decoded after a context of ``context_len`` tokens
     ending in ``last_token``, each ``synthetic_token`` of the context before it."""
     answer = []
+    crc32, vocab = zlib.crc32, SIM_VOCAB - 2
     for length in range(context_len, context_len + num_tokens):
-        last_token = 1 + zlib.crc32(b"%d:%d" % (last_token, length)) % (SIM_VOCAB - 2)
+        last_token = 1 + crc32(b"%d:%d" % (last_token, length)) % vocab
         answer.append(last_token)
     return answer
 
@@ -83,20 +84,32 @@ class SimulatedRunner:
         self._loads: dict[str, float] = {}  # request id -> virtual time its load is done
 
     def execute(self, plan: StepPlan) -> StepResult:
-        self.start_loads(plan.loads)
-        prefills = [(c.start_pos + len(c.token_ids), c.start_pos / (c.start_pos + len(c.token_ids)))
-                    for c in plan.chunks if len(c.token_ids) > 1 or c.start_pos == 0]
-        decodes = [c for c in plan.chunks if len(c.token_ids) == 1 and c.start_pos > 0]
-        contexts = [c.start_pos + 1 for c in decodes]
-        self.last_step_s = self.cost.step_s(prefills, len(decodes), sum(contexts), max(contexts, default=0))
-        return StepResult({c.request_id: synthetic_token(c.token_ids[-1], c.start_pos + len(c.token_ids))
-                           for c in plan.chunks if c.sample})
+        if plan.loads:
+            self.start_loads(plan.loads)
+        prefills: list[tuple[int, float]] = []  # (tokens, ratio cached) of each prefill chunk
+        decodes = context = longest = 0  # the decoding requests, their context tokens and the longest
+        sampled: dict[str, int] = {}
+        for c in plan.chunks:
+            start, num_tokens = c.start_pos, len(c.token_ids)
+            end = start + num_tokens
+            if num_tokens > 1 or start == 0:
+                prefills.append((end, start / end))
+            elif num_tokens == 1:
+                decodes += 1
+                context += end
+                longest = max(longest, end)
+            if c.sample:
+                sampled[c.request_id] = synthetic_token(c.token_ids[-1], end)
+        cost = self.cost
+        self.last_step_s = (cost.step_s(prefills, decodes, context, longest) if prefills
+                            else cost.decode_step_s(decodes, context, longest))
+        return StepResult(sampled)
 
     def decode_run(self, last_tokens: Sequence[int], positions: Sequence[int], max_steps: int, start: float,
                    until: float) -> tuple[list[float], list[list[int]]]:
         """What ``execute`` gives for plans of single-token decodes, request i's last token
         ``last_tokens[i]`` at ``positions[i]``, without the plans (plain decode steps,
-        ``Engine.plain_step``): up to ``max_steps`` such steps in a row from ``start``, each
+        ``sim/plain_decodes.py``): up to ``max_steps`` such steps in a row from ``start``, each
         request fed its token of the step before; the first, then each that starts before
         ``until``, and none from one that would take no time on (nor any that starts before
         ``until`` only by being shorter than the first: a cost model whose decode time
@@ -104,13 +117,12 @@ class SimulatedRunner:
         them. A step's duration is ``CostModel.step_s`` without prefills: its decode part."""
         n = len(positions)
         total, longest = sum(positions) + n, max(positions) + 1  # the context tokens, as execute counts them
-        decode_step_s = self.cost.decode_step_s
-        first = decode_step_s(n, total, longest)
+        first = self.cost.decode_step_s(n, total, longest)
         if first <= 0:
             return [], []
         if until < math.inf:  # steps no shorter than the first: at most this many start before ``until``
             max_steps = min(max_steps, int((until - start) / first) + 2)
-        durations = [decode_step_s(n, total + k * n, longest + k) for k in range(max_steps)]
+        durations = self.cost.decode_steps_s(n, total, longest, max_steps)
         if min(durations) <= 0:
             del durations[next(k for k, d in enumerate(durations) if d <= 0):]
         ends = list(itertools.accumulate(durations, initial=start))
@@ -129,6 +141,8 @@ class SimulatedRunner:
         return min(self._loads.values(), default=None)
 
     def finished_loads(self) -> list[str]:
+        if not self._loads:
+            return []
         now = self.clock()
         done = [rid for rid, at in self._loads.items() if at <= now]
         for rid in done:

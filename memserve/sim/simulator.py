@@ -27,22 +27,26 @@ events*. Both kinds share one order (time, then push order), kept in two heaps s
 next gateway event is known at once. A step's delivery and the step after it are one
 event (the delivery first), as they fall at the same time one after the other.
 
-Plain decodes run ahead. When an instance's next steps are plain decodes
-(``Engine.plain_steps``: every running request decodes a token, none finishes, nothing
-waits) and nothing but a gateway event can reach it, the instance runs them back to back,
-in the event of the first, up to the last one that starts before the next gateway event.
-Nothing but a gateway event can reach an instance when no handoff flow runs, admission
-holds nothing (a finished request would re-judge held ones) and no request in flight
-has a next turn (its end would send one): then another instance's step only changes
-that instance and the router's view of it. The deliveries of all but the last of these
-steps fall before that gateway event and are made in the same event: a step's KV events
-reach the mirror before the next step runs, the tokens go to the records and the
+Plain decodes run ahead. When an instance's next steps are plain decodes (every running
+request decodes a token, none finishes, nothing waits: ``sim/plain_decodes.py``) and
+nothing but a gateway event can reach it, the instance runs them back to back, in the
+event of the first, up to the last one that starts before the next gateway event. Each
+runs on its own clock, after the KV events of the one before reached the mirror: through
+``Engine.step`` when it needs a KV block, else recorded on the engine's requests
+(``PlainDecodes.take``; those that touch no block together). Nothing but a gateway event
+can reach an instance when no handoff flow runs, admission holds nothing (a finished
+request would re-judge held ones) and no request in flight has a next turn (its end
+would send one): then another instance's step only changes that instance and the
+router's view of it. The deliveries of all but the last of these steps fall before that
+gateway event and are made in the same event: the tokens go to the records and the
 router's ledger. They finish nothing and start no answer, so no other event depends on
 their order. The stats the router reads are taken as of the last of them, and the last
 step's delivery is an event as usual (pushed when the run is made rather than when its
 step starts: only another instance's event at that very time could come in between,
-and the two touch nothing in common). So the gateway, the records and the engines see
-what one event per step would have shown them."""
+and the two touch nothing in common). A step of the run that turns out not to be plain
+(the pool is short of a block: a request is preempted) ends the run there, with its
+own events. So the gateway, the records and the engines see what one event per step
+would have shown them."""
 
 from __future__ import annotations
 
@@ -59,8 +63,7 @@ from memserve.costmodel.model import CostModel
 from memserve.gateway.routing.admission import OFF, Admission, Verdict, predict
 from memserve.gateway.routing.pd_topology import is_disaggregated, role_caches
 from memserve.gateway.routing.router import Router, RouteRequest, WorkerView
-from memserve.ipc.messages import AddRequest, MemPoolStats, RequestOutput, SamplingParams, TierStats, WorkerStats
-from memserve.kvcache.address import Tier
+from memserve.ipc.messages import AddRequest, RequestOutput, SamplingParams
 from memserve.kvcache.blocks import OutOfBlocks
 from memserve.kvcache.events import KVEvents
 from memserve.kvcache.mirror import PromptTreeMirror
@@ -79,15 +82,14 @@ IDLE_POLL_S = 1e-3
 
 @dataclass(eq=False)
 class _PlainRun:
-    """An instance's plain decode steps as its engine allowed them (``Engine.plain_steps``),
-    kept from one run-ahead to the next while no gateway event reaches the instance."""
+    """The plain decode steps an instance's run-ahead left when it stopped at a gateway
+    event, kept for its next one while no gateway event acts on the instance (``_touch``)."""
 
     rids: list[str]  # the running requests' ids their outputs go out under
     cached: list[int]  # their prompt tokens found cached
     lasts: list[int]  # their latest tokens
     positions: list[int]  # their computed tokens
-    steps: int  # plain steps left
-    quiet: int  # how many of them, from the next, are quiet
+    steps: int  # plain steps left (``PlainDecodes.steps``)
 
 
 @dataclass(eq=False)
@@ -325,9 +327,14 @@ class Simulation:
         inst.busy = False
         if self._run_ahead(i):
             return
+        inst.runner.last_step_s = 0.0
+        self._stepped(i, inst.engine.step())
+
+    def _stepped(self, i: int, outputs: list[RequestOutput]) -> None:
+        """The events that follow instance ``i``'s engine step, run now: its delivery when
+        it ends, together with the next step while work remains."""
+        inst = self.instances[i]
         runner = inst.runner
-        runner.last_step_s = 0.0
-        outputs = inst.engine.step()
         step_s = runner.last_step_s
         done_at = inst.step_end = self.now + step_s
         if step_s > 0:
@@ -345,89 +352,107 @@ class Simulation:
         """Run instance ``i``'s plain decode steps from now back to back, up to the last
         one that starts before the next gateway event (module docstring); False, having
         done nothing, when the next step is not plain or the instance may not run ahead.
-        The runner computes the steps' tokens and durations first. Quiet steps
-        (``Engine.plain_steps``: they only add tokens) go to the engine together; a step
-        that moves blocks runs on its own clock, after the KV events of the one before
-        reached the mirror. What the engine allowed is kept for the next run-ahead, unless
-        a gateway event reaches the instance before (``_touch``)."""
+        The runner computes the steps' tokens and durations first (``_take_steps``). What
+        is left of the steps is kept for the next run-ahead, unless a gateway event acts
+        on the instance before (``_touch``)."""
         run = self._plain_runs.pop(i, None)
         if self.pd is not None or self._held or self._continuing:
             return False
         inst = self.instances[i]
-        engine = inst.engine
         if run is None:
-            max_steps, quiet = engine.plain_steps()
-            if not max_steps:
+            steps = inst.plain.steps()
+            if not steps:
                 return False
-            seqs = list(engine.scheduler.running)
-            run = _PlainRun([seq.choice_of or seq.request_id for seq in seqs],
-                            [seq.num_cached_tokens for seq in seqs], [seq.output_token_ids[-1] for seq in seqs],
-                            [seq.num_computed_tokens for seq in seqs], max_steps, quiet)
+            seqs = inst.engine.scheduler.running
+            run = _PlainRun([seq.choice_of or seq.request_id for seq in seqs], [seq.num_cached_tokens for seq in seqs],
+                            [(seq.output_token_ids or seq.prompt_token_ids)[-1] for seq in seqs],
+                            [seq.num_computed_tokens for seq in seqs], steps)
         horizon = self._gateway_events[0][0] if self._gateway_events else math.inf
         start = self.now
         ends, answers = inst.runner.decode_run(run.lasts, run.positions, run.steps, start, horizon)
         if not ends:
             return False  # a step that takes no time polls like an idle one (``_step``)
-        quiet, num_steps, done = run.quiet, len(ends), 0  # done: steps the engine took
-        moved = False  # the latest step moved blocks: its KV events wait for its delivery
-        while done < num_steps:
-            if quiet:
-                if moved:  # the step that moved blocks before these is delivered now
-                    self.publish(i)
-                    moved = False
-                span = min(quiet, num_steps - done)
-                more, quiet = engine.add_quiet(span, [answer[done:done + span] for answer in answers])
-                done += span
-                if done == num_steps:
-                    break
-            else:
-                if moved:
-                    self.publish(i)
-                if ends[done] >= horizon:  # its delivery falls after the horizon: the stats are those before it
-                    self._take_stats(i)
-                self.now = ends[done - 1] if done else start
-                more, quiet = engine.plain_step([answer[done] for answer in answers])
-                done += 1
-                moved = True
-            if not more:
-                break
-        if not moved and ends[done - 1] >= horizon:  # a quiet last step left the stats as they were before it
-            self._take_stats(i)
+        done, plain_run = self._take_steps(i, ends, answers, horizon)
         self.now = start
-        end = ends[done - 1]
-        # The deliveries of all but the last step: tokens to the router's ledger and the records.
-        if done > 1:
-            ends_before, observe_each = ends[:done - 1], self.router.observe_each
-            for rid, cached_tokens, answer in zip(run.rids, run.cached, answers):
-                turn = self.in_flight.get(rid)
-                if turn is None:
-                    continue
-                observe_each(rid, ends_before)
-                turn.record.cached_tokens = cached_tokens
-                turn.record.chunk_times += ends_before
-                turn.record.chunk_tokens += [1] * (done - 1)
-                turn.output += answer[:done - 1]
+        # The deliveries before the last plain step's: tokens to the router's ledger and the records.
+        self._deliver_ahead(run.rids, run.cached, answers, ends[:done - 1 if plain_run else done])
         self.num_steps += done
-        inst.step_end = end
+        if not plain_run:
+            return True
+        end = inst.step_end = ends[done - 1]
         inst.busy = True
         lasts = [answer[done - 1] for answer in answers]
         self._push_instance(end, "plain", (i, run.rids, run.cached, lasts))
-        if more and done < run.steps:
-            run.lasts, run.positions = lasts, [p + done for p in run.positions]
-            run.steps, run.quiet = run.steps - done, quiet
+        if done < run.steps:
+            run.lasts, run.positions, run.steps = lasts, [p + done for p in run.positions], run.steps - done
             self._plain_runs[i] = run
         return True
 
     def _touch(self, i: int) -> None:
-        """A gateway event is about to act on instance ``i``'s engine: what the engine
-        allowed its run-ahead no longer holds."""
+        """A gateway event is about to act on instance ``i``'s engine: what its latest
+        run-ahead left no longer holds."""
         self._plain_runs.pop(i, None)
+
+    def _take_steps(self, i: int, ends: list[float], answers: list[list[int]], horizon: float) -> tuple[int, bool]:
+        """Instance ``i``'s engine takes the plain decode steps that end at ``ends``, in
+        which its running request k samples ``answers[k]``: those that need no block
+        recorded (``PlainDecodes.take``), the others through ``Engine.step``, each on the
+        clock of its start and after the KV events of the one before reached the mirror.
+        Returns how many plain steps were taken, and whether they all were: False when
+        the last ``Engine.step`` turned out not to be plain (it gave a request no token:
+        the pool was short of a block), which then has its own events (``_stepped``)."""
+        inst = self.instances[i]
+        plain, engine, runner = inst.plain, inst.engine, inst.runner
+        start, num_steps, num_running = self.now, len(ends), len(answers)
+        done = 0
+        while done < num_steps:
+            if done:
+                self.publish(i)
+            span = min(plain.room(), num_steps - done)
+            last = done + max(span, 1) - 1
+            # The router reads the stats of the latest delivery: those before the last step
+            # when its own delivery falls after the horizon, and those before a step that
+            # needs a block (it may preempt instead, and end the run with events of its own).
+            if ends[last] >= horizon or (done and not span):
+                self.instances[i].take_stats()
+            self.now = ends[last - 1] if last else start
+            if span:
+                plain.take([answer[done:done + span] for answer in answers])
+                done += span
+                continue
+            runner.last_step_s = 0.0
+            outputs = engine.step()
+            # Within ``PlainDecodes.steps`` no request finishes and nothing waits: a step
+            # that gives one no token preempted it.
+            if len(outputs) != num_running:
+                self._stepped(i, outputs)
+                return done, False
+            done += 1
+        return done, True
+
+    def _deliver_ahead(self, rids: list[str], cached: list[int], answers: list[list[int]],
+                       ends: list[float]) -> None:
+        """The deliveries of plain decode steps made ahead of their time: step k ended at
+        ``ends[k]`` and gave request ``rids[j]`` (``cached[j]`` prompt tokens cached) the
+        token ``answers[j][k]``."""
+        if not ends:
+            return
+        n, observe_each = len(ends), self.router.observe_each
+        for rid, cached_tokens, answer in zip(rids, cached, answers):
+            turn = self.in_flight.get(rid)
+            if turn is None:
+                continue
+            observe_each(rid, ends)
+            turn.record.cached_tokens = cached_tokens
+            turn.record.chunk_times += ends
+            turn.record.chunk_tokens += [1] * n
+            turn.output += answer[:n]
 
     def _deliver_plain(self, i: int, rids: list[str], cached: list[int], tokens: list[int]) -> None:
         """``_deliver`` of a plain decode step: the request ``rids[k]`` (``cached[k]`` prompt
         tokens cached) produced ``tokens[k]``; none finished or got its first token."""
         self.publish(i)
-        self._take_stats(i)
+        self.instances[i].take_stats()
         now, observe = self.now, self.router.observe
         for rid, cached_tokens, token in zip(rids, cached, tokens):
             turn = self.in_flight.get(rid)
@@ -445,7 +470,7 @@ class Simulation:
         its instance idle while it still computes). Its free KV blocks go with them, as a
         worker's stats report (sent about as often as steps end while it is busy)."""
         self.publish(i)
-        self._take_stats(i)
+        self.instances[i].take_stats()
         if self.pd is not None:
             outputs = self.pd.filter(i, outputs, self.now)
         news = False  # a request got its first token or finished: queued work left the ledger
@@ -465,11 +490,6 @@ class Simulation:
                 self.finish(out.request_id, turn, self.now, out.error)
         if news and self._held:
             self._notify_admission()
-
-    def _take_stats(self, i: int) -> None:
-        """Instance ``i``'s stats report as the router reads it: its device blocks."""
-        device = TierStats(**self.instances[i].engine.mempool.tier_stats(Tier.DEVICE))
-        self.instances[i].stats = WorkerStats(mempool=MemPoolStats(tiers={"device": device}))
 
     def publish(self, i: int) -> None:
         """Instance ``i``'s KV events reach the router's mirror of its prompt tree."""

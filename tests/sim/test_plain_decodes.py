@@ -1,8 +1,8 @@
-"""Plain decode steps (``Engine.plain_steps``, ``plain_step``, ``add_quiet``) are what
-``Engine.step`` does for a step in which every running request decodes a token and
-nothing else happens: run side by side on the simulator's runner, the two give the same
-tokens, slots, cached blocks, KV events, counts and clock stamps, through evictions of a
-full pool, and stop before a request would finish."""
+"""Plain decode steps as the simulator takes them (``sim/plain_decodes.py``: those that
+need no block recorded by ``PlainDecodes.take``, the others run by ``Engine.step``) leave
+the engine as ``Engine.step`` alone does: run side by side on the simulator's runner, the
+two give the same tokens, slots, cached blocks, KV events, counts and clock stamps,
+through evictions of a full pool, and end before a request would finish."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from memserve.config import EngineConfig
 from memserve.costmodel.store import load_cost_model
 from memserve.ipc.messages import AddRequest, SamplingParams
 from memserve.kvcache.events import REMOVED, KVEvent
+from memserve.sim.plain_decodes import PlainDecodes
 from memserve.sim.runner import SimulatedRunner
 from memserve.workers.engine.engine import Engine
 
@@ -26,6 +27,7 @@ class Side:
         self.runner = SimulatedRunner(cost, NUM_BLOCKS, BLOCK, 1 << 14, lambda: self.now)
         self.engine = Engine(EngineConfig(block_size=BLOCK, num_blocks=NUM_BLOCKS), self.runner, set(), 0,
                              lambda: self.now)
+        self.plain = PlainDecodes(self.engine, self.runner)
         self.events: list[KVEvent] = []
         for k, (prompt, limit) in enumerate(zip(prompts, max_tokens)):
             params = SamplingParams(max_tokens=limit, temperature=0.0, ignore_eos=True)
@@ -37,31 +39,32 @@ class Side:
         self.now += self.runner.last_step_s
         self.events += self.engine.drain_kv_events()
 
-    def run_plain(self, max_steps: int, quiet: int, other: Side) -> tuple[int, int]:
-        """This engine's plain steps, as the simulator runs them, and as many ``step`` of
-        ``other``, their states compared after each; returns (plain steps, quiet runs)."""
+    def run_plain(self, max_steps: int, other: Side) -> tuple[int, int]:
+        """This engine's next plain steps as the simulator takes them, and as many ``step``
+        of ``other``, their states compared after each take or step; returns how many
+        spans of steps were recorded, and how many of them filled a block."""
         seqs = self.engine.scheduler.running
+        start = self.now
         ends, answers = self.runner.decode_run([s.output_token_ids[-1] for s in seqs],
-                                               [s.num_computed_tokens for s in seqs], max_steps, self.now, float("inf"))
-        done = plain_steps = quiet_runs = 0
+                                               [s.num_computed_tokens for s in seqs], max_steps, start, float("inf"))
+        done = spans = filled = 0
         while done < len(ends):
-            if quiet:
-                span = min(quiet, len(ends) - done)
-                more, quiet = self.engine.add_quiet(span, [a[done:done + span] for a in answers])
-                quiet_runs += 1
+            span = min(self.plain.room(), len(ends) - done)
+            last = done + max(span, 1) - 1
+            self.now = ends[last - 1] if last else start  # the clock of the last step's start
+            if span:
+                self.plain.take([a[done:done + span] for a in answers])
             else:
-                span = 1
-                more, quiet = self.engine.plain_step([a[done] for a in answers])
-                self.events += self.engine.drain_kv_events()
-                plain_steps += 1
-            self.now = ends[done + span - 1]
-            done += span
-            for _ in range(span):
+                self.engine.step()
+            events = self.engine.drain_kv_events()
+            spans, filled = spans + bool(span), filled + bool(span and events)
+            self.events += events
+            self.now = ends[last]
+            for _ in range(max(span, 1)):
                 other.step()
             assert other.state() == self.state()
-            if not more:
-                break
-        return plain_steps, quiet_runs
+            done = last + 1
+        return spans, filled
 
     def state(self) -> tuple:
         pool = self.engine.mempool
@@ -77,17 +80,16 @@ def test_plain_steps_do_what_steps_do():
                list(range(900, 920))]
     limits = [8, 10, 100, 90]
     stepped, plain = Side(prompts, limits), Side(prompts, limits)
-    plain_steps = quiet_runs = 0
+    spans = filled = 0
     while stepped.engine.has_work:
-        max_steps, quiet = plain.engine.plain_steps()
+        max_steps = plain.plain.steps()
         if max_steps:
-            steps, runs = plain.run_plain(max_steps, quiet, stepped)
-            plain_steps, quiet_runs = plain_steps + steps, quiet_runs + runs
-            # The step after a run is no plain decode: a request finishes in it, or its blocks are short.
-            assert not stepped.engine.plain_steps()[0]
+            taken, indexing = plain.run_plain(max_steps, stepped)
+            spans, filled = spans + taken, filled + indexing
+            assert not stepped.plain.steps()  # the step after them finishes a request
         for side in (stepped, plain):
             side.step()
         assert stepped.state() == plain.state()
     assert not plain.engine.has_work
-    assert plain_steps > 5 and quiet_runs > 5  # both kinds ran
+    assert spans > 5 and filled > 5  # recorded steps, some of them filling blocks
     assert any(e.type == REMOVED for e in plain.events)  # through evictions

@@ -4,9 +4,7 @@ It is assembled from parts: a runner (the real model, or the simulator's cost-mo
 runner) and a clock are injected; the MemPool (KV bookkeeping), the KV cache manager,
 the scheduling policy and the eviction policy are built from the configuration. It
 knows nothing about sockets; ``worker.py`` drives it, and ``build_engine`` assembles
-the real one from a model folder. A caller that samples the tokens itself (the
-simulator) may run plain decode steps without a plan (``plain_steps``), with the same
-effect as ``step``."""
+the real one from a model folder."""
 
 from __future__ import annotations
 
@@ -35,7 +33,6 @@ from memserve.workers.engine.step_plan import BlockCopy, StepPlan, StepResult
 from memserve.workers.engine.truncated_prefix import reuse_truncated
 
 log = logging.getLogger("memserve.worker")
-
 
 
 class Engine:
@@ -150,45 +147,6 @@ class Engine:
         self._run_copies(self.scheduler.take_copies())
         self._tier_upkeep()
         return outputs
-
-    def plain_steps(self) -> tuple[int, int]:
-        """(n, q): at most n of the next steps are plain decodes (``Scheduler.plain_decodes``)
-        that ``plain_step`` may run without a plan, and the first q of them are quiet: they
-        touch neither the KV pool nor the clock (they allocate and index nothing, and no
-        pin or retention can expire), so ``add_quiet`` may take them together. n is 0 when
-        the next step is not plain, when its blocks are not there, or when the tiers have
-        upkeep of their own between steps: a look-ahead window, or saves to commit (an
-        inline saver commits a plain step's demotions within it, and without a disk store
-        no block turns up corrupt)."""
-        pool, scheduler = self.mempool, self.scheduler
-        if self.lookahead is not None or not pool.saver.inline or pool.saver.pending() or pool.disk is not None:
-            return 0, 0
-        steps = scheduler.plain_decodes()
-        if not steps:
-            return 0, 0
-        fits, quiet = self._plain_room(scheduler.plain_room())
-        return (steps, quiet) if fits else (0, 0)
-
-    def plain_step(self, tokens: list[int]) -> tuple[bool, int]:
-        """What ``step`` does for a plain decode step whose running request i sampled
-        ``tokens[i]`` (``plain_steps`` said it may run). Returns, for the step after it,
-        whether its blocks are there and how many steps from it on are quiet."""
-        room = self.scheduler.decode_plain(tokens)
-        self.num_steps += 1
-        self.sweep_expired()
-        return self._plain_room(room)
-
-    def add_quiet(self, num_steps: int, tokens: list[list[int]]) -> tuple[bool, int]:
-        """What ``plain_step`` does for ``num_steps`` quiet steps in which running request i
-        sampled ``tokens[i]``, a token a step; returns what ``plain_step`` does."""
-        self.scheduler.add_decoded(tokens)
-        self.num_steps += num_steps
-        return self._plain_room(self.scheduler.plain_room())
-
-    def _plain_room(self, room: tuple[bool, int]) -> tuple[bool, int]:
-        """``Scheduler.plain_room``, with no quiet step where a pin or retention may expire."""
-        pins = self.mempool.pins
-        return (room[0], 0) if self.retention is not None or (pins is not None and len(pins)) else room
 
     def _run_copies(self, copies: list[BlockCopy]) -> None:
         """Run the copies the scheduler queued, before any of their blocks is written

@@ -232,56 +232,6 @@ class KVCacheManager:
             self._pending_copies.append(BlockCopy(Tier.DEVICE, src, Tier.DEVICE, own[shared:]))
         return True
 
-    def decode_room(self, seqs: Iterable[Sequence]) -> tuple[bool, int]:
-        """For a step in which each of ``seqs`` decodes a token: whether they all get a
-        slot now without the policy's gate (the blocks they lack can all be allocated,
-        evicting idle ones: each eviction frees the block it takes; none may be lacking
-        when a gate would have a say), and how many such steps from it on allocate no
-        block and fill none (so offer none to the index) for any of them."""
-        return self._decode_room(seqs, False)
-
-    def decoded(self, seqs: Iterable[Sequence]) -> tuple[bool, int]:
-        """After a step computed a token of each of ``seqs``: ``cache_full_blocks`` for
-        each in order, called only where a block filled up; then ``decode_room`` for the
-        next step."""
-        return self._decode_room(seqs, True)
-
-    def _decode_room(self, seqs: Iterable[Sequence], index: bool) -> tuple[bool, int]:
-        bs, caching, need, quiet = self.block_size, self.enable_caching, 0, -1
-        for seq in seqs:
-            blocks = self._blocks[seq.request_id]
-            computed = seq.num_computed_tokens
-            if index and computed // bs > blocks.num_indexed:
-                self.cache_full_blocks(seq)
-            held = len(blocks.addrs) * bs
-            if computed >= held:
-                need += -(-(computed + 1) // bs) - len(blocks.addrs)
-            steps = held - computed
-            if caching and not blocks.loading:
-                steps = min(steps, (blocks.num_indexed + 1) * bs - computed - 1)
-            quiet = steps if quiet < 0 else min(quiet, steps)
-        return need == 0 or (self.gate is None and self.mempool.can_alloc(need)), max(quiet, 0)
-
-    def grow_decodes(self, seqs: Iterable[Sequence]) -> None:
-        """``allocate_slots(seq, 1)`` for each of ``seqs`` in order (a step in which each
-        decodes a token), called only where a block is lacking; ``decode_room`` said they
-        all succeed."""
-        bs = self.block_size
-        for seq in seqs:
-            lacking = seq.num_computed_tokens >= len(self._blocks[seq.request_id].addrs) * bs
-            if lacking and not self.allocate_slots(seq, 1):
-                raise AssertionError(f"a plain decode step found no block for {seq.request_id}")
-
-    def is_loading(self, seq: Sequence) -> bool:
-        """Part of the request's prefix is still being copied in (a load or a layer-wise preload)."""
-        blocks = self._blocks.get(seq.request_id)
-        return blocks is not None and bool(blocks.loading)
-
-    @property
-    def settled(self) -> bool:
-        """No load or copy waits to be handed out and no abandoned load is in flight."""
-        return not (self._pending_loads or self._pending_copies or self._abandoned)
-
     def block_ids(self, request_id: str) -> list[int]:
         return self._blocks[request_id].ids
 

@@ -28,12 +28,6 @@ proposer guesses, within the step's budget and the request's limits; the drafts'
 are allocated with the step's, or dropped when the pool has no room for them. ``update``
 appends the drafts the runner kept and then its next token, checking each for a stop.
 
-Plain decodes. A step in which every running request decodes one token, none finishes
-and nothing waits, loads or is queued for the runner needs no plan: ``decode_plain``
-records what ``schedule`` and ``update`` would (the same slots, tokens and full blocks, in
-their order), and ``add_decoded`` the steps among them that touch no block. The
-simulator runs such steps back to back without building plans.
-
 Invariant: a request is in exactly one of ``policy`` (waiting), ``loading`` (waiting for
 KV), ``running``, or none (finished); the KV manager holds blocks exactly for requests in
 ``loading`` and ``running``.
@@ -188,7 +182,7 @@ class Scheduler:
                 chunks.append(self._chunk(seq, num_new, drafts))
                 budget -= num_new + len(drafts)
                 i += 1
-        if len(plan.preempted_ids) == made_room:  # no running request went short
+        if len(plan.preempted_ids) == made_room and len(self.policy):  # requests wait, and no running one went short
             self._admit(plan, budget)
         plan.loads, plan.copies = self.kv.take_loads(), self.kv.take_copies()
         if self._unseen:
@@ -305,55 +299,6 @@ class Scheduler:
         self.num_preemptions += 1
         self.policy.push_preempted(seq)
 
-    # ---------------------------------------------------------- plain decodes
-    def plain_decodes(self) -> int:
-        """How many of the next steps, at most, are plain decodes: every running request
-        decodes one token and none finishes, while nothing waits, loads or is queued for
-        the runner. Such a step needs no plan (``decode_plain``); 0 when the next step is
-        not one. The policy must leave such steps alone (``SchedulePolicy.plain_decodes``)
-        and no token may stop a request (stop tokens, EOS), so that only the length
-        limits end one."""
-        if (not self.policy.plain_decodes or self.proposer is not None or self.kv.gate is not None
-                or len(self.policy) or self.loading
-                or self._unseen or self._finished_ids or not self.running
-                or len(self.running) > self.config.max_num_batched_tokens or not self.kv.settled):
-            return 0
-        steps = max_len = self.config.max_model_len
-        eos = self.eos_token_ids
-        for seq in self.running:
-            params = seq.params
-            num_tokens = seq.num_tokens
-            if (seq.num_computed_tokens != num_tokens - 1 or params.n > 1 or params.logprobs is not None
-                    or params.stop_token_ids or (eos and not params.ignore_eos) or self.kv.is_loading(seq)):
-                return 0
-            steps = min(steps, params.max_tokens - len(seq.output_token_ids), max_len - num_tokens)
-        return max(steps - 1, 0)  # the step that reaches a limit finishes its request
-
-    def plain_room(self) -> tuple[bool, int]:
-        """For the next plain decode step: whether the pool gives it the blocks it needs
-        now (else ``schedule`` would preempt), and how many steps from it on are quiet
-        (``KVCacheManager.decode_room``: they allocate and index nothing)."""
-        return self.kv.decode_room(self.running)
-
-    def decode_plain(self, tokens: list[int]) -> tuple[bool, int]:
-        """A plain decode step (``plain_decodes``, ``plain_room``) in which running request
-        i sampled ``tokens[i]``: the slots ``schedule`` would allocate and the tokens and
-        full blocks ``update`` would record, in their order. Returns ``plain_room`` for
-        the next step."""
-        running = self.running
-        self.kv.grow_decodes(running)
-        for seq, token in zip(running, tokens):
-            seq.num_computed_tokens += 1
-            seq.output_token_ids.append(token)
-        return self.kv.decoded(running)
-
-    def add_decoded(self, tokens: list[list[int]]) -> None:
-        """What ``decode_plain`` does for quiet steps (``plain_room``) in which running
-        request i sampled ``tokens[i]``, a token a step: it records the tokens."""
-        for seq, sampled in zip(self.running, tokens):
-            seq.output_token_ids += sampled
-            seq.num_computed_tokens += len(sampled)
-
     # ----------------------------------------------------------------- update
     def take_copies(self) -> list[BlockCopy]:
         """Copies ``update`` queued (forks' copy-on-write), for the engine to run now."""
@@ -363,6 +308,7 @@ class Scheduler:
         """Advance requests by what the step computed; return this step's token deltas."""
         outputs = []
         requests, sampled, cache_full_blocks = self._requests, result.sampled, self.kv.cache_full_blocks
+        with_logprobs = bool(result.logprobs or result.prompt_logprobs)
         running = SequenceStatus.RUNNING
         for chunk in plan.chunks:
             seq = requests.get(chunk.request_id)
@@ -390,7 +336,8 @@ class Scheduler:
                 self._release(seq)
             if token is not None:
                 outputs.append(self._output(seq, tokens))
-                outputs[-1].logprobs, outputs[-1].prompt_logprobs = result.logprobs_of(chunk.request_id)
+                if with_logprobs:
+                    outputs[-1].logprobs, outputs[-1].prompt_logprobs = result.logprobs_of(chunk.request_id)
         return outputs
 
     def _fork(self, parent: Sequence) -> None:

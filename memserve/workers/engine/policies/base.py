@@ -24,10 +24,6 @@ class PreemptKind(enum.Enum):
 
 class SchedulePolicy(Protocol):
     name: str
-    # True when ``make_room`` and ``begin_step`` never act while nothing waits (no
-    # preemption, no reordering, the whole budget, no state of their own): the
-    # scheduler may then skip them for plain decode steps (``Scheduler.plain_decodes``).
-    plain_decodes: bool
 
     def push(self, seq: Sequence) -> None:
         """A new request waits."""

@@ -16,7 +16,6 @@ class FCFS:
     newest running request."""
 
     name = "fcfs"
-    plain_decodes = True
 
     def __init__(self) -> None:
         self._queue: deque[Sequence] = deque()

@@ -67,7 +67,6 @@ SWEET_SPOT_SEARCH_TOKENS = 1 << 17
 
 class CacheOpt:
     name = "cacheopt"
-    plain_decodes = False  # begin_step keeps the step clock and reorders by deadline
 
     def __init__(self, options: CacheOptOptions, cost: CostModel | None = None) -> None:
         self.opt = options
