@@ -24,6 +24,7 @@ import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 from memserve.config import WorkerConfig
 from memserve.ipc.channel import WorkerChannel
@@ -61,6 +62,9 @@ from memserve.workers.kv_share import shared_pools
 from memserve.workers.step_serving import ServeBetweenLayers
 from memserve.workers.warmup import warm_up
 
+if TYPE_CHECKING:
+    from memserve.workers.model_runner import ModelRunner  # imported by ``prepare``: torch and the model
+
 log = logging.getLogger("memserve.worker")
 
 # Missed gateway heartbeats after which a worker decides it has been orphaned.
@@ -79,22 +83,19 @@ def _die_with_parent() -> None:
 
 
 class Worker:
+    """The process around its instance: the model is prepared and the gateway connected in
+    either order (a spare prepares before it knows its id), then ``serve`` runs the
+    instance on both."""
+
     def __init__(self, cfg: WorkerConfig) -> None:
         self.cfg = cfg
         self.id = cfg.instance_id
         self.channel: WorkerChannel | None = None
         self.stopping = False
         self.parent = os.getppid()
-        self.runner = None
+        self.runner: ModelRunner | None = None
         self.eos_token_ids: set[int] = set()
-        self.engine = None
-        self.endpoint: KVTransferEndpoint | None = None
-        self.heartbeat: HeartbeatThread | None = None
-        self.sender: HandoffSender | None = None  # disaggregated prefill/decode, both sides
-        self.receiver: KVReceiver | None = None
-        # Prefix pushes and link probes in flight: what asked for each, its held blocks, its send.
-        self._pushes: list[tuple[TransferPrefix | ProbeTransfer, list[int], Future]] = []
-        self.kv_publisher: KVEventPublisher | None = None  # --kv-events-config: vLLM-format KV events
+        self.instance: Instance | None = None
 
     def prepare(self) -> None:
         """The heavy part of starting, which needs no identity: the model, its KV pool and
@@ -110,34 +111,68 @@ class Worker:
         steps = warm_up(Engine(self.cfg.engine, self.runner, self.eos_token_ids, -1))
         log.info("warmed up in %.1f s (%d steps)", time.monotonic() - started, steps)
 
-    def connect(self) -> None:
+    def connect(self) -> WorkerChannel:
         self.channel = WorkerChannel(self.cfg.gateway_addr, self.id)
+        return self.channel
 
-    def start(self) -> None:
-        """Become instance ``self.id`` on the prepared model and report ready."""
-        self.engine = e = Engine(self.cfg.engine, self.runner, self.eos_token_ids, self.id)
+    def serve(self) -> None:
+        """Become instance ``self.id`` on the prepared model and serve until told to stop."""
+        assert self.runner is not None and self.channel is not None, "prepare() and connect() come first"
+        self.instance = Instance(self.cfg, self.runner, self.eos_token_ids, self.channel, self.parent)
+        self.instance.stopping = self.stopping  # a SIGTERM while it started
+        self.instance.run()
+
+    def stop(self) -> None:
+        """Ask the loop to end (SIGTERM), before the instance starts or while it runs."""
+        self.stopping = True
+        if self.instance is not None:
+            self.instance.stopping = True
+
+    def close(self) -> None:
+        if self.instance is not None:
+            self.instance.close()
+        if self.channel is not None:
+            self.channel.close()
+
+
+class Instance:
+    """Instance ``cfg.instance_id`` on a prepared model. Its engine, the KV endpoint peers
+    reach it on and both sides of the PD handoff exist from the start, which reports
+    ready; ``run`` drives them until told to stop."""
+
+    def __init__(self, cfg: WorkerConfig, runner: ModelRunner, eos_token_ids: set[int], channel: WorkerChannel,
+                 parent: int) -> None:
+        self.cfg = cfg
+        self.id = cfg.instance_id
+        self.channel = channel
+        self.parent = parent  # the gateway's pid: the loop exits once it is another
+        self.stopping = False
+        self.heartbeat: HeartbeatThread | None = None  # started by ``run``
+        # Prefix pushes and link probes in flight: what asked for each, its held blocks, its send.
+        self._pushes: list[tuple[TransferPrefix | ProbeTransfer, list[int], Future]] = []
+        self.engine = e = Engine(cfg.engine, runner, eos_token_ids, self.id)
         # On one machine, the KV socket is a file in the gateway's private (0700) runtime
         # directory: no other user can reach it, and it listens on no port.
-        bind = f"ipc://{self.cfg.runtime_dir}/kv-{self.id}" if self.cfg.runtime_dir \
-            else f"tcp://{self.cfg.internal_host}:*"
+        bind = f"ipc://{cfg.runtime_dir}/kv-{self.id}" if cfg.runtime_dir else f"tcp://{cfg.internal_host}:*"
         # Same-host peers map this worker's pools and copy blocks out of them (kv_share.py).
         self.endpoint = KVTransferEndpoint(e.mempool, bind,
-                                           shared=shared_pools(e.runner.pools, self.cfg.engine.kv_same_host_transport))
+                                           shared=shared_pools(runner.pools, cfg.engine.kv_same_host_transport))
         e.kv_connector.add_step_hooks(ServeBetweenLayers(self.endpoint.serve).for_step)
+        # Disaggregated prefill/decode, both sides.
         self.sender, self.receiver = HandoffSender(e, self.endpoint), KVReceiver(e, self.endpoint)
-        self.channel.watch(self.endpoint.socket)
-        self._start_kv_publisher()
-        self.channel.send(WorkerReady(self.id, self.cfg.role, e.runner.num_blocks, self.cfg.engine.block_size,
-                                      e.max_model_len, self._stats(), self.endpoint.address))
+        channel.watch(self.endpoint.socket)
+        self.kv_publisher = self._start_kv_publisher()  # --kv-events-config: vLLM-format KV events
+        channel.send(WorkerReady(self.id, cfg.role, runner.num_blocks, cfg.engine.block_size,
+                                 e.max_model_len, self._stats(), self.endpoint.address))
 
     def run(self) -> None:
         hb = self.cfg.heartbeat_s
         last_published = last_heard = time.monotonic()
-        self.heartbeat = HeartbeatThread(self.cfg.gateway_addr, self.id, hb)
-        self.heartbeat.publish(self._stats())
-        self.heartbeat.start()
+        self.heartbeat = heartbeat = HeartbeatThread(self.cfg.gateway_addr, self.id, hb)
+        heartbeat.publish(self._stats())
+        heartbeat.start()
         while not self.stopping:
-            self.heartbeat.tick()
+            heartbeat.tick()
             timeout_ms = (0 if self.engine.has_work else PUSH_POLL_MS if self._pushes or self.sender.busy
                           else int(hb * 1000))
             outputs: list[RequestOutput] = []
@@ -173,10 +208,10 @@ class Worker:
                 self.channel.send(KVEvents(self.id, events))
             now = time.monotonic()
             if now - last_published >= hb / 2:
-                self.heartbeat.publish(self._stats())
+                heartbeat.publish(self._stats())
                 last_published = now
 
-    def _handle(self, msg) -> list[RequestOutput]:
+    def _handle(self, msg: object) -> list[RequestOutput]:
         if isinstance(msg, AddRequest) and msg.handoff:
             out = self.sender.add(msg)
             return [out] if out else []
@@ -275,22 +310,22 @@ class Worker:
                 self.channel.send(TransferDone(msg.transfer_id, 0 if error else len(addrs), reason))
         self._pushes = pending
 
-    def _start_kv_publisher(self) -> None:
+    def _start_kv_publisher(self) -> KVEventPublisher | None:
         """With ``--kv-events-config``: publish the MemPool's tier changes in vLLM's format
         on this instance's endpoints, with the tokens of the blocks stored."""
         if not self.cfg.kv_events_config:
-            return
+            return None
         cfg = KVEventsConfig.from_dict(self.cfg.kv_events_config)
         if not cfg.enabled:
-            return
-        mempool = self.engine.mempool
+            return None
         try:
-            self.kv_publisher = KVEventPublisher(cfg.for_instance(self.id), self.cfg.engine.block_size, {},
-                                                 data_parallel_rank=self.id)
+            publisher = KVEventPublisher(cfg.for_instance(self.id), self.cfg.engine.block_size, {},
+                                         data_parallel_rank=self.id)
         except Exception as exc:  # a port in use: serve anyway, without the outside stream
             log.error("worker %d: cannot publish KV events (%r); serving without them", self.id, exc)
-            return
-        mempool.event_tokens = self.kv_publisher.translator.event_tokens
+            return None
+        self.engine.mempool.event_tokens = publisher.translator.event_tokens
+        return publisher
 
     def _stats(self) -> WorkerStats:
         """The engine's statistics and the KV handoffs' (both sides, and how many went in place)."""
@@ -306,21 +341,19 @@ class Worker:
             failed = []
             for request_id in self.engine.scheduler.request_ids():
                 out = self.engine.abort(request_id)
+                if out is None:  # a choice, aborted already with its request
+                    continue
                 out.finish_reason, out.error = "error", "internal error in the engine step"
                 failed.append(out)
             return failed
 
     def close(self) -> None:
-        if self.engine is not None:
-            self.engine.close()  # saves in flight finish: their block files are whole
+        self.engine.close()  # saves in flight finish: their block files are whole
         if self.heartbeat is not None:
             self.heartbeat.stop()
         if self.kv_publisher is not None:
             self.kv_publisher.close()
-        if self.endpoint is not None:
-            self.endpoint.close()
-        if self.channel is not None:
-            self.channel.close()
+        self.endpoint.close()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -339,8 +372,8 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     worker = Worker(cfg)
 
-    def on_term(*_):
-        worker.stopping = True
+    def on_term(*_: object) -> None:
+        worker.stop()
 
     signal.signal(signal.SIGTERM, on_term)
     try:
@@ -357,14 +390,13 @@ def main(argv: list[str] | None = None) -> None:
             worker.connect()
             log.info("spare worker takes over as worker %d", worker.id)
         else:
-            worker.connect()
+            channel = worker.connect()
             try:
                 worker.prepare()
             except Exception as exc:
-                worker.channel.send(WorkerError(worker.id, f"worker {worker.id} failed to start: {exc!r}"))
+                channel.send(WorkerError(worker.id, f"worker {worker.id} failed to start: {exc!r}"))
                 raise
-        worker.start()
-        worker.run()
+        worker.serve()
     finally:
         worker.close()
 

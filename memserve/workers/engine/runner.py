@@ -16,16 +16,26 @@ from memserve.workers.engine.step_plan import StepPlan, StepResult
 
 
 class Runner(KVConnectorWorker, Protocol):
-    num_blocks: int  # device KV blocks
     vocab_size: int
     max_position_embeddings: int
     mover: BlockMover  # copies blocks between tiers and reads/writes them for transfers
-    # Lower tiers. The real runner's disk store and background saver; None where saves
-    # are synchronous and exact (simulator, scripted runners). ``num_disk_blocks``: a disk
-    # tier of bookkeeping only, without a store (the simulator's), else 0.
-    saver: Saver | None
+    # Lower tiers. The real runner's disk store; None where saves are synchronous and
+    # exact (simulator, scripted runners). ``num_disk_blocks``: a disk tier of bookkeeping
+    # only, without a store (the simulator's), else 0.
     disk: DiskStore | None
     num_disk_blocks: int
+
+    # Read-only, so that a runner may derive them (the real one's from its pools) or
+    # narrow them (a runner that always has a saver).
+    @property
+    def num_blocks(self) -> int:
+        """Device KV blocks."""
+        ...
+
+    @property
+    def saver(self) -> Saver | None:
+        """The background saver down the tiers; None where saves are synchronous."""
+        ...
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step; forget the plan's finished requests first."""
