@@ -39,7 +39,7 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -228,13 +228,13 @@ class KVEventPublisher:
     ``data_parallel_rank`` tells one worker's batches from another's, as vLLM's DP ranks do."""
 
     def __init__(self, cfg: KVEventsConfig, block_size: int, event_tokens: dict[int, Sequence[int]] | None = None,
-                 clock=time.time, data_parallel_rank: int = 0) -> None:
+                 clock: Callable[[], float] = time.time, data_parallel_rank: int = 0) -> None:
         self.cfg = cfg
         self.clock = clock
         self.data_parallel_rank = data_parallel_rank
         self.translator = VllmEventTranslator(block_size, event_tokens)
         self.topic = cfg.topic.encode()
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, cfg.hwm)
         self._pub.setsockopt(zmq.LINGER, 0)

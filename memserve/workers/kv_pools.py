@@ -25,6 +25,7 @@ import torch
 from memserve.config import EngineConfig
 from memserve.kvcache.address import Tier
 from memserve.kvcache.blocks import contiguous_runs, paired_runs
+from memserve.kvcache.mover import Buffer
 from memserve.workers.model.attention import allocate_kv_cache, kv_cache_shape, layer_kv
 
 log = logging.getLogger("memserve.worker")
@@ -146,16 +147,16 @@ class KVPools:
         moved = src.index_select(dim, src_idx).to(dst.device, non_blocking=dst.device.type != "cpu")
         dst.index_copy_(dim, dst_idx, moved)
 
-    def read_blocks(self, tier: Tier, blocks: list[int]) -> list[memoryview]:
+    def read_blocks(self, tier: Tier, blocks: list[int]) -> list[Buffer]:
         """One host buffer per contiguous run of blocks (zero-copy on CPU, aggregated)."""
         pool = self.pools[tier]
-        out = []
+        out: list[Buffer] = []
         for start, length in contiguous_runs(blocks):
             t = self._blocks(pool, start, length).contiguous().cpu()
-            out.append(memoryview(t.view(torch.uint8).numpy()).cast("B"))
+            out.append(t.view(torch.uint8).numpy().data.cast("B"))
         return out
 
-    def write_blocks(self, tier: Tier, blocks: list[int], buffers: Sequence[bytes | memoryview]) -> None:
+    def write_blocks(self, tier: Tier, blocks: list[int], buffers: Sequence[Buffer]) -> None:
         pool = self.pools[tier]
         for (start, length), buf in zip(contiguous_runs(blocks), buffers, strict=True):
             dst = self._blocks(pool, start, length)
@@ -170,7 +171,7 @@ class KVPools:
         k, v = layer_kv(self.device, layer, self.layout)
         idx = torch.tensor(blocks, device=self.device.device)
         t = torch.stack((k.index_select(0, idx), v.index_select(0, idx)), dim=1).cpu()
-        return memoryview(t.view(torch.uint8).numpy()).cast("B")
+        return t.view(torch.uint8).numpy().data.cast("B")
 
     def write_layer(self, tier: Tier, blocks: list[int], layer: int, buf: bytes | memoryview) -> None:
         """Store what ``read_layer`` produced into ``blocks`` of ``tier``."""

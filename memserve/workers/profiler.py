@@ -30,6 +30,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -49,12 +50,12 @@ from memserve.costmodel.model import CostKey, CostModel, slug
 from memserve.costmodel.store import default_path
 from memserve.ipc.messages import AddRequest, RequestOutput, SamplingParams
 from memserve.kvcache.address import Tier
+from memserve.model_files.generation import eos_token_ids
 from memserve.model_files.gguf_convert import ensure_model_dir
 from memserve.workers.engine.engine import Engine
 from memserve.workers.kv_pools import KVPools
 from memserve.workers.model_runner import ModelRunner
 from memserve.workers.op_timer import OperatorTimer, llama_operator_classes
-from memserve.workers.real_engine import build_engine
 from memserve.workers.resume_guard import ResumeGuard
 from memserve.workers.transfer_probe import TransferProbe
 
@@ -145,15 +146,16 @@ def hardware_name(device: torch.device) -> str:
 
 
 class Profiler:
-    """Runs prefill and decode steps of one engine through its public API, one run a call."""
+    """Runs prefill and decode steps of one engine through its public API, one run a call;
+    ``runner``, the engine's, has the model its operator hooks go on."""
 
-    def __init__(self, engine: Engine, seed: int = 0) -> None:
+    def __init__(self, engine: Engine, runner: ModelRunner, seed: int = 0) -> None:
         self.engine = engine
         self.rng = random.Random(seed)
         self.block_size = engine.cfg.block_size
-        self.vocab_size = engine.runner.model_config.vocab_size
-        self.sync = device_sync(engine.runner.device)
-        self.timer = OperatorTimer(llama_operator_classes(engine.runner.model), self.sync)
+        self.vocab_size = runner.model_config.vocab_size
+        self.sync = device_sync(runner.device)
+        self.timer = OperatorTimer(llama_operator_classes(runner.model), self.sync)
         self._ids = itertools.count()
 
     def tokens(self, n: int) -> list[int]:
@@ -272,34 +274,41 @@ class Point:
     sample: Callable[[list[Any]], Any]
 
 
-def _plan(grid: Grid, profiler: Profiler, copy: CopyProbe, transfer: TransferProbe) -> list[Point]:
+def _prefill_sample(seqs: list[tuple[int, int]], held: bool,
+                    runs: list[tuple[float, dict[str, float]]]) -> PrefillSample:
     median = statistics.median
+    return PrefillSample(seqs, median(t for t, _ in runs), {k: median(ops[k] for _, ops in runs) for k in runs[0][1]},
+                         held)
+
+
+def _decode_sample(batch_size: int, held: bool, runs: list[tuple[int, float]]) -> DecodeSample:
+    median = statistics.median
+    return DecodeSample(batch_size, int(median(c for c, _ in runs)), median(t for _, t in runs), held)
+
+
+def _bandwidth_sample(nbytes: int, held: bool, runs: list[float]) -> BandwidthSample:
+    return BandwidthSample(nbytes, statistics.median(runs), held)
+
+
+def _plan(grid: Grid, profiler: Profiler, copy: CopyProbe, transfer: TransferProbe) -> list[Point]:
     points = []
     for batch, held in grid.prefill_points():
         lengths = [x for x, _ in batch]
         prefixes = [profiler.tokens(profiler.cached_tokens(x, y)) for x, y in batch]
         seqs = [(x, len(p)) for x, p in zip(lengths, prefixes)]
-        points.append(Point(
-            "prefill", f"prefill {' + '.join(f'{x}@{y:g}' for x, y in batch)}",
-            lambda lengths=lengths, prefixes=prefixes: profiler.prefill(lengths, prefixes),
-            lambda runs, seqs=seqs, held=held: PrefillSample(
-                seqs, median(t for t, _ in runs), {k: median(ops[k] for _, ops in runs) for k in runs[0][1]}, held)))
+        points.append(Point("prefill", f"prefill {' + '.join(f'{x}@{y:g}' for x, y in batch)}",
+                            partial(profiler.prefill, lengths, prefixes), partial(_prefill_sample, seqs, held)))
     for batch_size, context_len, held in grid.decode_points():
         prefix = profiler.tokens(max(1, context_len // profiler.block_size) * profiler.block_size)
-        points.append(Point(
-            "decode", f"decode {batch_size} x {context_len}",
-            lambda b=batch_size, prefix=prefix: profiler.decode(b, prefix),
-            lambda runs, b=batch_size, held=held: DecodeSample(b, int(median(c for c, _ in runs)),
-                                                               median(t for _, t in runs), held)))
+        points.append(Point("decode", f"decode {batch_size} x {context_len}",
+                            partial(profiler.decode, batch_size, prefix), partial(_decode_sample, batch_size, held)))
     for n, held in grid.size_points():
         for src, dst in ((Tier.DEVICE, Tier.HOST), (Tier.HOST, Tier.DEVICE)):
-            points.append(Point(
-                "copy", f"copy {n} blocks {src.name.lower()}->{dst.name.lower()}",
-                lambda n=n, src=src, dst=dst: copy.measure(n, src, dst),
-                lambda runs, n=n, held=held: BandwidthSample(n * copy.pools.block_nbytes, median(runs), held)))
-        points.append(Point(
-            "transfer", f"transfer {n} blocks", lambda n=n: transfer.measure(n),
-            lambda runs, n=n, held=held: BandwidthSample(n * transfer.block_nbytes, median(runs), held)))
+            points.append(Point("copy", f"copy {n} blocks {src.name.lower()}->{dst.name.lower()}",
+                                partial(copy.measure, n, src, dst),
+                                partial(_bandwidth_sample, n * copy.pools.block_nbytes, held)))
+        points.append(Point("transfer", f"transfer {n} blocks", partial(transfer.measure, n),
+                            partial(_bandwidth_sample, n * transfer.block_nbytes, held)))
     return points
 
 
@@ -314,9 +323,9 @@ def profile(model: str | None, dtype: str, device: str, grid: Grid, repeats: int
         max_num_seqs=max(max(len(b) for b, _ in prefill_points), max(b for b, _, _ in decode_points)),
         max_num_batched_tokens=max(sum(x for x, _ in b) for b, _ in prefill_points),
     )
-    engine = build_engine(cfg, model_dir)
-    runner = engine.runner
-    profiler = Profiler(engine)
+    runner = ModelRunner(cfg, model_dir)
+    engine = Engine(cfg, runner, eos_token_ids(model_dir))
+    profiler = Profiler(engine, runner)
     max_blocks = max(n for n, _ in grid.size_points())
     copy = CopyProbe(runner, cfg, max_blocks, profiler.sync)
     with TransferProbe(model_dir, cfg, max_blocks, profiler.sync) as transfer, ResumeGuard() as guard:

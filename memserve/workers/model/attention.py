@@ -421,7 +421,7 @@ def paged_attention(
     if plan.static_decode is not None:
         return _static_decode_attention(q, k_cache, v_cache, plan, plan.static_decode, scale)
     if plan.xformers is not None:
-        return _xformers_paged_attention(q, k_cache, v_cache, plan, scale)
+        return _xformers_paged_attention(q, k_cache, v_cache, plan, plan.xformers, scale)
     out = q.new_empty(q.shape)  # contiguous even where q is a view into the fused projection
     num_heads, head_dim = q.shape[1:]
     kv_heads = k_cache.shape[-2]
@@ -573,23 +573,28 @@ def _chunked_decode(
     running output. queries [B, kv_heads, group, dim] -> [B, kv_heads, group, dim]."""
     block_size = k_cache.shape[1]
     mask = plan.additive_mask(group, queries.dtype, f"{name}-mask") if any(c.masked for c in group.chunks) else None
-    out = lse = None
-    for chunk in group.chunks:
+
+    def attend(chunk: DecodeChunk) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunk's output and its log-sum-exp [B, kv_heads, group, 1] (float32)."""
         first = chunk.start // block_size
         blocks = group.block_tables[:, first : first + DECODE_CHUNK_BLOCKS]
         width = blocks.shape[1] * block_size
         keys = plan.gather(k_cache, blocks, f"{name}-k{width}")
         values = plan.gather(v_cache, blocks, f"{name}-v{width}")
-        chunk_mask = mask[..., chunk.start : chunk.start + width] if chunk.masked else None
+        chunk_mask = mask[..., chunk.start : chunk.start + width] if mask is not None and chunk.masked else None
         part, part_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             queries, keys, values, attn_mask=chunk_mask, scale=scale
         )
-        part_lse = part_lse.unsqueeze(-1)  # [B, kv_heads, group, 1], float32
+        part_lse = part_lse.unsqueeze(-1)
         if chunk.empty_rows is not None:  # the kernel gives a row without keys lse 0, output 0
             part_lse = part_lse + chunk.empty_rows[..., None]
-        if out is None:
-            out, lse = part.float(), part_lse
-            continue
+        return part, part_lse
+
+    first_chunk, *rest = group.chunks
+    out, lse = attend(first_chunk)
+    out = out.float()
+    for chunk in rest:
+        part, part_lse = attend(chunk)
         merged = torch.logaddexp(lse, part_lse)
         out = out * (lse - merged).exp_() + part * (part_lse - merged).exp_()
         lse = merged
@@ -611,14 +616,15 @@ def _static_decode_attention(
 
 
 def _xformers_paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan, batch: XformersBatch,
+    scale: float,
 ) -> torch.Tensor:  # pragma: no cover - needs CUDA and xformers
     """All sequences in one memory-efficient-attention call. GQA uses xformers' 5-D
     [batch, tokens, kv_groups, heads_per_group, dim] form with K/V broadcast (no copy)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[-2]
     group = num_heads // num_kv_heads
-    blocks = plan.xformers.block_tables.flatten()
+    blocks = batch.block_tables.flatten()
     # gather() yields [heads, tokens, dim] views; transposed back they are contiguous [tokens, heads, dim].
     keys = plan.gather(k_cache, blocks, "all-k").transpose(0, 1).reshape(1, -1, num_kv_heads, 1, head_dim)
     values = plan.gather(v_cache, blocks, "all-v").transpose(0, 1).reshape(1, -1, num_kv_heads, 1, head_dim)
@@ -626,7 +632,7 @@ def _xformers_paged_attention(
         q.reshape(1, num_tokens, num_kv_heads, group, head_dim),
         keys.expand(-1, -1, -1, group, -1),
         values.expand(-1, -1, -1, group, -1),
-        attn_bias=plan.xformers.bias,
+        attn_bias=batch.bias,
         scale=scale,
     )
     return out.reshape(num_tokens, num_heads, head_dim)

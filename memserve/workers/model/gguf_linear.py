@@ -34,6 +34,8 @@ QUANTIZATIONS = ("auto", "none", "gguf")
 class GGUFLinear(nn.Module):
     """``nn.Linear`` (no bias) over GGUF blocks [out_features, row bytes] of one ggml type."""
 
+    blocks: torch.Tensor  # a buffer, registered in __init__: it moves with the module
+
     def __init__(self, blocks: torch.Tensor, ggml_type: int, in_features: int, dtype: torch.dtype):
         super().__init__()
         self.register_buffer("blocks", blocks, persistent=False)

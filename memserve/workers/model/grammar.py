@@ -133,7 +133,7 @@ def apply_grammar_masks(logits: torch.Tensor, batch: GrammarBatch | None) -> tor
     if batch is None:
         return logits
     rows = [i for i, m in enumerate(batch.matchers) if m is not None]
-    allowed = batch.owner.allowed([batch.matchers[i] for i in rows])
+    allowed = batch.owner.allowed([m for m in batch.matchers if m is not None])
     if len(rows) < logits.shape[0]:
         full = np.ones((logits.shape[0], allowed.shape[1]), dtype=bool)
         full[rows] = allowed
