@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -87,7 +87,7 @@ class SSEDecoder:
 
     def feed(self, chunk: bytes) -> list[str]:
         self._buffer += chunk
-        events = []
+        events: list[str] = []
         while True:
             nl = self._buffer.find(b"\n")
             if nl < 0:
@@ -241,7 +241,7 @@ class OpenAIClient:
         record.end = self.now()
         return record
 
-    async def _events(self, resp: aiohttp.ClientResponse) -> AsyncIterator[tuple[float, str]]:
+    async def _events(self, resp: aiohttp.ClientResponse) -> AsyncGenerator[tuple[float, str], None]:
         """(arrival time, data payload) of each SSE event, as bytes come off the socket."""
         decoder = SSEDecoder()
         async for raw in resp.content.iter_any():

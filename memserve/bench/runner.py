@@ -44,21 +44,16 @@ class Replayer:
     _in_flight: int = field(default=0, init=False)
     _any_ok: bool = field(default=False, init=False)
     _abort_reason: str | None = field(default=None, init=False)
-    _halt_requested: bool = field(default=False, init=False)
-    _halt: asyncio.Event | None = field(default=None, init=False)
+    # Set by ``halt``, even before ``run``: an Event binds its loop on first wait (Python 3.10+).
+    _halt: asyncio.Event = field(default_factory=asyncio.Event, init=False)
     _slots: asyncio.Semaphore | None = field(default=None, init=False)
 
     def halt(self) -> None:
         """Stop now (Ctrl-C): cancel requests in flight, keep what finished."""
-        self._halt_requested = True
-        if self._halt is not None:
-            self._halt.set()
+        self._halt.set()
 
     async def run(self, sessions: list[Session]) -> ReplayResult:
         """Replay ``sessions`` once (a Replayer serves one run)."""
-        self._halt = asyncio.Event()
-        if self._halt_requested:
-            self._halt.set()
         self._slots = asyncio.Semaphore(self.options.concurrency) if self.options.concurrency else None
         rng = random.Random(f"arrivals:{self.options.seed}")
         start = self.client.now()
@@ -70,7 +65,7 @@ class Replayer:
         ]
         everything = asyncio.gather(*tasks)
         halted = asyncio.create_task(self._halt.wait())
-        await asyncio.wait({everything, halted}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait((everything, halted), return_when=asyncio.FIRST_COMPLETED)
         halted.cancel()
         cancelled = 0
         if self._halt.is_set():
@@ -102,8 +97,9 @@ class Replayer:
             record = await self._send(session, k, turn, messages, deadline)
             if record is None or not record.ok:
                 return
-            use_recorded = self.options.fixed_output_len and turn.recorded_answer is not None
-            answer = turn.recorded_answer if use_recorded else record.output_text
+            answer = record.output_text
+            if self.options.fixed_output_len and turn.recorded_answer is not None:
+                answer = turn.recorded_answer
             history = messages + [{"role": "assistant", "content": answer}]
 
     async def _send(

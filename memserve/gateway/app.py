@@ -28,7 +28,7 @@ import time
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable
+from typing import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 import orjson
 from aiohttp import web
@@ -38,6 +38,7 @@ from memserve.gateway.auth import KEY_ID, KEY_SALT, AuthConfig, auth_middleware,
 from memserve.gateway.engine_protocol import (
     EngineClient,
     EngineUnavailable,
+    RequestEngine,
     RequestRejected,
 )
 from memserve.gateway.errors import APIError, bad_request
@@ -150,7 +151,7 @@ class _Generation:
     """One request's trip through the engine: detokenises, applies stop strings, keeps
     usage and metrics, and aborts the engine request if it ends before the engine did."""
 
-    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, metrics: GatewayMetrics, request_id: str,
+    def __init__(self, engine: RequestEngine, tokenizer: Tokenizer, metrics: GatewayMetrics, request_id: str,
                  prompt_ids: list[int], request: GenerationRequest, max_tokens: int, arrival: float,
                  echo: str | None = None) -> None:
         self._engine = engine
@@ -191,7 +192,7 @@ class _Generation:
             self._log.add(out.new_token_ids[:detokenizer.num_tokens - consumed], out.logprobs)
         return text
 
-    async def text_deltas(self) -> AsyncIterator[str]:
+    async def text_deltas(self) -> AsyncGenerator[str, None]:
         """One text delta (possibly empty) per engine output; ``finish_reason`` is set
         before the last one. Engine failures are raised as ``APIError``."""
         detokenizer = IncrementalDetokenizer(self._tokenizer, self._prompt_ids, self._request.stop)
@@ -514,7 +515,7 @@ class _OpenAIServer:
         """Headers go out only after every choice's first engine output, so a request the
         engine refuses still gets a plain HTTP error status."""
         async with _ChoiceEvents(choices) as events:
-            early = []
+            early: list[_Event] = []
             while len({event[0].index for event in early}) < len(choices):
                 early.append(await events.next())
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -558,6 +559,7 @@ class _OpenAIServer:
             if req.prompt is not None:
                 tokens = await self._encoder.encode(req.prompt, self._engine.max_model_len, req.add_special_tokens)
             else:
+                assert req.messages is not None  # parse_tokenize_request gives exactly one of the two
                 tokens = await self._encoder.encode_chat(req.messages, self._engine.max_model_len,
                                                          add_generation_prompt=req.add_generation_prompt)
         except ChatTemplateError as e:

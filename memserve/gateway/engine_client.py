@@ -190,8 +190,8 @@ class ZmqEngineClient:
 
     # ------------------------------------------------------------------ requests
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       session_id: str | None = None, slo: dict | None = None,
-                       instance: int | None = None, streaming: bool = True) -> AsyncIterator[RequestOutput]:
+                       session_id: str | None = None, slo: dict | None = None, streaming: bool = True, *,
+                       instance: int | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's token deltas; ``instance`` pins it to one worker. A request
         whose worker dies moves to a live worker (``request_retry.py``): ``streaming``
         says whether the caller passes the deltas on as they come (it resumes after them)

@@ -10,8 +10,9 @@ from typing import AsyncIterator, Protocol
 from memserve.ipc.messages import RequestOutput, SamplingParams
 
 
-class EngineClient(Protocol):
-    max_model_len: int
+class RequestEngine(Protocol):
+    """What one request's generation needs: the engine client itself, or one choice's
+    view of an n > 1 request (``parallel_choices.py``)."""
 
     def generate(
         self,
@@ -31,6 +32,10 @@ class EngineClient(Protocol):
     async def abort(self, request_id: str) -> None:
         """Stop a request; must be harmless for unknown or already finished ids."""
         ...
+
+
+class EngineClient(RequestEngine, Protocol):
+    max_model_len: int
 
     async def abort_choice(self, request_id: str, index: int) -> None:
         """Stop choice ``index`` of an n > 1 request alone (its other choices go on)."""

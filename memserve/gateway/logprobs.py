@@ -93,7 +93,9 @@ class TokenLog:
 def chat_logprobs(tokens: list[LoggedToken], strings: TokenStrings) -> dict:
     """The choice's ``logprobs`` for these generated tokens."""
     content = []
-    for token_id, (logprob, top_ids, top_logprobs) in tokens:
+    for token_id, logprobs in tokens:
+        assert logprobs is not None  # chat echoes no prompt: every token here was generated
+        logprob, top_ids, top_logprobs = logprobs
         content.append({
             "token": strings.text(token_id), "logprob": _clamp(logprob), "bytes": strings.bytes(token_id),
             "top_logprobs": [{"token": strings.text(t), "logprob": _clamp(lp), "bytes": strings.bytes(t)}

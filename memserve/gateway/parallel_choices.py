@@ -14,11 +14,11 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 
-from memserve.gateway.engine_protocol import EngineClient
+from memserve.gateway.engine_protocol import EngineClient, RequestEngine
 from memserve.ipc.messages import RequestOutput, SamplingParams
 
 
-def choice_engines(engine: EngineClient, n: int) -> list[EngineClient]:
+def choice_engines(engine: EngineClient, n: int) -> list[RequestEngine]:
     """The engines of a request's n choices: ``engine`` itself when n is 1."""
     return [engine] if n == 1 else _SharedRequest(engine, n).choices
 
@@ -26,7 +26,7 @@ def choice_engines(engine: EngineClient, n: int) -> list[EngineClient]:
 class _SharedRequest:
     def __init__(self, engine: EngineClient, n: int) -> None:
         self._engine = engine
-        self.choices: list[EngineClient] = [_ChoiceEngine(self, i, engine.max_model_len) for i in range(n)]
+        self.choices: list[RequestEngine] = [_ChoiceEngine(self, i) for i in range(n)]
         self._queues: list[asyncio.Queue[RequestOutput | Exception | None]] = [asyncio.Queue() for _ in range(n)]
         self._finished: set[int] = set()
         self._started: set[int] = set()
@@ -89,12 +89,11 @@ class _SharedRequest:
 
 
 class _ChoiceEngine:
-    """One choice's view of the shared request, as an ``EngineClient``."""
+    """One choice's view of the shared request, as a ``RequestEngine``."""
 
-    def __init__(self, shared: _SharedRequest, index: int, max_model_len: int) -> None:
+    def __init__(self, shared: _SharedRequest, index: int) -> None:
         self._shared = shared
         self._index = index
-        self.max_model_len = max_model_len
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        session_id: str | None = None, slo: dict | None = None,

@@ -339,7 +339,7 @@ def _tool_calls(value: Any, index: int) -> list[dict]:
     calls = []
     for call in value if isinstance(value, list) else [None]:
         function = call.get("function") if isinstance(call, dict) else None
-        if (not isinstance(function, dict) or not isinstance(call.get("id", ""), str)
+        if (not isinstance(call, dict) or not isinstance(function, dict) or not isinstance(call.get("id", ""), str)
                 or call.get("type", "function") != "function"
                 or not all(isinstance(function.get(k), str) for k in ("name", "arguments"))):
             raise bad_request(f"'{param}' must be an array of {{\"id\": string, \"type\": \"function\", "

@@ -14,17 +14,20 @@ same schema with every request pays the validation once."""
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import orjson
 
 from memserve.gateway.errors import bad_request
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # a TypedDict of its stubs, not exported
+
 # Distinct schemas whose validated grammar the gateway keeps.
 SCHEMA_CACHE_SIZE = 256
 # llguidance's JSON options: the separators of json.dumps, no other whitespace.
-_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_JSON_LAYOUT: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_JSON_OBJECT: dict = {"type": "object"}
 
 

@@ -66,7 +66,8 @@ _HERMES_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
 def _json_objects(text: str, separators: str) -> list[Any]:
     """The JSON values written one after another in ``text``, between ``separators``."""
-    decoder, values, i = json.JSONDecoder(), [], 0
+    decoder, i = json.JSONDecoder(), 0
+    values: list[Any] = []
     while True:
         while i < len(text) and (text[i].isspace() or text[i] in separators):
             i += 1
