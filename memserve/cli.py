@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from memserve.config import EngineConfig, ServeConfig
 from memserve.gateway.reasoning import PARSERS as REASONING_PARSERS
@@ -269,10 +270,10 @@ def _run_up(args: argparse.Namespace) -> int:
         print(f"memserve: --schedule-policy-options: {exc}", file=sys.stderr)
         return 2
     kv_events_config = _kv_events_config(args)
-    if kv_events_config is False:
+    if isinstance(kv_events_config, bool):  # False: refused, the reason printed
         return 2
     speculative_config = _speculative_config(args)
-    if speculative_config is False:
+    if isinstance(speculative_config, bool):
         return 2
     ray_error = _ray_error(args)
     if ray_error:
@@ -384,6 +385,7 @@ def _run_up(args: argparse.Namespace) -> int:
             return 2
         if left:  # workers pin themselves; the gateway keeps off their CPUs where it can
             os.sched_setaffinity(0, left)
+    run: Callable[..., Any]
     try:
         from uvloop import run
     except ImportError:
