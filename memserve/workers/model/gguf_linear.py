@@ -17,6 +17,7 @@ concatenated by rows, when all parts share one type.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ from torch import nn
 
 from memserve.model_files.gguf_convert import QUANTIZED_FILE
 from memserve.workers.model import cpu_kernels
+from memserve.workers.model.fused_names import fused_parts
 
 QUANTIZATIONS = ("auto", "none", "gguf")
 
@@ -67,27 +69,24 @@ def read_blocks(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
     return blocks, {name: int(metadata[name]) for name in blocks}
 
 
-def fused_blocks(blocks: dict[str, torch.Tensor], types: dict[str, int],
-                 fused: dict[str, tuple[str, ...]]) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+def fused_blocks(blocks: dict[str, torch.Tensor],
+                 types: dict[str, int]) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
     """``blocks`` under the model's parameter names: the parts of each fused projection
-    (``fused``: our name -> the checkpoint's, as the loader fuses float weights)
-    concatenated by rows where they share one type, dropped otherwise (that projection
-    then runs on its float weights)."""
+    (``fused_names``, as the loader fuses float weights) concatenated by rows where they
+    share one type, dropped otherwise (that projection then runs on its float weights)."""
     out, out_types = dict(blocks), dict(types)
     for name in blocks:
-        for ours, parts in fused.items():
-            marker = f".{parts[0]}."
-            if marker not in name:
-                continue
-            prefix, suffix = name.split(marker)
-            names = [f"{prefix}.{part}.{suffix}" for part in parts]
-            found = [n for n in names if n in blocks]
-            for n in found:
-                out.pop(n)
-                out_types.pop(n)
-            if len(found) == len(names) and len({types[n] for n in names}) == 1:
-                out[f"{prefix}.{ours}.{suffix}"] = torch.cat([blocks[n] for n in names])
-                out_types[f"{prefix}.{ours}.{suffix}"] = types[names[0]]
+        fused = fused_parts(name)
+        if fused is None:
+            continue
+        ours, parts = fused
+        found = [part for part in parts if part in blocks]
+        for part in found:
+            out.pop(part)
+            out_types.pop(part)
+        if len(found) == len(parts) and len({types[part] for part in parts}) == 1:
+            out[ours] = torch.cat([blocks[part] for part in parts])
+            out_types[ours] = types[parts[0]]
     return out, out_types
 
 
@@ -123,7 +122,4 @@ def quantize_linears(model: nn.Module, blocks: dict[str, torch.Tensor], types: d
 
 def describe(types: dict[str, int]) -> str:
     """Counts of the quantized weights by ggml type, for the log."""
-    counts: dict[str, int] = {}
-    for t in types.values():
-        counts[GGMLQuantizationType(t).name] = counts.get(GGMLQuantizationType(t).name, 0) + 1
-    return json.dumps(counts)
+    return json.dumps(Counter(GGMLQuantizationType(t).name for t in types.values()))

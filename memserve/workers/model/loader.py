@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from memserve.workers.model.fused_names import fused_parts
 from memserve.workers.model.gguf_linear import describe, fused_blocks, quantize_linears, read_blocks, use_quantized
 from memserve.workers.model.llama import LlamaForCausalLM, use_fused_pointwise
 from memserve.workers.model.model_config import ModelConfig
@@ -30,11 +31,6 @@ from memserve.workers.model.packed_linear import (
 
 log = logging.getLogger(__name__)
 
-# Our fused parameter -> the Hugging Face parameters concatenated (along the output dim) into it.
-_FUSED = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-}
 # Mixtral's names for the sparse MLP and its experts' projections -> Qwen3-MoE's (ours).
 _MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
                   (".w2.", ".down_proj."))
@@ -79,14 +75,10 @@ def fuse_hf_weights(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Rename Hugging Face weights to our parameters, concatenating q/k/v and gate/up."""
     out = dict(hf)
     for name in list(hf):
-        for fused, parts in _FUSED.items():
-            first = parts[0]
-            marker = f".{first}."
-            if marker not in name:
-                continue
-            prefix, suffix = name.split(marker)
-            pieces = [out.pop(f"{prefix}.{part}.{suffix}") for part in parts]
-            out[f"{prefix}.{fused}.{suffix}"] = torch.cat(pieces, dim=0)
+        fused = fused_parts(name)
+        if fused is not None:
+            ours, parts = fused
+            out[ours] = torch.cat([out.pop(part) for part in parts], dim=0)
     return out
 
 
@@ -181,7 +173,7 @@ def _load(folder: Path, dtype: torch.dtype, device: str | torch.device, cpu_gemm
     if tie:
         model.lm_head.weight = model.model.embed_tokens.weight
     if quantized:
-        blocks, types = fused_blocks(*read_blocks(folder), _FUSED)
+        blocks, types = fused_blocks(*read_blocks(folder))
         log.info("%s: %d linear layers run GGUF-quantized %s", folder.name,
                  quantize_linears(model, blocks, types, dtype), describe(types))
     if cpu_gemm == "onednn" and packing_supported(dtype, torch.device(device)):
