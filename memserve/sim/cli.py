@@ -12,16 +12,20 @@ import time
 
 from rich.console import Console
 
-from memserve.config import EngineConfig
+from memserve.config import EngineConfig, ServeConfig, WorkerConfig
+from memserve.costmodel.model import BandwidthCost, CostModel
 from memserve.costmodel.store import load_cost_model
 from memserve.gateway.routing.admission import DEFAULT_MAX_HELD, Admission
 from memserve.gateway.routing.admission import MODES as ADMISSION_MODES
 from memserve.gateway.routing.pd_topology import PD_MODES, parse_instances
 from memserve.gateway.routing.router import ROUTING_POLICIES, Balance, Router
 from memserve.kvcache.eviction import EVICTION_POLICIES
+from memserve.sim.node_loss import NodeLoss
 from memserve.sim.predictor import PADDINGS, NoisyOracle
+from memserve.sim.report import simulation_stats
 from memserve.sim.simulator import Simulation
 from memserve.sim.tokens import HFTokenizer, SyntheticTokenizer
+from memserve.sim.topology import CROSS_HOST_BYTES_S, CROSS_HOST_LATENCY_S, Topology
 from memserve.workers.engine.policies import SCHEDULE_POLICIES
 from memserve.workload.options import (
     add_load_arguments,
@@ -30,6 +34,7 @@ from memserve.workload.options import (
     build_sessions,
     fail,
     point_result,
+    positive_float,
     replay_options,
     run_config,
     write_outputs,
@@ -38,6 +43,9 @@ from memserve.workload.replay import ReplayResult
 from memserve.workload.report import RunPoint, print_run
 
 EXIT_OK, EXIT_USAGE = 0, 2
+# A worker's heartbeat period and the gateway's timeout, as memserve up runs them.
+HEARTBEAT_S: float = WorkerConfig.heartbeat_s
+HEARTBEAT_TIMEOUT_S: float = ServeConfig.heartbeat_timeout_s
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -82,11 +90,47 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                      help="admit a request at once even when a running prefill is computing blocks of its prompt")
     sim.add_argument("--max-model-len", type=int, default=None)
     sim.add_argument("--no-prefix-cache", action="store_true")
+    sim.add_argument("--async-saver", action="store_true",
+                     help="save down the tiers in the background, each copy taking its bytes over the host "
+                          "link or the disk (sim/saver.py), as a worker's save thread; default: synchronous "
+                          "saves that take no time")
+    sim.add_argument("--saver-gbps", type=positive_float, default=None,
+                     help="the background saver's bandwidth in GB/s for every copy (a slow saver; implies "
+                          "--async-saver)")
+    add_host_arguments(p)
     add_workload_arguments(p)
     add_load_arguments(p)
     add_output_arguments(p)
     p.set_defaults(func=run_simulate_command)
     return p
+
+
+def add_host_arguments(p: argparse.ArgumentParser) -> None:
+    """The hosts the instances run on, their links, and hosts lost during the run."""
+    hosts = p.add_argument_group("hosts")
+    hosts.add_argument("--instances-per-host", type=int, default=0,
+                       help="instances a host runs (instance i on host i // N); pulls and handoffs between hosts "
+                            "take the cross-host link, within one the cost model's transfer; default: one host")
+    hosts.add_argument("--cross-host-gbps", type=positive_float, default=CROSS_HOST_BYTES_S / 1e9,
+                       help="the cross-host link's bandwidth, GB/s")
+    hosts.add_argument("--cross-host-latency-ms", type=float, default=CROSS_HOST_LATENCY_S * 1e3,
+                       help="the cross-host link's latency per transfer, ms")
+    hosts.add_argument("--node-loss-every", type=positive_float, default=None, metavar="S",
+                       help="lose one host (all its instances) every S simulated seconds, the first at S/2; "
+                            "its requests move as the gateway moves a dead worker's (sim/node_loss.py)")
+    hosts.add_argument("--heartbeat-timeout", type=positive_float, default=HEARTBEAT_TIMEOUT_S,
+                       help="seconds without heartbeats before the gateway declares a worker dead (as memserve up)")
+
+
+def topology_and_loss(args: argparse.Namespace, num_instances: int,
+                      cost: CostModel) -> tuple[Topology, NodeLoss | None]:
+    """The hosts of ``--instances-per-host`` and the node loss of ``--node-loss-every``."""
+    cross = BandwidthCost(args.cross_host_latency_ms / 1e3, args.cross_host_gbps * 1e9)
+    topology = Topology(num_instances, args.instances_per_host or num_instances, cost.transfer, cross)
+    loss = None
+    if args.node_loss_every is not None:
+        loss = NodeLoss(topology, args.node_loss_every, args.seed, HEARTBEAT_S, args.heartbeat_timeout)
+    return topology, loss
 
 
 def run_simulate_command(args: argparse.Namespace) -> int:
@@ -108,6 +152,7 @@ def run_simulate_command(args: argparse.Namespace) -> int:
         router = Router.named(args.router, cost, Balance(args.router_balance_abs, args.router_balance_rel,
                                                                     args.router_cache_threshold),
                               step_tokens=engine_cfg.prefill_chunk_tokens)
+        topology, node_loss = topology_and_loss(args, len(roles), cost)
     except (ValueError, FileNotFoundError, OSError, KeyError) as e:
         return fail(str(e), EXIT_USAGE)
     predict = None
@@ -116,7 +161,9 @@ def run_simulate_command(args: argparse.Namespace) -> int:
     try:
         sim = Simulation(cost, engine_cfg, len(roles), router, tokenizer, replay_options(args, rate),
                          args.num_disk_blocks, predict, roles, args.pd_mode,
-                         Admission(args.admission, args.admission_queue_size))
+                         Admission(args.admission, args.admission_queue_size), topology, node_loss,
+                         args.async_saver or args.saver_gbps is not None,
+                         args.saver_gbps * 1e9 if args.saver_gbps else None)
     except ValueError as e:
         return fail(str(e), EXIT_USAGE)
     started = time.perf_counter()
@@ -125,17 +172,7 @@ def run_simulate_command(args: argparse.Namespace) -> int:
     console = Console(soft_wrap=True)
     label = args.label or f"sim:{cost.key.model}x{len(roles)}"
     result = point_result(ReplayResult(records=sim.records, duration_s=duration))
-    result["simulation"] = {"wall_s": round(wall, 3), "simulated_s": round(duration, 3), "steps": sim.num_steps,
-                            "requests_per_wall_s": round(len(sim.records) / wall, 1) if wall else None}
-    engines = [inst.engine.stats() for inst in sim.instances]
-    result["simulation"]["preemptions"] = {kind: sum(e["preemptions"][kind] for e in engines)
-                                           for kind in engines[0]["preemptions"]}
-    if "kv_allocation" in engines[0]:
-        result["simulation"]["kv_allocation"] = [e["kv_allocation"] for e in engines]
-    result["simulation"]["admission"] = sim.admission.stats()
-    if sim.pd is not None:
-        result["simulation"]["roles"] = roles
-        result["simulation"]["pd"] = sim.pd.stats()
+    result["simulation"] = simulation_stats(sim, wall, duration, roles)
     point = RunPoint(label, None, result)
     print_run(console, point)
     console.print(f"simulated {duration:.1f} s of traffic ({len(sim.records)} requests, {sim.num_steps} steps) "

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from memserve.ipc.messages import MemPoolStats, TierStats, WorkerStats
+from memserve.gateway.routing.route_types import RouteRequest
+from memserve.ipc.messages import AddRequest, MemPoolStats, TierStats, WorkerStats
 from memserve.kvcache.address import Tier
 from memserve.kvcache.mirror import PromptTreeMirror
 from memserve.sim.plain_decodes import PlainDecodes
@@ -25,6 +26,8 @@ class SimInstance:
     role: str = "colocated"  # colocated | prefill | decode (sim/pd_flow.py)
     busy: bool = False  # a step event is scheduled
     step_end: float = 0.0  # when its latest step ends (a prefix push waits for it)
+    state: str = "ok"  # as the gateway sees it: ok | degraded | dead (sim/node_loss.py)
+    lost: bool = False  # its host is gone: it runs and sends nothing
     plain: PlainDecodes = field(init=False)  # its plain decode steps, for the run-ahead
     _device: dict[str, int] | None = field(default=None, init=False, repr=False)  # counted by the latest take_stats
     _stats: WorkerStats = field(default_factory=WorkerStats, init=False, repr=False)  # the report last built
@@ -50,11 +53,16 @@ class SimInstance:
 
 @dataclass
 class InFlight:
-    """A request in flight: its record and what the session needs to go on."""
+    """A request in flight: its record, what the session needs to go on, and what a move
+    to another worker starts from (``sim/node_loss.py``)."""
 
     record: RequestRecord
     session: int
     turn: int
     instance: int
     messages: list[tuple[str, list[int] | str]]
+    add: AddRequest  # as first sent
+    route: RouteRequest  # as first routed
     output: list[int] = field(default_factory=list)
+    moves: int = 0  # to another worker, its worker having died
+    cached_told: int | None = None  # moved after its first tokens: the cached tokens its client was told

@@ -44,6 +44,7 @@ from memserve.ipc.messages import (
 )
 from memserve.kvcache.mempool import KVFlags
 from memserve.sim.instance import InFlight, SimInstance
+from memserve.sim.topology import Topology
 from memserve.sim.transfer import SimNetwork
 from memserve.workers.engine.pd_receiver import KVReceiver
 from memserve.workers.engine.pd_sender import HandoffSender
@@ -53,6 +54,7 @@ class SimHost(Protocol):
     """What the disaggregated flow needs of the simulation that runs it (``Simulation``)."""
 
     cost: CostModel
+    topology: Topology
     instances: list[SimInstance]
     in_flight: dict[str, InFlight]
     now: float
@@ -85,7 +87,7 @@ class SimPDFlow:
         self.pd_mode = pd_mode
         self.decode_caches = role_caches("decode", pd_mode)
         self.block_size = sim.instances[0].engine.cfg.block_size
-        self.network = SimNetwork(sim.cost, sim.clock, sim.schedule, self._arrived)
+        self.network = SimNetwork(sim.topology, sim.clock, sim.schedule, self._arrived)
         self.senders: list[HandoffSender] = []
         self.receivers: list[KVReceiver] = []
         for inst in sim.instances:

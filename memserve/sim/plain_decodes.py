@@ -23,8 +23,9 @@ What this relies on (``steps`` and ``room`` say 0 where it does not hold):
 - the schedule policy's hooks do nothing while nothing waits (``INERT_POLICIES``), and
   the policy has no say over KV growth (no ``KVGate``);
 - no drafts (speculative decoding), no look-ahead window, no retention, no disk store,
-  no pins held, no saves to commit and no load in flight: nothing else runs between
-  steps or reads the clock;
+  no pins held, no saves to commit or in flight (a saver that copies in the call, or the
+  simulator's timed one, ``sim/saver.py``, whose jobs in flight are known) and no load in
+  flight: nothing else runs between steps or reads the clock;
 - no token ends a request (no stop tokens, EOS ignored), so only the length limits
   end one and the steps before the first limit finish nothing.
 
@@ -36,6 +37,7 @@ event per step.
 from __future__ import annotations
 
 from memserve.sim.runner import SimulatedRunner
+from memserve.sim.saver import TimedSaver
 from memserve.workers.engine.engine import Engine
 
 # Schedule policies whose ``make_room`` and ``begin_step`` do nothing while nothing
@@ -52,7 +54,7 @@ class PlainDecodes:
         scheduler, pool = engine.scheduler, engine.mempool
         self.enabled = (scheduler.policy.name in INERT_POLICIES and scheduler.kv.gate is None
                         and scheduler.proposer is None and engine.lookahead is None and engine.retention is None
-                        and pool.disk is None and pool.saver.inline)
+                        and pool.disk is None and (pool.saver.inline or isinstance(pool.saver, TimedSaver)))
 
     def steps(self) -> int:
         """How many of the next engine steps, at most, are plain decodes (0: the next is

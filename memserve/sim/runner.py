@@ -6,9 +6,13 @@ time for its prefill chunks (each with its cached ratio) plus its decode step ti
 the decoding requests, their shared fixed cost (the weights read) counted once
 (``CostModel.step_s``); a KV load finishes ``copy_s(bytes)`` after it starts, plus the
 disk read of its disk blocks (``DISK_READ_BYTES_S``). A disk tier of ``num_disk_blocks``
-is bookkeeping only; its saves and prefetches take no simulated time. Sampled
-tokens are synthetic (``synthetic_token``) and never end a request: the workload's
-lengths do (ignore_eos)."""
+is bookkeeping only. Saves down the tiers and prefetches are synchronous and take no
+simulated time, unless the runner has an asynchronous saver (``async_saves``,
+``sim/saver.py``): then each copy takes its bytes over the host link (the cost model's
+``copy``), or the disk's bandwidth when it reads or writes the disk tier, or
+``save_bytes_s`` for every copy when given (a slow saver); a step that waited for saves
+is that much longer. Sampled tokens are synthetic (``synthetic_token``) and never end a
+request: the workload's lengths do (ignore_eos)."""
 
 from __future__ import annotations
 
@@ -22,13 +26,16 @@ from memserve.costmodel.model import CostModel
 from memserve.kvcache.address import Tier
 from memserve.kvcache.disk_store import DiskStore
 from memserve.kvcache.mover import BlockMover, Buffer
-from memserve.kvcache.saver import Saver
+from memserve.kvcache.saver import Saver, SaveJob
+from memserve.sim.saver import TimedSaver
 from memserve.workers.engine.layer_hooks import LayerHooks
 from memserve.workers.engine.step_plan import KVLoad, StepPlan, StepResult
 
 SIM_VOCAB = 1 << 20  # synthetic token ids live below this
 # An NVMe SSD's sequential read, "several GB/s" (AttentionStore §3.3): an assumption.
 DISK_READ_BYTES_S = 3e9
+# Its sequential write, about two thirds of the read on NVMe datasheets: an assumption.
+DISK_WRITE_BYTES_S = 2e9
 
 
 def synthetic_token(last_token: int, context_len: int) -> int:
@@ -68,11 +75,15 @@ class NullMover:
 
 class SimulatedRunner:
     def __init__(self, cost: CostModel, num_blocks: int, block_size: int, max_model_len: int,
-                 clock: Callable[[], float], num_disk_blocks: int = 0) -> None:
+                 clock: Callable[[], float], num_disk_blocks: int = 0, async_saves: bool = False,
+                 save_bytes_s: float | None = None) -> None:
         self.cost = cost
         self.num_blocks = num_blocks
         self.num_disk_blocks = num_disk_blocks
-        self.saver: Saver | None = None  # saves are bookkeeping here: synchronous and exact
+        # None: saves are bookkeeping here, synchronous and exact (the MemPool's InlineSaver).
+        self.timed_saver = TimedSaver(clock, self.save_s) if async_saves else None
+        self.saver: Saver | None = self.timed_saver
+        self.save_bytes_s = save_bytes_s
         self.disk: DiskStore | None = None
         self.num_layers = 1  # a step is timed whole, not layer by layer
         self.block_size = block_size
@@ -81,6 +92,7 @@ class SimulatedRunner:
         self.mover: BlockMover = NullMover(cost.kv_bytes_per_token * block_size)
         self.clock = clock
         self.last_step_s = 0.0  # duration of the latest execute()
+        self.last_stall_s = 0.0  # of which waiting for saves
         self._loads: dict[str, float] = {}  # request id -> virtual time its load is done
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -101,9 +113,21 @@ class SimulatedRunner:
             if c.sample:
                 sampled[c.request_id] = synthetic_token(c.token_ids[-1], end)
         cost = self.cost
-        self.last_step_s = (cost.step_s(prefills, decodes, context, longest) if prefills
-                            else cost.decode_step_s(decodes, context, longest))
+        self.last_stall_s = self.timed_saver.take_stall() if self.timed_saver is not None else 0.0
+        self.last_step_s = self.last_stall_s + (cost.step_s(prefills, decodes, context, longest) if prefills
+                                                else cost.decode_step_s(decodes, context, longest))
         return StepResult(sampled)
+
+    def save_s(self, job: SaveJob) -> float:
+        """How long the asynchronous saver copies ``job``'s blocks."""
+        nbytes = len(job.src_blocks) * self.mover.block_nbytes
+        if self.save_bytes_s:
+            return nbytes / self.save_bytes_s
+        if job.dst_tier == Tier.DISK:
+            return nbytes / DISK_WRITE_BYTES_S
+        if job.src_tier == Tier.DISK:
+            return nbytes / DISK_READ_BYTES_S
+        return self.cost.copy_s(nbytes)
 
     def decode_run(self, last_tokens: Sequence[int], positions: Sequence[int], max_steps: int, start: float,
                    until: float) -> tuple[list[float], list[list[int]]]:
@@ -139,6 +163,12 @@ class SimulatedRunner:
 
     def next_load_done(self) -> float | None:
         return min(self._loads.values(), default=None)
+
+    def next_done(self) -> float | None:
+        """When the next load or save in flight is done (None: none is)."""
+        saved = self.timed_saver.next_done() if self.timed_saver is not None else None
+        loaded = self.next_load_done()
+        return loaded if saved is None else saved if loaded is None else min(saved, loaded)
 
     def finished_loads(self) -> list[str]:
         if not self._loads:

@@ -8,7 +8,8 @@ each request with a TTFT SLO on arrival, as ``memserve up`` does: a refused requ
 recorded with status 429 (it meets no SLO), and ``queue`` mode holds requests and judges
 them again whenever a request gets its first token or finishes. With prefill and decode
 roles, ``sim/pd_flow.py`` hands each request from its prefill instance to a decode
-instance. Sessions replay as ``memserve bench`` replays them (Poisson session
+instance. The instances run on hosts (``sim/topology.py``), which price the KV moved
+between two instances by their link; hosts may be lost (``sim/node_loss.py``). Sessions replay as ``memserve bench`` replays them (Poisson session
 starts from the same seeded generator, turn k+1 sent when turn k's answer is complete,
 exponential think times), and the records are the bench's, so ``results.json`` has the
 same shape and ``memserve bench compare`` works across real and simulated runs.
@@ -44,8 +45,9 @@ their order. The stats the router reads are taken as of the last of them, and th
 step's delivery is an event as usual (pushed when the run is made rather than when its
 step starts: only another instance's event at that very time could come in between,
 and the two touch nothing in common). A step of the run that turns out not to be plain
-(the pool is short of a block: a request is preempted) ends the run there, with its
-own events. So the gateway, the records and the engines see what one event per step
+(the pool is short of a block: a request is preempted), or that waited for the saver
+or started a save (``sim/saver.py``: its duration is not the run's, and a save in flight
+ends before some later step of the run), ends the run there, with its own events. So the gateway, the records and the engines see what one event per step
 would have shown them."""
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ import heapq
 import itertools
 import math
 import random
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -68,9 +71,11 @@ from memserve.kvcache.blocks import OutOfBlocks
 from memserve.kvcache.events import KVEvents
 from memserve.kvcache.mirror import PromptTreeMirror
 from memserve.sim.instance import InFlight, SimInstance
+from memserve.sim.node_loss import NodeLoss
 from memserve.sim.pd_flow import SimPDFlow
 from memserve.sim.runner import SimulatedRunner
 from memserve.sim.tokens import TextTokenizer, chat_tokens
+from memserve.sim.topology import Topology
 from memserve.workers.engine.engine import Engine
 from memserve.workload.records import RequestRecord
 from memserve.workload.replay import ReplayOptions, arrival_offsets
@@ -107,7 +112,9 @@ class Simulation:
     def __init__(self, cost: CostModel, engine_cfg: EngineConfig, num_instances: int, router: Router,
                  tokenizer: TextTokenizer, options: ReplayOptions, num_disk_blocks: int = 0,
                  predict: Callable[[str, int], int] | None = None, roles: list[str] | None = None,
-                 pd_mode: str = "pd-caching-3", admission: Admission | None = None) -> None:
+                 pd_mode: str = "pd-caching-3", admission: Admission | None = None,
+                 topology: Topology | None = None, node_loss: NodeLoss | None = None,
+                 async_saves: bool = False, save_bytes_s: float | None = None) -> None:
         self.now = 0.0
         self.admission = admission if admission is not None else Admission(OFF)
         self.admission.clock = self.clock
@@ -125,9 +132,13 @@ class Simulation:
         self.instances: list[SimInstance] = []
         if engine_cfg.num_blocks is None:
             raise ValueError("the simulator needs the KV blocks of an instance (num_blocks)")
+        self.topology = topology or Topology(num_instances, num_instances, cost.transfer, cost.transfer)
+        router.use_links(self.topology.links())
+        self.pulls: Counter[str] = Counter()  # prefix pulls by link (same_host, cross_host) and outcome
         for i, role in enumerate(roles):
             runner = SimulatedRunner(cost, engine_cfg.num_blocks, engine_cfg.block_size,
-                                     engine_cfg.max_model_len or 1 << 30, self.clock, num_disk_blocks)
+                                     engine_cfg.max_model_len or 1 << 30, self.clock, num_disk_blocks,
+                                     async_saves, save_bytes_s)
             caching = engine_cfg.enable_prefix_caching and role_caches(role, pd_mode)
             engine = Engine(replace(engine_cfg, enable_prefix_caching=caching), runner, set(), i, self.clock)
             self.instances.append(SimInstance(engine, runner, PromptTreeMirror(i, engine_cfg.block_size), role))
@@ -140,6 +151,9 @@ class Simulation:
         self.records: list[RequestRecord] = []
         self.num_steps = 0
         self.pd = SimPDFlow(self, pd_mode) if is_disaggregated(roles) else None
+        if node_loss is not None and self.pd is not None:
+            raise ValueError("node loss is simulated for colocated instances only")
+        self.node_loss = node_loss
 
     def clock(self) -> float:
         return self.now
@@ -153,6 +167,8 @@ class Simulation:
         for s, start in enumerate(offsets):
             history = [("system", sessions[s].system)] if sessions[s].system else []
             self._push(start, "arrive", (s, 0, history))
+        if self.node_loss is not None:
+            self.node_loss.start(self)
         # Without a disaggregated flow (whose transfer futures and their callbacks refer to
         # each other) the events make no reference cycles, so the cyclic garbage collector
         # is off while they run: its full passes over the records and KV indexes, which
@@ -194,6 +210,10 @@ class Simulation:
 
     def _push_instance(self, at: float, kind: str, data: tuple) -> None:
         heapq.heappush(self._instance_events, (at, next(self._seq), kind, data))
+
+    def events_left(self) -> bool:
+        """Whether any event is still to run."""
+        return bool(self._instance_events or self._gateway_events)
 
     def schedule(self, at: float, fn: Callable[[], None]) -> None:
         """Run ``fn`` at virtual time ``at`` (transfers, handoffs)."""
@@ -256,20 +276,33 @@ class Simulation:
                 self._judge(arrival, held=True)
 
     def _route(self, arrival: _Arrival) -> None:
-        request, record = arrival.request, arrival.record
-        decision = self.router.route(request, self.views())
+        request = arrival.request
         rid, prompt, slo, max_tokens = request.request_id, request.prompt_token_ids, request.slo, request.max_tokens
         assert max_tokens is not None  # every simulated request has its output length
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         add = AddRequest(rid, prompt, params, request.session_id, 0.0, 0, slo.get("ttft_ms"), slo.get("tbt_ms"),
                          predicted_output_tokens=self.predict(rid, max_tokens) if self.predict else None)
-        turn = InFlight(record, arrival.session, arrival.turn, decision.instance, arrival.messages)
+        self.send(add, request, InFlight(arrival.record, arrival.session, arrival.turn, -1, arrival.messages, add,
+                                         request))
+
+    def send(self, add: AddRequest, request: RouteRequest, turn: InFlight) -> None:
+        """Route ``request`` and send ``add`` to the worker chosen, after the prefix pull
+        the router chose, as the gateway's ``_send``."""
+        decision = self.router.route(request, self.views())
+        turn.instance = decision.instance
         if decision.pull_from is None:
             self._admit(add, turn)
         else:
-            self._push(self.now + self._pull(decision.pull_from, decision.instance, prompt), "admit", (add, turn))
+            delay = self._pull(decision.pull_from, decision.instance, request.prompt_token_ids)
+            self._push(self.now + delay, "admit", (add, turn))
 
     def _admit(self, add: AddRequest, turn: InFlight) -> None:
+        if self.instances[turn.instance].lost:  # sent to a host that is gone: it moves once found dead
+            self.in_flight[add.request_id] = turn
+            self._continuing += self._continues(turn)
+            if self.instances[turn.instance].state == "dead" and self.node_loss is not None:
+                self.node_loss.move(add.request_id, turn)  # found dead while its prefix pull ran
+            return
         self._touch(turn.instance)
         refused = (self.pd.admit(add, turn.instance) if self.pd is not None
                    else self.instances[turn.instance].engine.add_request(add, self.now))
@@ -288,6 +321,9 @@ class Simulation:
         ``dst`` once ``src`` ended its current step (workers serve pushes between steps)
         and every block was sent. Returns that delay (0 when the pull fails: the prefix
         was evicted meanwhile, or ``dst`` has no room)."""
+        if self.instances[src].lost or self.instances[dst].lost:
+            self.router.pull_done(False)
+            return 0.0
         self._touch(dst)
         source, target = self.instances[src].engine.mempool, self.instances[dst].engine.mempool
         n = len(source.match(prompt, take_ref=False))
@@ -303,17 +339,30 @@ class Simulation:
         if new is None or n == 0:
             return 0.0
         wait = max(0.0, self.instances[src].step_end - self.now)
-        return wait + self.cost.transfer_s(n * target.block_size * self.cost.kv_bytes_per_token)
+        seconds = self.topology.transfer_s(src, dst, n * target.block_size * self.cost.kv_bytes_per_token)
+        link = "same_host" if self.topology.host(src) == self.topology.host(dst) else "cross_host"
+        self.pulls[link] += 1
+        self.pulls[link + "_blocks"] += n
+        return wait + seconds
 
     def views(self) -> list[WorkerView]:
         in_flight = [0] * len(self.instances)
         for t in self.in_flight.values():
             in_flight[t.instance] += 1
-        return [WorkerView(i, "ok", in_flight[i], inst.stats, inst.mirror, inst.role)
+        return [WorkerView(i, inst.state, in_flight[i], inst.stats, inst.mirror, inst.role)
                 for i, inst in enumerate(self.instances)]
 
+    def silence(self, i: int) -> None:
+        """Instance ``i``'s host is gone: it steps no more and what it was about to
+        deliver never arrives."""
+        self.instances[i].lost = True
+        self._plain_runs.pop(i, None)
+        events = self._instance_events
+        events[:] = [e for e in events if e[3][0] != i]
+        heapq.heapify(events)
+
     def wake(self, i: int, at: float) -> None:
-        if not self.instances[i].busy:
+        if not self.instances[i].busy and not self.instances[i].lost:
             self.instances[i].busy = True
             self._push_instance(at, "step", (i, None))
 
@@ -345,7 +394,7 @@ class Simulation:
                 return
         self._push_instance(done_at, "deliver", (i, outputs))
         if inst.engine.has_work:
-            load_done = runner.next_load_done()
+            load_done = runner.next_done()
             self.wake(i, load_done if load_done is not None and load_done > self.now else self.now + IDLE_POLL_S)
 
     def _run_ahead(self, i: int) -> bool:
@@ -423,8 +472,9 @@ class Simulation:
             runner.last_step_s = 0.0
             outputs = engine.step()
             # Within ``PlainDecodes.steps`` no request finishes and nothing waits: a step
-            # that gives one no token preempted it.
-            if len(outputs) != num_running:
+            # that gives one no token preempted it. A step that waited for the saver took
+            # longer than ``ends`` says; one that started a save would see it end.
+            if len(outputs) != num_running or runner.last_stall_s or engine.mempool.saver.pending():
                 self._stepped(i, outputs)
                 return done, False
             done += 1
@@ -502,15 +552,21 @@ class Simulation:
         """Whether the turn's session has a next one (sent when this one ends)."""
         return turn.turn + 1 < len(self.sessions[turn.session].turns)
 
-    def finish(self, rid: str, turn: InFlight, at: float, error: str | None) -> None:
+    def leave(self, rid: str, turn: InFlight) -> None:
+        """The request is no longer in flight on its worker (it ended, or moves on)."""
         del self.in_flight[rid]
         self._continuing -= self._continues(turn)
+
+    def finish(self, rid: str, turn: InFlight, at: float, error: str | None) -> None:
+        self.leave(rid, turn)
         self.router.release(rid)
         if self.pd is not None:
             self.pd.finished(rid, turn.output, at, error is None)
         rec = turn.record
         rec.end = at
         rec.completion_tokens = len(turn.output)
+        if turn.cached_told is not None:
+            rec.cached_tokens = turn.cached_told
         if error is not None:
             rec.status, rec.error = "500", error
         self.records.append(rec)

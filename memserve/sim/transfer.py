@@ -7,8 +7,8 @@ transfer it was told to ``expect`` (holding its pinned cached prefix), allocates
 blocks when the send starts, and on arrival indexes them after that prefix
 (``insert_received``: ``transfer_with_insert``), then frees them (``KVFlags.RELEASE``) or
 hands them to its engine with ``drain_received``. What the simulation adds is time: a
-transfer of B bytes takes ``cost.transfer_s(B)`` (per-message latency + B / bandwidth)
-and occupies the sender's outgoing and the receiver's incoming link, so concurrent
+transfer of B bytes takes the time of the link between its two instances
+(``Topology.transfer_s``: per-message latency + B / bandwidth) and occupies the sender's outgoing and the receiver's incoming link, so concurrent
 transfers through one instance queue behind each other. No bytes move."""
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from memserve.costmodel.model import CostModel
 from memserve.ipc.kv_transfer import (
     LayerStream,
     ReceivedKV,
@@ -28,6 +27,7 @@ from memserve.ipc.kv_transfer import (
 )
 from memserve.kvcache.blocks import MemPoolError
 from memserve.kvcache.mempool import KVFlags, MemPool
+from memserve.sim.topology import Topology
 
 
 @dataclass
@@ -47,13 +47,13 @@ class LinkStats:
 
 
 class SimNetwork:
-    """The links between the instances; ``schedule(at, fn)`` runs ``fn`` at virtual time
+    """The links between the instances, priced by ``topology``; ``schedule(at, fn)`` runs ``fn`` at virtual time
     ``at`` (the simulation's event queue); ``on_arrival(src, dst)`` is told of every
     transfer that ended, failed ones included."""
 
-    def __init__(self, cost: CostModel, clock: Callable[[], float], schedule: Callable[[float, Callable[[], None]], None],
-                 on_arrival: Callable[[int, int], None]) -> None:
-        self.cost = cost
+    def __init__(self, topology: Topology, clock: Callable[[], float],
+                 schedule: Callable[[float, Callable[[], None]], None], on_arrival: Callable[[int, int], None]) -> None:
+        self.topology = topology
         self.clock = clock
         self.schedule = schedule
         self.on_arrival = on_arrival
@@ -69,7 +69,7 @@ class SimNetwork:
     def carry(self, src: int, dst: int, num_blocks: int, nbytes: int, arrive: Callable[[], None]) -> None:
         """Occupy both ends' links for the transfer and run ``arrive`` when it is over."""
         start = max(self.clock(), self._out_free.get(src, 0.0), self._in_free.get(dst, 0.0))
-        seconds = self.cost.transfer_s(nbytes)
+        seconds = self.topology.transfer_s(src, dst, nbytes)
         self._out_free[src] = self._in_free[dst] = start + seconds
         self.stats.transfers += 1
         self.stats.blocks += num_blocks

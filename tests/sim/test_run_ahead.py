@@ -3,7 +3,8 @@ every step is an event of its own, and the records, the engines' counts and ever
 the router reads when a request arrives (its workers' stats, mirrors, queued work,
 pending prefixes and in-flight requests, the instances' step ends) come out the same, for
 least-load routing through evictions, and for prompt-tree and cost routing, admission
-control and a host tier on shared prefixes."""
+control and a host tier on shared prefixes, saved down by the synchronous saver or by a
+slow asynchronous one (``sim/saver.py``)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ RUNS = {
     "prompt-tree": ["--cost-model", "llama2-13b-h800", "--instances", "4", "--workload", "shared-prefix",
                     "--num-requests", "200", "--request-rate", "8", "--router", "prompt-tree", "--num-blocks", "120",
                     "--num-host-blocks", "80", "--num-prefixes", "6"],
+    "async-saver": ["--cost-model", "llama2-13b-h800", "--instances", "4", "--workload", "shared-prefix",
+                    "--num-requests", "200", "--request-rate", "8", "--router", "prompt-tree", "--num-blocks", "120",
+                    "--num-host-blocks", "80", "--num-prefixes", "6", "--saver-gbps", "2"],
     "cost": ["--cost-model", "opt-13b-a100", "--instances", "3", "--workload", "shared-prefix", "--num-requests",
              "150", "--request-rate", "5", "--router", "cost", "--num-blocks", "200", "--slo-ttft-ms", "900"],
 }
@@ -42,7 +46,9 @@ def simulate(flags: list[str], ahead: bool, monkeypatch: pytest.MonkeyPatch) -> 
     cfg = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks, num_host_blocks=args.num_host_blocks,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     sim = Simulation(cost, cfg, int(args.instances), router, SyntheticTokenizer(),
-                     replay_options(args, args.request_rate), admission=Admission(args.admission))
+                     replay_options(args, args.request_rate), admission=Admission(args.admission),
+                     async_saves=args.saver_gbps is not None,
+                     save_bytes_s=args.saver_gbps * 1e9 if args.saver_gbps else None)
     if not ahead:
         monkeypatch.setattr(sim, "_run_ahead", lambda i: False)
     seen: list[tuple] = []  # what the router could read at each arrival
