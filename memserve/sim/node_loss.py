@@ -2,8 +2,8 @@
 gateway finds out as it does for a worker that goes silent, then moves its requests.
 
 One host is lost every ``every_s`` simulated seconds, the first halfway through the
-first period, picked among the live hosts by a generator seeded with the run's seed
-(never the last one), while the run has anything else to do. From the loss on, the host's instances run nothing and send
+first period, and then while sessions still start, picked among the live hosts by a
+generator seeded with the run's seed (never the last one). From the loss on, the host's instances run nothing and send
 nothing: their step events are dropped, a request or prefix pull sent to one is lost.
 Their heartbeats stop, so the gateway sees them as a silent worker
 (``gateway/cluster.py``): ``ok`` until ``DEGRADED_AFTER_HEARTBEATS`` heartbeats are
@@ -40,8 +40,6 @@ class LossHost(Protocol):
 
     def schedule(self, at: float, fn: Callable[[], None]) -> None: ...
 
-    def events_left(self) -> bool: ...
-
     def silence(self, i: int) -> None: ...
 
     def send(self, add: AddRequest, request: RouteRequest, turn: InFlight) -> None: ...
@@ -62,10 +60,13 @@ class NodeLoss:
     moves: Counter[str] = field(default_factory=Counter)  # requests moved, by request_retry.Move
     moved: set[str] = field(default_factory=set)  # the ids of the requests moved
 
-    def start(self, sim: LossHost) -> None:
-        """Schedule the first loss."""
+    def start(self, sim: LossHost, until: float) -> None:
+        """Schedule the losses before ``until`` (the last session start)."""
         self._sim = sim
-        sim.schedule(self.every_s / 2, self._lose)
+        at = self.every_s / 2
+        while at <= until:
+            sim.schedule(at, self._lose)
+            at += self.every_s
 
     def _lose(self) -> None:
         sim = self._sim
@@ -80,8 +81,6 @@ class NodeLoss:
             sim.schedule(sim.now + DEGRADED_AFTER_HEARTBEATS * self.heartbeat_s,
                          lambda: self._mark(instances, "degraded"))
             sim.schedule(sim.now + self.timeout_s, lambda: self._fail(instances))
-        if sim.events_left():  # else the run is over
-            sim.schedule(sim.now + self.every_s, self._lose)
 
     def _mark(self, instances: list[int], state: str) -> None:
         for i in instances:

@@ -168,7 +168,7 @@ class Simulation:
             history = [("system", sessions[s].system)] if sessions[s].system else []
             self._push(start, "arrive", (s, 0, history))
         if self.node_loss is not None:
-            self.node_loss.start(self)
+            self.node_loss.start(self, min(max(offsets, default=0.0), self.deadline))
         # Without a disaggregated flow (whose transfer futures and their callbacks refer to
         # each other) the events make no reference cycles, so the cyclic garbage collector
         # is off while they run: its full passes over the records and KV indexes, which
@@ -210,10 +210,6 @@ class Simulation:
 
     def _push_instance(self, at: float, kind: str, data: tuple) -> None:
         heapq.heappush(self._instance_events, (at, next(self._seq), kind, data))
-
-    def events_left(self) -> bool:
-        """Whether any event is still to run."""
-        return bool(self._instance_events or self._gateway_events)
 
     def schedule(self, at: float, fn: Callable[[], None]) -> None:
         """Run ``fn`` at virtual time ``at`` (transfers, handoffs)."""
