@@ -8,7 +8,7 @@ from another instance when that beats recomputing it), a host tier behind each d
 saved to by the asynchronous saver on the virtual clock, and the ``shared-prefix``
 workload: 512 system prompts of 1,024 tokens, questions of 32-256 tokens, answers of 128
 tokens on average, at ``--rate`` requests/s for ``--minutes`` (an hour by default). One
-host is lost every simulated hour (``--node-loss-every 3600``: the first at 30 minutes);
+host is lost every simulated hour (``--node-loss-every``, 3,600 s: the first at 30 minutes);
 its requests move to live instances at the heartbeat timeout, as the gateway moves a dead
 worker's.
 
@@ -39,13 +39,13 @@ from pathlib import Path
 
 TARGET_S = 600.0
 CLUSTER = ["--cost-model", "llama2-13b-h800", "--instances", "256", "--instances-per-host", "8", "--router", "cost",
-           "--num-blocks", "1024", "--num-host-blocks", "2048", "--async-saver", "--node-loss-every", "3600"]
+           "--num-blocks", "1024", "--num-host-blocks", "2048", "--async-saver"]
 WORKLOAD = ["--workload", "shared-prefix", "--num-prefixes", "512", "--prefix-len", "1024",
             "--input-len", "uniform:32:256", "--output-len", "exp:128"]
 
 
-def command(rate: float, minutes: float, out: Path) -> list[str]:
-    return ["simulate", *CLUSTER, *WORKLOAD, "--request-rate", f"{rate:g}",
+def command(rate: float, minutes: float, loss_every_s: float, out: Path) -> list[str]:
+    return ["simulate", *CLUSTER, "--node-loss-every", f"{loss_every_s:g}", *WORKLOAD, "--request-rate", f"{rate:g}",
             "--num-requests", str(round(rate * minutes * 60)), "--no-progress", "--output", str(out)]
 
 
@@ -87,12 +87,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rate", type=float, default=20.0, help="requests per second")
     p.add_argument("--minutes", type=float, default=60.0, help="simulated minutes of arrivals")
+    p.add_argument("--node-loss-every", type=float, default=3600.0, metavar="S",
+                   help="lose a host every S simulated seconds, the first at S/2")
     p.add_argument("--profile", type=int, metavar="N", help="profile the run instead; print the N costliest")
     p.add_argument("--output", help="keep the results JSON here")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(args.output or Path(tmp) / "cluster_hour.json")
-        argv = command(args.rate, args.minutes, out)
+        argv = command(args.rate, args.minutes, args.node_loss_every, out)
         print("memserve " + " ".join(argv[:-2]))
         if args.profile:
             profile(argv, args.profile)

@@ -129,7 +129,7 @@ def topology_and_loss(args: argparse.Namespace, num_instances: int,
     topology = Topology(num_instances, args.instances_per_host or num_instances, cost.transfer, cross)
     loss = None
     if args.node_loss_every is not None:
-        loss = NodeLoss(topology, args.node_loss_every, args.seed, HEARTBEAT_S, args.heartbeat_timeout)
+        loss = NodeLoss(topology, args.node_loss_every, HEARTBEAT_S, args.heartbeat_timeout)
     return topology, loss
 
 

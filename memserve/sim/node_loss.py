@@ -2,8 +2,10 @@
 gateway finds out as it does for a worker that goes silent, then moves its requests.
 
 One host is lost every ``every_s`` simulated seconds, the first halfway through the
-first period, and then while sessions still start, picked among the live hosts by a
-generator seeded with the run's seed (never the last one). From the loss on, the host's instances run nothing and send
+first period, and then while sessions still start: the live host with the most requests
+in flight (the lowest-numbered of equals; never the last live host), so that a loss costs
+what it can. A router that fills instances in order of their ids leaves the last hosts
+idle at light load, and losing one of them would show nothing. From the loss on, the host's instances run nothing and send
 nothing: their step events are dropped, a request or prefix pull sent to one is lost.
 Their heartbeats stop, so the gateway sees them as a silent worker
 (``gateway/cluster.py``): ``ok`` until ``DEGRADED_AFTER_HEARTBEATS`` heartbeats are
@@ -16,7 +18,6 @@ is reset and the router forgets its links. A lost host is not restarted (its nod
 
 from __future__ import annotations
 
-import random
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -53,7 +54,6 @@ class LossHost(Protocol):
 class NodeLoss:
     topology: Topology
     every_s: float
-    seed: int = 0
     heartbeat_s: float = 1.0  # a worker's heartbeat period (WorkerConfig.heartbeat_s)
     timeout_s: float = 5.0  # the gateway's heartbeat timeout (--heartbeat-timeout)
     lost: list[tuple[float, int]] = field(default_factory=list)  # (when, host)
@@ -73,7 +73,8 @@ class NodeLoss:
         gone = {host for _, host in self.lost}
         live = [h for h in range(self.topology.num_hosts) if h not in gone]
         if len(live) > 1:
-            host = random.Random(f"node-loss:{self.seed}:{len(self.lost)}").choice(live)
+            busy = Counter(self.topology.host(turn.instance) for turn in sim.in_flight.values())
+            host = max(live, key=lambda h: (busy[h], -h))
             self.lost.append((sim.now, host))
             instances = self.topology.instances(host)
             for i in instances:
