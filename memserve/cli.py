@@ -138,7 +138,7 @@ def _gateway_cpus(cfg: ServeConfig) -> set[int]:
         return set()
     from memserve.workers.cpu_threads import gateway_cpus, worker_cpu_lists
 
-    return gateway_cpus(worker_cpu_lists(bind, cfg.cpu_workers))
+    return gateway_cpus(worker_cpu_lists(bind, cfg.cpu_workers * cfg.engine.tensor_parallel_size))
 
 
 def _add_profile(sub: argparse._SubParsersAction) -> None:

@@ -79,6 +79,12 @@ class EngineConfig:
         help="weights as the checkpoint ships them: auto (default) runs a GGUF file's Q4_0, Q4_1 and "
              "Q8_0 linear weights quantized on the CPU (docs/quantization.md); none widens every "
              "weight to --dtype; gguf insists on quantized execution")
+    # Ranks per worker, each holding a shard of every layer (workers/tensor_parallel_group.py)
+    tensor_parallel_size: int = option(
+        1, flags=["--tensor-parallel-size", "-tp"], type=int,
+        help="split each worker's model over this many rank processes (vLLM's flag): one per GPU "
+             "(--gpus 0,1,2,3 -tp 2: two workers of two GPUs), or CPU processes; the attention "
+             "heads, KV heads and MLP widths must divide by it (docs/parallelism.md)")
     # On CUDA, no decode graphs (workers/model/decode_graphs.py)
     enforce_eager: bool = option(
         False, help="on a GPU, run every step eagerly: no CUDA graphs, which otherwise replay decode steps "
@@ -189,6 +195,17 @@ class EngineConfig:
         """Raise ValueError, naming the flag, for a value the engine cannot run with."""
         if self.cache_ttl_s is not None and self.cache_ttl_s <= 0:
             raise ValueError(f"--cache-ttl must be positive, got {self.cache_ttl_s}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1:
+            # The disk tier's files are named by the MemPool on rank 0 and by-layer sends read
+            # one rank's pool: neither is split across ranks yet (docs/parallelism.md).
+            if self.disk_cache_dir:
+                raise ValueError("--disk-cache-dir does not go with --tensor-parallel-size > 1 yet: "
+                                 "the host tier (--num-host-blocks) does")
+            if self.transfer_mode == "by-layer":
+                raise ValueError("--transfer-mode by-layer does not go with --tensor-parallel-size > 1 yet: "
+                                 "by-request transfers do")
 
 
 @dataclass

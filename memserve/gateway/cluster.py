@@ -125,9 +125,14 @@ class WorkerHandle:
 def plan_workers(engine: EngineConfig, gateway_addr: str, cpu_workers: int, gpus: list[int] | None,
                  roles: list[str] | None = None, runtime_dir: str = "",
                  internal_host: str = "127.0.0.1", kv_events_config: dict | None = None) -> list[WorkerConfig]:
-    """One WorkerConfig per GPU in ``gpus``, else ``cpu_workers`` CPU workers; their
-    sockets go in ``runtime_dir`` when given, else on TCP at ``internal_host``."""
-    devices = [f"cuda:{g}" for g in gpus] if gpus else ["cpu"] * cpu_workers
+    """One WorkerConfig per GPU in ``gpus`` (per ``--tensor-parallel-size`` GPUs in turn:
+    ``cuda:0,1`` names a worker's GPUs, one per rank), else ``cpu_workers`` CPU workers;
+    their sockets go in ``runtime_dir`` when given, else on TCP at ``internal_host``."""
+    ranks = engine.tensor_parallel_size
+    if gpus and len(gpus) % ranks:
+        raise ValueError(f"--gpus names {len(gpus)} GPUs, not a multiple of --tensor-parallel-size ({ranks})")
+    groups = [gpus[i : i + ranks] for i in range(0, len(gpus), ranks)] if gpus else []
+    devices = [f"cuda:{','.join(map(str, g))}" for g in groups] if gpus else ["cpu"] * cpu_workers
     roles = roles or ["colocated"] * len(devices)
     if len(roles) != len(devices):
         raise ValueError(f"{len(roles)} roles for {len(devices)} workers")
@@ -157,10 +162,11 @@ class Cluster:
     def _env(self, device: str) -> dict[str, str]:
         env = dict(os.environ)
         if device.startswith("cuda:"):
-            # Each worker sees only its GPU, as cuda:0.
+            # Each worker sees only its GPUs (one per rank), as cuda:0, cuda:1, ...
             env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
-        if device == "cpu" and len(self.workers) > 1 and "OMP_NUM_THREADS" not in env:
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // len(self.workers)))
+        processes = sum(w.config.engine.tensor_parallel_size for w in self.workers.values())
+        if device == "cpu" and processes > 1 and "OMP_NUM_THREADS" not in env:
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // processes))
         return env
 
     def spawn(self, instance_id: int) -> None:
@@ -173,7 +179,7 @@ class Cluster:
             log.info("spare worker (pid %d) takes over as worker %d", handle.process.pid, instance_id)
             return
         config = handle.config
-        if device.startswith("cuda:"):  # the worker sees its GPU alone (the environment says which), as cuda:0
+        if device.startswith("cuda:"):  # the worker sees its GPUs alone (the environment says which), from cuda:0
             config = replace(config, engine=replace(config.engine, device="cuda:0"))
         handle.process = self.launch(config, self._env(device))
         log.info("spawned worker %d (pid %s, %s, role %s)", instance_id, handle.process.pid or "not known yet",

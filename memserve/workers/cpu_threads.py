@@ -8,7 +8,8 @@ than one. A bind list gives each worker its own cores, one compute thread pinned
 
 libgomp reads its environment once, when torch loads it, so the worker applies this
 before it imports torch. Spec: a CPU list per worker (``"0-1,4"``), workers separated by
-``|`` (``"0|1"``: worker 0 on CPU 0, worker 1 on CPU 1)."""
+``|`` (``"0|1"``: worker 0 on CPU 0, worker 1 on CPU 1); with tensor parallelism, a list
+per rank."""
 
 from __future__ import annotations
 
@@ -35,10 +36,12 @@ def parse_cpu_list(spec: str) -> list[int]:
 
 
 def worker_cpu_lists(spec: str, num_workers: int) -> list[list[int]]:
-    """One CPU list per worker from a ``|``-separated spec, checked against this machine."""
+    """One CPU list per worker (per rank, with tensor parallelism: ``num_workers`` counts
+    the ranks) from a ``|``-separated spec, checked against this machine."""
     lists = [parse_cpu_list(part) for part in spec.split("|")]
     if len(lists) != num_workers:
-        raise ValueError(f"--cpu-threads-bind {spec!r} names {len(lists)} CPU lists for {num_workers} CPU workers")
+        raise ValueError(f"--cpu-threads-bind {spec!r} names {len(lists)} CPU lists for {num_workers} CPU workers "
+                         "(with --tensor-parallel-size, one list per rank)")
     available = os.sched_getaffinity(0)
     for cpus in lists:
         if not set(cpus) <= available:
@@ -55,6 +58,23 @@ def bound_cpus(spec: str | None, instance_id: int | None) -> list[int] | None:
     if instance_id is None:
         return sorted({cpu for cpus in lists for cpu in cpus})
     return lists[instance_id % len(lists)]
+
+
+def rank_cpus(spec: str | None, instance: int | None, rank: int, ranks: int) -> list[int] | None:
+    """The CPUs of tensor-parallel ``rank`` of worker ``instance``: with ``ranks`` per worker
+    the bind list names one CPU list per rank, each worker's ranks in turn (``"0|1"`` with
+    two ranks: rank 0 on CPU 0, rank 1 on CPU 1); a spare's ranks share all of them."""
+    return bound_cpus(spec, None if instance is None else instance * ranks + rank)
+
+
+def rank_threads(threads: int | None, cpus: list[int] | None, ranks: int) -> int | None:
+    """A rank's compute threads: as asked, else one per bound CPU, else as the environment
+    says (the gateway shares the cores among every worker's ranks), else (unbound, several
+    ranks) an equal share of this process's CPUs, so that the ranks' OpenMP threads do not
+    outnumber the cores and wait on each other's time slices at every barrier."""
+    if threads or cpus or ranks == 1 or "OMP_NUM_THREADS" in os.environ:
+        return threads
+    return max(1, len(os.sched_getaffinity(0)) // ranks)
 
 
 def gateway_cpus(worker_lists: list[list[int]]) -> set[int]:

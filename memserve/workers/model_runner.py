@@ -14,6 +14,11 @@ KV down the tiers run on another thread (``saver``); the MemPool pins what they 
 CUDA each of the two threads copies on a stream of its own (``copy_stream.py``), and a
 streamed load's layer is waited for on the device, by its event.
 
+With tensor parallelism (``tensor_parallel_group.py``) this is one rank's runner: its
+shard of the model, its heads' share of every KV pool. Rank 0's is given the other ranks
+(``followers``): it sends them each step's plan, and the MemPool's block moves go to every
+rank (``GroupMover``); its own loads copy only its share, as every rank's do.
+
 On CUDA, pure decode steps replay CUDA graphs captured when the runner starts
 (``model/decode_graphs.py``; ``--enforce-eager`` turns them off, and a model that cannot be
 captured, ``capturable`` false, runs without); prefills and mixed steps run eagerly. On
@@ -57,17 +62,21 @@ from memserve.workers.model.logprobs import (
 from memserve.workers.model.penalties import TokenHistories
 from memserve.workers.model.prefill_probe import resolve_cpu_prefill
 from memserve.workers.model.sampler import Sampler, position_uniform
+from memserve.workers.model.tensor_parallel import SINGLE, TensorParallel
+from memserve.workers.tensor_parallel_group import Followers, GroupMover
 
 log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig, model_dir: Path, hooks: LayerHooks = NO_HOOKS) -> None:
+    def __init__(self, cfg: EngineConfig, model_dir: Path, hooks: LayerHooks = NO_HOOKS, tp: TensorParallel = SINGLE,
+                 followers: Followers | None = None) -> None:
         self.device = torch.device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         torch.manual_seed(cfg.seed)
-        self.model = load_model(model_dir, self.dtype, self.device, cfg.cpu_gemm, cfg.quantization)
-        self.model_config = self.model.config
+        self.tp, self.followers = tp, followers
+        self.model = load_model(model_dir, self.dtype, self.device, cfg.cpu_gemm, cfg.quantization, tp)
+        self.model_config = self.model.rank_config  # this rank's heads and widths
         self.vocab_size = self.model_config.vocab_size
         self.max_position_embeddings = self.model_config.max_position_embeddings
         self.block_size = cfg.block_size
@@ -84,12 +93,14 @@ class ModelRunner:
         self.num_layers = self.model_config.num_layers
         use_graphs = self.device.type == "cuda" and not cfg.enforce_eager and self.model.capturable
         self.pools = KVPools.create(self.model_config, cfg, self.dtype, self.device, scratch_block=use_graphs)
-        self.mover: BlockMover = self.pools
+        local: BlockMover = self.pools  # this rank's tiers
         self.disk: DiskStore | None = None
         self.num_disk_blocks = 0  # the disk tier, when there is one, is ``disk``'s
         if cfg.disk_cache_dir:
             self.disk = open_disk_store(cfg, model_dir, self.dtype, self.pools.block_nbytes)
-            self.mover = TieredMover(self.pools, self.disk)
+            local = TieredMover(self.pools, self.disk)
+        # The MemPool's moves go to every rank; this rank's own loads copy only its share.
+        self.mover: BlockMover = GroupMover(local, followers) if followers is not None else local
         # Saves down the tiers run on their own thread, like loads, unless asked inline; on
         # CUDA that thread copies on a stream of its own.
         save_mover = StreamMover(self.mover, CopyStream(self.device)) if self.device.type == "cuda" else self.mover
@@ -113,7 +124,7 @@ class ModelRunner:
             # A load's first layer waits for the steps before it; the rest overlap the compute.
             lambda tier, src, dst, layer: loads.run(lambda: self.pools.copy_layer(tier, src, Tier.DEVICE, dst, layer),
                                                     after_compute=layer == 0),
-            lambda tier, src, dst: loads.run_sync(lambda: self.mover.copy_blocks(tier, src, Tier.DEVICE, dst)),
+            lambda tier, src, dst: loads.run_sync(lambda: local.copy_blocks(tier, src, Tier.DEVICE, dst)),
             (lambda slots: bool(disk.failed(slots))) if disk is not None else (lambda slots: False),
             layerwise=cfg.layerwise_preload, ahead=cfg.preload_buffer_layers)
         self.add_step_hooks(self.preloader.hooks_for)
@@ -135,6 +146,16 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         """Run the planned tokens; return the sampled token of each request that has one."""
+        if self.followers is None:
+            return self._execute(plan)
+        self.followers.send("execute", plan)
+        try:
+            return self._execute(plan)
+        except Exception:
+            self.followers.exit_if_one_died()  # a collective failed because a rank is gone: not the requests' fault
+            raise
+
+    def _execute(self, plan: StepPlan) -> StepResult:
         for rid in plan.finished_ids:
             self._params.pop(rid, None)
             self._seeds.pop(rid, None)
@@ -266,5 +287,12 @@ class ModelRunner:
 
     def shift_blocks(self, src_blocks: list[int], dst_blocks: list[int], delta_positions: int) -> None:
         """Copy device blocks with their keys moved by ``delta_positions`` (model/kv_shift.py)."""
+        if self.followers is not None:
+            self.followers.run("shift_blocks", src_blocks, dst_blocks, delta_positions,
+                               mine=lambda: self._shift_blocks(src_blocks, dst_blocks, delta_positions))
+        else:
+            self._shift_blocks(src_blocks, dst_blocks, delta_positions)
+
+    def _shift_blocks(self, src_blocks: list[int], dst_blocks: list[int], delta_positions: int) -> None:
         shift_blocks(self.pools.device, self.layout, self.model.layer_rotaries, src_blocks, dst_blocks,
                      delta_positions)

@@ -18,8 +18,8 @@ from typing import Callable
 
 from torch import nn
 
+from memserve.workers.model.linear import ParallelLinear, VocabParallelEmbedding
 from memserve.workers.model.llama import MLP, Attention, DecoderLayer, RMSNorm
-from memserve.workers.model.packed_linear import PackedLinear
 
 
 def llama_operator_classes(model: nn.Module) -> dict[nn.Module, str]:
@@ -28,10 +28,10 @@ def llama_operator_classes(model: nn.Module) -> dict[nn.Module, str]:
     their own code does (Attention: rotary + KV write + attention; MLP: the SwiGLU
     activation; DecoderLayer: the residual adds)."""
     by_type = {RMSNorm: "norm", Attention: "attention", MLP: "activation", DecoderLayer: "residual",
-               nn.Embedding: "embedding"}
+               VocabParallelEmbedding: "embedding"}
     classes: dict[nn.Module, str] = {}
     for name, module in model.named_modules():
-        if isinstance(module, (nn.Linear, PackedLinear)):
+        if isinstance(module, ParallelLinear):  # its kernel (packed, GGUF) included
             classes[module] = name.rsplit(".", 1)[-1]
         elif type(module) in by_type:
             classes[module] = by_type[type(module)]

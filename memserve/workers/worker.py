@@ -52,7 +52,7 @@ from memserve.kvcache.events import KVEvents
 from memserve.kvcache.mempool import KVFlags
 from memserve.model_files.generation import eos_token_ids
 from memserve.model_files.gguf_convert import ensure_model_dir
-from memserve.workers.cpu_threads import bound_cpus, pin_compute_threads
+from memserve.workers.cpu_threads import pin_compute_threads, rank_cpus, rank_threads
 from memserve.workers.engine.engine import Engine
 from memserve.workers.engine.pd_receiver import KVReceiver
 from memserve.workers.engine.pd_sender import HandoffSender
@@ -97,15 +97,14 @@ class Worker:
         self.eos_token_ids: set[int] = set()
         self.instance: Instance | None = None
 
-    def prepare(self) -> None:
+    def prepare(self, spare: bool = False) -> None:
         """The heavy part of starting, which needs no identity: the model, its KV pool and
-        the warm-up (on a throwaway engine). A spare worker does it ahead of time."""
-        from memserve.workers.model_runner import (
-            ModelRunner,  # heavy: torch and the model
-        )
+        the warm-up (on a throwaway engine). A spare worker does it ahead of time (its
+        tensor-parallel ranks, if any, then share every CPU it may run on)."""
+        from memserve.workers.real_engine import build_runner  # heavy: torch and the model
 
         model_dir = ensure_model_dir(self.cfg.engine.model)
-        self.runner = ModelRunner(self.cfg.engine, model_dir)
+        self.runner = build_runner(self.cfg.engine, model_dir, None if spare else self.id)
         self.eos_token_ids = eos_token_ids(model_dir)
         started = time.monotonic()
         steps = warm_up(Engine(self.cfg.engine, self.runner, self.eos_token_ids, -1))
@@ -154,10 +153,14 @@ class Instance:
         # On one machine, the KV socket is a file in the gateway's private (0700) runtime
         # directory: no other user can reach it, and it listens on no port.
         bind = f"ipc://{cfg.runtime_dir}/kv-{self.id}" if cfg.runtime_dir else f"tcp://{cfg.internal_host}:*"
-        # Same-host peers map this worker's pools and copy blocks out of them (kv_share.py).
-        self.endpoint = KVTransferEndpoint(e.mempool, bind,
-                                           shared=shared_pools(runner.pools, cfg.engine.kv_same_host_transport))
-        e.kv_connector.add_step_hooks(ServeBetweenLayers(self.endpoint.serve).for_step)
+        # Same-host peers map this worker's pools and copy blocks out of them (kv_share.py);
+        # a tensor-parallel worker's blocks are split over its ranks' pools: they go as frames.
+        transport = cfg.engine.kv_same_host_transport if cfg.engine.tensor_parallel_size == 1 else "zmq"
+        self.endpoint = KVTransferEndpoint(e.mempool, bind, shared=shared_pools(runner.pools, transport))
+        if cfg.engine.tensor_parallel_size == 1:
+            # Peers' transfers answered between a step's layers. Not with several ranks: a
+            # transfer is a call to every rank, and the others are inside the step then.
+            e.kv_connector.add_step_hooks(ServeBetweenLayers(self.endpoint.serve).for_step)
         # Disaggregated prefill/decode, both sides.
         self.sender, self.receiver = HandoffSender(e, self.endpoint), KVReceiver(e, self.endpoint)
         channel.watch(self.endpoint.socket)
@@ -365,8 +368,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg = WorkerConfig.from_dict(json.loads(argv[-1]))
     _configure_logging("spare" if spare else cfg.instance_id)
     if cfg.engine.device == "cpu":  # before torch loads (prepare imports it)
-        pin_compute_threads(bound_cpus(cfg.engine.cpu_threads_bind, None if spare else cfg.instance_id),
-                            cfg.engine.cpu_threads)
+        ranks = cfg.engine.tensor_parallel_size
+        cpus = rank_cpus(cfg.engine.cpu_threads_bind, None if spare else cfg.instance_id, 0, ranks)
+        pin_compute_threads(cpus, rank_threads(cfg.engine.cpu_threads, cpus, ranks))
     _die_with_parent()
     # Ctrl-C reaches the whole process group; the gateway shuts workers down in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -378,7 +382,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, on_term)
     try:
         if spare:
-            worker.prepare()
+            worker.prepare(spare=True)
             print("ready", flush=True)  # the gateway reads this on the spare's stdout
             line = sys.stdin.readline().strip()
             if not line or worker.stopping:

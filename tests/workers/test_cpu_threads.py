@@ -12,6 +12,8 @@ from memserve.workers.cpu_threads import (
     bound_cpus,
     gateway_cpus,
     parse_cpu_list,
+    rank_cpus,
+    rank_threads,
     worker_cpu_lists,
 )
 
@@ -29,6 +31,16 @@ def test_each_worker_gets_its_list_and_a_spare_all_of_them():
     assert bound_cpus("0|1", 1) == [1]
     assert bound_cpus("0|1", None) == [0, 1]
     assert bound_cpus(None, 0) is None
+
+
+def test_tensor_parallel_ranks_take_a_list_each(monkeypatch):
+    assert rank_cpus("0|1|2|3", 1, 0, 2) == [2] and rank_cpus("0|1|2|3", 1, 1, 2) == [3]
+    assert rank_cpus("0|1", None, 1, 2) == [0, 1]  # a spare's ranks share every CPU
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert rank_threads(None, None, 2) == max(1, len(os.sched_getaffinity(0)) // 2)
+    assert rank_threads(3, None, 2) == 3 and rank_threads(None, [0], 2) is None and rank_threads(None, None, 1) is None
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the gateway shared the cores out already
+    assert rank_threads(None, None, 2) is None
 
 
 def test_lists_must_match_workers_and_machine():

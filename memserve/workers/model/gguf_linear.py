@@ -9,8 +9,9 @@ product it feeds. Either way the result is the dequantized weight's product up t
 rounding, so a quantized model serves the tokens of the float32 folder converted from the
 same file (``model_files/gguf_convert.py``), which is what ``--quantization none`` runs.
 
-``quantize_linears`` swaps a loaded model's linear layers for these where the converted
-folder holds their blocks; fused projections (q/k/v, gate/up) take their parts' blocks
+``quantize_linears`` makes these the kernels of a loaded model's linear layers
+(``linear.py``) where the converted folder holds their blocks, cut to the rank's shard as
+its float weight is; fused projections (q/k/v, gate/up) take their parts' blocks
 concatenated by rows, when all parts share one type.
 """
 
@@ -29,6 +30,7 @@ from torch import nn
 from memserve.model_files.gguf_convert import QUANTIZED_FILE
 from memserve.workers.model import cpu_kernels
 from memserve.workers.model.fused_names import fused_parts
+from memserve.workers.model.linear import ParallelLinear
 
 QUANTIZATIONS = ("auto", "none", "gguf")
 
@@ -108,15 +110,17 @@ def use_quantized(quantization: str, folder: Path, device: torch.device) -> bool
 
 def quantize_linears(model: nn.Module, blocks: dict[str, torch.Tensor], types: dict[str, int],
                      dtype: torch.dtype) -> int:
-    """Replace each linear layer of ``model`` whose weight (by parameter name) is in
-    ``blocks`` by a ``GGUFLinear``; returns how many were."""
+    """Give each bias-free linear layer of ``model`` whose weight (by parameter name) is in
+    ``blocks`` a ``GGUFLinear`` kernel over its shard of them; returns how many got one."""
     replaced = 0
-    for parent_name, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            weight = f"{parent_name}.{name}.weight" if parent_name else f"{name}.weight"
-            if isinstance(child, nn.Linear) and weight in blocks and child.bias is None:
-                setattr(parent, name, GGUFLinear(blocks[weight], types[weight], child.in_features, dtype))
-                replaced += 1
+    for name, layer in model.named_modules():
+        weight = f"{name}.weight"
+        if not isinstance(layer, ParallelLinear) or weight not in blocks or layer.bias is not None:
+            continue
+        shard = layer.shard_blocks(blocks[weight], types[weight])
+        if shard is not None:
+            layer.set_kernel(GGUFLinear(shard, types[weight], layer.in_features, dtype))
+            replaced += 1
     return replaced
 
 

@@ -18,6 +18,7 @@ each layer its own.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from functools import cache, partial
 
@@ -34,9 +35,17 @@ from memserve.workers.model.attention import (
     paged_attention,
     tanh_softcap,
 )
+from memserve.workers.model.linear import (
+    ColumnParallelLinear,
+    OutputPart,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from memserve.workers.model.model_config import ModelConfig
 from memserve.workers.model.moe import SparseMoE
 from memserve.workers.model.rope import RotaryEmbedding, apply_rotary
+from memserve.workers.model.tensor_parallel import SINGLE, TensorParallel, kv_heads_per_rank, split_evenly
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -77,15 +86,21 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int):
+    """This rank's heads: its query heads and the KV heads they read (``rank_config``)."""
+
+    def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel = SINGLE):
         super().__init__()
         self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
+        local = rank_config(config, tp)
+        self.num_heads, self.num_kv_heads, self.head_dim = local.num_heads, local.num_kv_heads, config.head_dim
+        self.q_size = local.num_heads * config.head_dim
+        self.kv_size = local.num_kv_heads * config.head_dim
         self.scale = config.attention_scale
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        kv_replicas = kv_heads_per_rank(config.num_kv_heads, tp.size)[1]
+        kv = OutputPart(config.num_kv_heads * config.head_dim, tp.rank // kv_replicas * self.kv_size, self.kv_size)
+        q = OutputPart.split(config.num_heads * config.head_dim, tp, "the number of attention heads")
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q, kv, kv], config.qkv_bias, tp)
+        self.o_proj = RowParallelLinear(config.num_heads * config.head_dim, config.hidden_size, config.o_proj_bias, tp)
         norm = partial(RMSNorm, config.head_dim, config.rms_norm_eps, config.norm_unit_offset)
         self.q_norm = norm() if config.qk_norm else None
         self.k_norm = norm() if config.qk_norm else None
@@ -116,10 +131,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU (or Gemma's GeGLU): down(act(gate(x)) * up(x)), with gate and up fused."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        width = OutputPart.split(config.intermediate_size, tp, "the MLP's intermediate size")
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [width, width], config.mlp_bias, tp)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, config.mlp_bias, tp)
         self.act = ACTIVATIONS[config.hidden_act]
         self.fused = False  # silu(gate) * up through the one-pass CPU kernel (``use_fused_pointwise``)
 
@@ -136,13 +152,13 @@ class DecoderLayer(nn.Module):
     output is normalised too (Gemma's ``post_attention_layernorm``; Llama's is the MLP's
     input norm), and the MLP has norms of its own before and after."""
 
-    def __init__(self, config: ModelConfig, layer: int):
+    def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel = SINGLE):
         super().__init__()
         norm = partial(RMSNorm, config.hidden_size, config.rms_norm_eps, config.norm_unit_offset)
         self.input_layernorm = norm()
-        self.self_attn = Attention(config, layer)
+        self.self_attn = Attention(config, layer, tp)
         self.post_attention_layernorm = norm()
-        self.mlp: MLP | SparseMoE = SparseMoE(config) if layer in config.sparse_layers else MLP(config)
+        self.mlp: MLP | SparseMoE = SparseMoE(config, tp) if layer in config.sparse_layers else MLP(config, tp)
         self.pre_feedforward_layernorm = norm() if config.sandwich_norms else None
         self.post_feedforward_layernorm = norm() if config.sandwich_norms else None
 
@@ -158,22 +174,25 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_unit_offset)
 
 
 class LlamaForCausalLM(nn.Module):
     """Parameter names follow Hugging Face (``model.layers.N...``, ``lm_head``) except for the
-    fused ``qkv_proj`` and ``gate_up_proj``."""
+    fused ``qkv_proj`` and ``gate_up_proj``. With ``tp`` of several ranks this is one rank's
+    shard (``linear.py``); ``rank_config`` gives the heads and widths it holds."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tp = tp
+        self.rank_config = rank_config(config, tp)
+        self.model = LlamaModel(config, tp)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp)
         self.rotary = RotaryEmbedding(config.rope_parameters, config.rotary_dim)
         local = self.rotary
         if config.local_rope_parameters is not None:
@@ -186,8 +205,9 @@ class LlamaForCausalLM(nn.Module):
         # GEMM may read its per-expert offsets on the host (moe.py), nor a sliding window or
         # soft-capped attention scores, which the static decode plan a graph replays does
         # not apply.
+        # Collectives between ranks are not captured either.
         self.capturable = (not config.sparse_layers and config.sliding_window is None
-                           and config.attn_logit_softcapping is None)
+                           and config.attn_logit_softcapping is None and tp.size == 1)
 
     @torch.inference_mode()
     def forward(
@@ -249,6 +269,21 @@ def use_fused_pointwise(model: LlamaForCausalLM) -> int:
     for module in fusable:
         module.fused = True
     return len(fusable)
+
+
+def rank_config(config: ModelConfig, tp: TensorParallel) -> ModelConfig:
+    """``config`` as one rank of ``tp`` holds it: its query heads, KV heads (replicated where
+    fewer than the ranks) and MLP widths. A model whose heads or widths do not divide by the
+    ranks is refused, naming both numbers."""
+    if tp.size == 1:
+        return config
+    return dataclasses.replace(
+        config,
+        num_heads=split_evenly(config.num_heads, tp.size, "the number of attention heads"),
+        num_kv_heads=kv_heads_per_rank(config.num_kv_heads, tp.size)[0],
+        intermediate_size=split_evenly(config.intermediate_size, tp.size, "the MLP's intermediate size"),
+        moe_intermediate_size=split_evenly(config.moe_intermediate_size, tp.size, "the experts' intermediate size"),
+    )
 
 
 @cache

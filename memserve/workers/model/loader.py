@@ -5,7 +5,9 @@ no time is spent on random initialisation and no second copy of the weights is m
 Checkpoint tensors are renamed and concatenated into the model's fused parameters (q/k/v,
 gate/up) and, for mixture-of-experts models, each layer's per-expert tensors are stacked
 into one tensor per projection (``moe.py``). Of a multimodal Gemma 3 checkpoint only the
-text model is read, renamed to a text-only model's names."""
+text model is read, renamed to a text-only model's names. One rank of a tensor-parallel
+group keeps each tensor's cut that its layers ask for (``linear.py``: ``shard``); the
+rest is freed as the model is assembled."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from memserve.workers.model.packed_linear import (
     pack_linears,
     packing_supported,
 )
+from memserve.workers.model.tensor_parallel import SINGLE, TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +45,8 @@ _IGNORED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_to
 # A multimodal Gemma 3's text model under its checkpoint's (or transformers 5's) names -> a text model's.
 _TEXT_MODEL_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
                         ("model.language_model.", "model."))
-# Models held by this process, by (folder, dtype, device, CPU GEMM, quantization): see ``load_model``.
-_loaded: weakref.WeakValueDictionary[tuple[str, torch.dtype, str, str, str], LlamaForCausalLM] = (
+# Models held by this process, by (folder, dtype, device, CPU GEMM, quantization, rank, ranks): see ``load_model``.
+_loaded: weakref.WeakValueDictionary[tuple[str, torch.dtype, str, str, str, int, int], LlamaForCausalLM] = (
     weakref.WeakValueDictionary())
 
 
@@ -119,14 +122,14 @@ def stack_expert_weights(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 def load_model(
     folder: str | Path, dtype: torch.dtype, device: str | torch.device, cpu_gemm: str = "onednn",
-    quantization: str = "auto",
+    quantization: str = "auto", tp: TensorParallel = SINGLE,
 ) -> LlamaForCausalLM:
     """Load the model in ``folder`` onto ``device`` in ``dtype``, ready for inference. On CPU
     its linear layers run through oneDNN-packed weights (``packed_linear.py``) unless
     ``cpu_gemm`` is "torch" or oneDNN cannot pack ``dtype`` here, and its norms and SwiGLU
     through the fused pointwise kernels where they build. A folder converted from a GGUF
     file runs its quantized linear weights as the file stores them (``gguf_linear.py``)
-    unless ``quantization`` is "none".
+    unless ``quantization`` is "none". With ``tp`` of several ranks, this rank's shard.
 
     A model this process already holds with the same settings is shared, not loaded again:
     inference only reads the weights (every runner keeps its own KV pools), so the engines
@@ -135,10 +138,10 @@ def load_model(
     if cpu_gemm not in CPU_GEMMS:
         raise ValueError(f"unknown CPU GEMM {cpu_gemm!r}; expected one of {CPU_GEMMS}")
     quantized = use_quantized(quantization, Path(folder), torch.device(device))
-    key = (str(Path(folder).resolve()), dtype, str(torch.device(device)), cpu_gemm, str(quantized))
+    key = (str(Path(folder).resolve()), dtype, str(torch.device(device)), cpu_gemm, str(quantized), tp.rank, tp.size)
     model = _loaded.get(key)
     if model is None:
-        model = _loaded[key] = _load(Path(folder), dtype, device, cpu_gemm, quantized)
+        model = _loaded[key] = _load(Path(folder), dtype, device, cpu_gemm, quantized, tp)
     return model
 
 
@@ -152,16 +155,30 @@ def refuse_quantization_config(folder: Path) -> None:
                          "(memserve runs GGUF files' Q4_0, Q4_1 and Q8_0 weights quantized, and float checkpoints)")
 
 
+def shard_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Cut each of ``weights`` to the part ``model``'s layer asks for (its ``shard``), in
+    place; the full tensors are dropped as they are cut."""
+    for prefix, module in model.named_modules():
+        shard = getattr(module, "shard", None)
+        if shard is None:
+            continue
+        for name, _ in module.named_parameters(recurse=False):
+            key = f"{prefix}.{name}" if prefix else name
+            if key in weights:
+                weights[key] = shard(name, weights.pop(key))
+
+
 def _load(folder: Path, dtype: torch.dtype, device: str | torch.device, cpu_gemm: str,
-          quantized: bool = False) -> LlamaForCausalLM:
+          quantized: bool = False, tp: TensorParallel = SINGLE) -> LlamaForCausalLM:
     refuse_quantization_config(folder)
     config = ModelConfig.from_folder(folder)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, tp)  # refuses heads or widths the ranks do not divide
     weights = fuse_hf_weights(stack_expert_weights(read_safetensors(folder, dtype, device)))
     tie = config.tie_word_embeddings or "lm_head.weight" not in weights
     if tie:
         weights.pop("lm_head.weight", None)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+    shard_weights(model, weights)
     expected = set(model.state_dict()) - ({"lm_head.weight"} if tie else set())
     missing, unexpected = expected - set(weights), set(weights) - expected
     if missing or unexpected:

@@ -27,27 +27,42 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from memserve.workers.model.linear import OutputPart, replicated_linear
 from memserve.workers.model.model_config import ModelConfig
+from memserve.workers.model.tensor_parallel import SINGLE, TensorParallel
 
 
 class Experts(nn.Module):
-    """The stacked weights of a layer's experts."""
+    """The stacked weights of a layer's experts: with tensor parallelism every rank holds
+    every expert, cut by the intermediate size (its share of gate's and of up's rows, the
+    same share of down's columns), so the experts' outputs are partial sums."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.width = OutputPart.split(intermediate_size, tp, "the experts' intermediate size")
+        local = self.width.local
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * local, hidden_size), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, local), requires_grad=False)
+
+    def shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the checkpoint's stacked ``name`` (gate_up_proj or down_proj)."""
+        if self.width.local == self.width.size:
+            return full
+        if name == "down_proj":
+            return self.width.cut(full, 0, 2).contiguous()
+        return torch.cat([self.width.cut(full, 0, 1), self.width.cut(full, self.width.size, 1)], dim=1)
 
 
 class SparseMoE(nn.Module):
     """Router (``gate``) and experts of one layer: down(silu(gate(x)) * up(x)) per chosen expert."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
-        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.tp = tp
+        self.gate = replicated_linear(config.hidden_size, config.num_experts)
+        self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size, tp)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(float32 weights, expert ids), both [T, k], of the experts each token goes to."""
@@ -69,4 +84,4 @@ class SparseMoE(nn.Module):
         gate, up = F.grouped_mm(rows, self.experts.gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
         out = F.grouped_mm(F.silu(gate) * up, self.experts.down_proj.transpose(1, 2), offs=offsets)
         weighted = (out * weights.flatten()[order, None]).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, tokens, weighted)
+        return self.tp.all_reduce(torch.zeros_like(x).index_add_(0, tokens, weighted))

@@ -4,9 +4,9 @@ torch's ``F.linear`` on CPU multiplies by the row-major weight as stored; oneDNN
 weight once reordered into its blocked layout, runs the same float32 (or bf16) product
 1.9-2.5x faster on this machine's AVX-512 core at every batch from 1 to 256 rows
 (``benchmarks/micro/packed_linear_micro.py``). The reorder is done once, when the model is
-loaded; the packed weight replaces the plain one, so memory stays the same except for a
-tied ``lm_head``, which gets a packed copy of the embedding (the embedding lookup needs the
-plain table). Results equal ``F.linear``'s up to float rounding (a different summation
+loaded; the packed weight becomes the layer's kernel (``linear.py``) and the plain one is
+dropped, so memory stays the same except for a tied ``lm_head``, which gets a packed copy
+of the embedding (the embedding lookup needs the plain table). Results equal ``F.linear``'s up to float rounding (a different summation
 order), so greedy outputs still match Hugging Face's in float32.
 """
 
@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from memserve.workers.model.linear import ParallelLinear
+
 # The batch size oneDNN picks its blocking for: from 8 up every hint measured the same at
 # 1-256 rows; hint 1 picks a matrix-vector layout that is 1.6x slower from 8 rows on.
 _BATCH_HINT = 32
@@ -22,13 +24,13 @@ CPU_GEMMS = ("onednn", "torch")
 
 
 class PackedLinear(nn.Module):
-    """``nn.Linear``'s forward over a oneDNN-packed copy of its weight."""
+    """``F.linear(x, weight, bias)`` over a oneDNN-packed copy of ``weight``."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), _BATCH_HINT)
-        self.bias = linear.bias
+        self.out_features, self.in_features = weight.shape
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_HINT)
+        self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
@@ -47,10 +49,10 @@ def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` of ``model`` by a ``PackedLinear`` under the same name (so
-    hooks that find layers by name still do); returns how many were replaced."""
-    targets = [(parent, name, child) for parent in model.modules()
-               for name, child in parent.named_children() if isinstance(child, nn.Linear)]
-    for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
+    """Give every linear layer of ``model`` that multiplies its float weight a packed copy
+    of it as its kernel; returns how many were packed."""
+    targets = [m for m in model.modules() if isinstance(m, ParallelLinear) and m.kernel is None]
+    for layer in targets:
+        assert layer.weight is not None
+        layer.set_kernel(PackedLinear(layer.weight, layer.product_bias))
     return len(targets)

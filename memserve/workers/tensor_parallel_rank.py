@@ -1,0 +1,100 @@
+"""Ranks 1..N-1 of a tensor-parallel worker (``tensor_parallel_group.py``): each loads its
+shard of the model and its heads' KV pools, then does what rank 0 asks, call by call, to
+its own shard, until rank 0 goes (it dies with it: Linux's parent-death signal).
+
+Run by rank 0 as ``python -m memserve.workers.tensor_parallel_rank RANK PORT MODEL_DIR
+ENGINE_CONFIG_JSON INSTANCE`` (INSTANCE: the worker's id, -1 for a spare)."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from memserve.config import EngineConfig
+from memserve.workers.cpu_threads import pin_compute_threads, rank_cpus, rank_threads
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from memserve.workers.model_runner import ModelRunner
+
+log = logging.getLogger("memserve.worker")
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def serve(runner: ModelRunner, control: dist.ProcessGroup) -> None:
+    """Do rank 0's calls, in its order, until it goes."""
+    import torch.distributed as dist
+
+    while True:
+        call: list[Any] = [None]
+        dist.broadcast_object_list(call, src=0, group=control)
+        method, args = call[0]
+        if method == "execute":
+            try:
+                runner.execute(*args)
+            except Exception:  # noqa: BLE001 - rank 0 meets the same error in the same step and fails its requests
+                log.exception("step failed on this rank")
+            runner.finished_loads()  # the engine on rank 0 tracks loads; this rank only copies its share
+            runner.failed_loads()
+        elif method == "read_blocks":
+            buffers = [bytes(b) for b in runner.mover.read_blocks(*args)]
+            dist.gather_object(buffers, None, dst=0, group=control)
+        elif method == "write_blocks":
+            pieces: list[Any] = [None]
+            dist.scatter_object_list(pieces, None, src=0, group=control)
+            tier, blocks = args
+            _report(lambda: runner.mover.write_blocks(tier, blocks, pieces[0]), control)
+        elif method == "copy_blocks":
+            _report(lambda: runner.mover.copy_blocks(*args), control)
+        elif method == "shift_blocks":
+            _report(lambda: runner.shift_blocks(*args), control)
+        else:
+            raise ValueError(f"unknown call {method!r} from rank 0")
+
+
+def _report(fn: Any, control: dist.ProcessGroup) -> None:
+    import torch.distributed as dist
+
+    error = None
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - rank 0 raises it
+        error = repr(exc)
+    dist.gather_object(error, None, dst=0, group=control)
+
+
+def main(argv: list[str] | None = None) -> None:
+    rank_arg, port, model_dir, cfg_json, instance_arg = sys.argv[1:] if argv is None else argv
+    rank, instance = int(rank_arg), int(instance_arg)
+    cfg = EngineConfig(**json.loads(cfg_json))
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s")
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if cfg.device == "cpu":  # before torch loads
+        cpus = rank_cpus(cfg.cpu_threads_bind, None if instance < 0 else instance, rank, cfg.tensor_parallel_size)
+        pin_compute_threads(cpus, rank_threads(cfg.cpu_threads, cpus, cfg.tensor_parallel_size))
+    else:
+        cfg.device = f"cuda:{rank}"  # the worker's GPUs are visible to it, one per rank
+    import torch
+
+    from memserve.workers.model_runner import ModelRunner
+    from memserve.workers.tensor_parallel_group import join_group
+
+    tp, control = join_group(rank, cfg.tensor_parallel_size, int(port), torch.device(cfg.device))
+    serve(ModelRunner(cfg, Path(model_dir), tp=tp), control)
+
+
+if __name__ == "__main__":
+    main()
