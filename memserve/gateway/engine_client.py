@@ -96,6 +96,8 @@ def worker_entry(stats: WorkerStats) -> dict:
         # N-gram speculative decoding (--speculative-config): drafts proposed and accepted.
         "spec_decode": {"draft_tokens": stats.spec_draft_tokens_total,
                         "accepted_tokens": stats.spec_accepted_tokens_total},
+        "tensor_parallel_comm_s": stats.tensor_parallel_comm_s,  # rank 0's time in collectives
+        "num_steps": stats.num_steps,
     }
 
 
@@ -378,6 +380,8 @@ class ZmqEngineClient:
             workers.append({
                 "instance_id": h.instance_id,
                 "role": h.config.role,
+                "device": h.config.engine.device,  # with tensor parallelism, every rank's: cuda:0,1
+                "tensor_parallel_size": h.config.engine.tensor_parallel_size,
                 "alive": h.alive,
                 "state": states[h.instance_id],
                 "pid": h.process.pid if h.process is not None else None,

@@ -112,6 +112,10 @@ WORKER_METRICS = (
     WorkerMetric(C, "memserve_spec_decode_num_draft_tokens",
                  "Draft tokens proposed by n-gram speculative decoding (--speculative-config)", I,
                  _spec("draft_tokens")),
+    WorkerMetric(C, "memserve_tensor_parallel_comm_seconds",
+                 "Seconds the worker's steps spent in collectives between its tensor-parallel ranks (divided by "
+                 "memserve_engine_steps: the communication time per step)", I, _scalar("tensor_parallel_comm_s", 0.0)),
+    WorkerMetric(C, "memserve_engine_steps", "Engine steps the worker ran", I, _scalar("num_steps")),
     WorkerMetric(C, "memserve_spec_decode_num_accepted_tokens",
                  "Draft tokens the model agreed with (each one an output token without a step of its own)", I,
                  _spec("accepted_tokens")),

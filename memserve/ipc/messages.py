@@ -241,6 +241,8 @@ class WorkerStats:
     num_steps: int = 0
     pd: PDStats = field(default_factory=PDStats)
     loop_age_s: float = 0.0  # since the engine loop last went round: a stuck step shows here
+    # Tensor parallelism: seconds rank 0's steps spent in collectives between the ranks, since start.
+    tensor_parallel_comm_s: float = 0.0
 
     @classmethod
     def from_report(cls, engine_report: dict[str, Any], pd: PDStats) -> WorkerStats:

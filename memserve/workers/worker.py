@@ -15,6 +15,7 @@ died: taking over costs a socket and an engine over the ready model, not a cold 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -145,6 +146,7 @@ class Instance:
         self.id = cfg.instance_id
         self.channel = channel
         self.parent = parent  # the gateway's pid: the loop exits once it is another
+        self.runner = runner
         self.stopping = False
         self.heartbeat: HeartbeatThread | None = None  # started by ``run``
         # Prefix pushes and link probes in flight: what asked for each, its held blocks, its send.
@@ -333,7 +335,8 @@ class Instance:
     def _stats(self) -> WorkerStats:
         """The engine's statistics and the KV handoffs' (both sides, and how many went in place)."""
         pd = PDStats(**self.sender.stats(), **self.receiver.stats(), **self.endpoint.stats())
-        return WorkerStats.from_report(self.engine.stats(), pd)
+        stats = WorkerStats.from_report(self.engine.stats(), pd)
+        return dataclasses.replace(stats, tensor_parallel_comm_s=self.runner.tp.comm_seconds)
 
     def _step(self) -> list[RequestOutput]:
         """One engine step; a failure fails the requests in flight, not the worker."""
