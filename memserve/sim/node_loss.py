@@ -3,18 +3,19 @@ gateway finds out as it does for a worker that goes silent, then moves its reque
 
 One host is lost every ``every_s`` simulated seconds, the first halfway through the
 first period, and then while sessions still start: the live host with the most requests
-in flight (the lowest-numbered of equals; never the last live host), so that a loss costs
-what it can. A router that fills instances in order of their ids leaves the last hosts
-idle at light load, and losing one of them would show nothing. From the loss on, the host's instances run nothing and send
-nothing: their step events are dropped, a request or prefix pull sent to one is lost.
-Their heartbeats stop, so the gateway sees them as a silent worker
-(``gateway/cluster.py``): ``ok`` until ``DEGRADED_AFTER_HEARTBEATS`` heartbeats are
-missed, then ``degraded`` (routed to only when no worker is ``ok``), and at the heartbeat
-timeout ``dead``: the gateway's ``_fail_worker`` then runs, as in
-``engine_client.ZmqEngineClient``: each request in flight there moves to a live worker by
-``request_retry`` (sent again when its client has no token yet, resumed after the tokens
-it has otherwise; the bench's client streams and decodes greedily), the instance's mirror
-is reset and the router forgets its links. A lost host is not restarted (its node is gone)."""
+in flight (the lowest-numbered of equals; never the last live host), so that a loss
+costs what it can. A router that fills instances in order of their ids leaves the last
+hosts idle at light load, and losing one of them would show nothing. From the loss on,
+the host's instances run nothing and send nothing: their step events are dropped, a
+request or prefix pull sent to one is lost. Their heartbeats stop, so the gateway sees
+them as a silent worker (``gateway/cluster.py``): ``ok`` until
+``DEGRADED_AFTER_HEARTBEATS`` heartbeats are missed, then ``degraded`` (routed to only
+when no worker is ``ok``), and at the heartbeat timeout ``dead``: the gateway's
+``_fail_worker`` then runs, as in ``engine_client.ZmqEngineClient``: each request in
+flight there moves to a live worker by ``request_retry`` (sent again when its client has
+no token yet, resumed after the tokens it has otherwise; the bench's client streams and
+decodes greedily), the instance's mirror is reset and the router forgets its links. A
+lost host is not restarted (its node is gone)."""
 
 from __future__ import annotations
 

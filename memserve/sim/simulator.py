@@ -9,10 +9,11 @@ recorded with status 429 (it meets no SLO), and ``queue`` mode holds requests an
 them again whenever a request gets its first token or finishes. With prefill and decode
 roles, ``sim/pd_flow.py`` hands each request from its prefill instance to a decode
 instance. The instances run on hosts (``sim/topology.py``), which price the KV moved
-between two instances by their link; hosts may be lost (``sim/node_loss.py``). Sessions replay as ``memserve bench`` replays them (Poisson session
-starts from the same seeded generator, turn k+1 sent when turn k's answer is complete,
-exponential think times), and the records are the bench's, so ``results.json`` has the
-same shape and ``memserve bench compare`` works across real and simulated runs.
+between two instances by their link; hosts may be lost (``sim/node_loss.py``). Sessions
+replay as ``memserve bench`` replays them (Poisson session starts from the same seeded
+generator, turn k+1 sent when turn k's answer is complete, exponential think times), and
+the records are the bench's, so ``results.json`` has the same shape and ``memserve bench
+compare`` works across real and simulated runs.
 
 Output lengths are the workload's recorded answer lengths (capped by ``max_tokens``): a
 simulation cannot know when a model would stop. The history of the next turn carries
@@ -47,8 +48,8 @@ step starts: only another instance's event at that very time could come in betwe
 and the two touch nothing in common). A step of the run that turns out not to be plain
 (the pool is short of a block: a request is preempted), or that waited for the saver
 or started a save (``sim/saver.py``: its duration is not the run's, and a save in flight
-ends before some later step of the run), ends the run there, with its own events. So the gateway, the records and the engines see what one event per step
-would have shown them."""
+ends before some later step of the run), ends the run there, with its own events. So the
+gateway, the records and the engines see what one event per step would have shown them."""
 
 from __future__ import annotations
 
@@ -134,7 +135,7 @@ class Simulation:
             raise ValueError("the simulator needs the KV blocks of an instance (num_blocks)")
         self.topology = topology or Topology(num_instances, num_instances, cost.transfer, cost.transfer)
         router.use_links(self.topology.links())
-        self.pulls: Counter[str] = Counter()  # prefix pulls by link (same_host, cross_host) and outcome
+        self.pulls: Counter[str] = Counter()  # prefix pulls by link (same_host, cross_host) and their blocks
         for i, role in enumerate(roles):
             runner = SimulatedRunner(cost, engine_cfg.num_blocks, engine_cfg.block_size,
                                      engine_cfg.max_model_len or 1 << 30, self.clock, num_disk_blocks,
@@ -315,8 +316,9 @@ class Simulation:
         """MemServe eq. 2 on the cost-model clock, as the gateway's prefix pull: ``src``'s
         cached prefix is inserted into ``dst``'s MemPool now and the request reaches
         ``dst`` once ``src`` ended its current step (workers serve pushes between steps)
-        and every block was sent. Returns that delay (0 when the pull fails: the prefix
-        was evicted meanwhile, or ``dst`` has no room)."""
+        and every block was sent, over the link between their hosts. Returns that delay (0
+        when the pull fails: the prefix was evicted meanwhile, ``dst`` has no room, or
+        either end's host is gone)."""
         if self.instances[src].lost or self.instances[dst].lost:
             self.router.pull_done(False)
             return 0.0

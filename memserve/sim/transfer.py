@@ -1,6 +1,6 @@
 """KV transfers between simulated instances: the ``KVTransferEndpoint`` interface that the
 real prefill and decode sides use (``workers/engine/pd_sender.py``, ``workers/engine/pd_receiver.py``)
-over the cost model's link instead of ZeroMQ, so the simulator drives their code as is.
+over simulated links instead of ZeroMQ, so the simulator drives their code as is.
 
 The bookkeeping is the real endpoint's, in the same order: a receiver accepts only a
 transfer it was told to ``expect`` (holding its pinned cached prefix), allocates the
@@ -8,8 +8,9 @@ blocks when the send starts, and on arrival indexes them after that prefix
 (``insert_received``: ``transfer_with_insert``), then frees them (``KVFlags.RELEASE``) or
 hands them to its engine with ``drain_received``. What the simulation adds is time: a
 transfer of B bytes takes the time of the link between its two instances
-(``Topology.transfer_s``: per-message latency + B / bandwidth) and occupies the sender's outgoing and the receiver's incoming link, so concurrent
-transfers through one instance queue behind each other. No bytes move."""
+(``Topology.transfer_s``: per-message latency + B / bandwidth) and occupies the sender's
+outgoing and the receiver's incoming link, so concurrent transfers through one instance
+queue behind each other. No bytes move."""
 
 from __future__ import annotations
 
@@ -47,9 +48,9 @@ class LinkStats:
 
 
 class SimNetwork:
-    """The links between the instances, priced by ``topology``; ``schedule(at, fn)`` runs ``fn`` at virtual time
-    ``at`` (the simulation's event queue); ``on_arrival(src, dst)`` is told of every
-    transfer that ended, failed ones included."""
+    """The links between the instances, priced by ``topology``; ``schedule(at, fn)``
+    runs ``fn`` at virtual time ``at`` (the simulation's event queue); ``on_arrival(src,
+    dst)`` is told of every transfer that ended, failed ones included."""
 
     def __init__(self, topology: Topology, clock: Callable[[], float],
                  schedule: Callable[[float, Callable[[], None]], None], on_arrival: Callable[[int, int], None]) -> None:
