@@ -16,6 +16,7 @@ with the command line.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,6 +35,19 @@ ON_OFF = {"on": True, "off": False}
 def _buffer_layers(text: str) -> int:
     """``--preload-buffer-layers``: a layer count, or ``auto`` (-1: §3.2's formula)."""
     return -1 if text == "auto" else non_negative_int(text)
+
+
+def lora_module(text: str) -> list[str]:
+    """``--lora-modules`` entry, ``name=path`` or vLLM's JSON object with name and path: [name, path]."""
+    if text.lstrip().startswith("{"):
+        entry = json_object(text)
+        if not isinstance(entry.get("name"), str) or not isinstance(entry.get("path"), str):
+            raise argparse.ArgumentTypeError("a JSON LoRA module needs string 'name' and 'path'")
+        return [entry["name"], entry["path"]]
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected name=path, got {text!r}")
+    return [name, path]
 
 
 def _gpu_ids(text: str) -> list[int] | None:
@@ -85,6 +99,16 @@ class EngineConfig:
         help="split each worker's model over this many rank processes (vLLM's flag): one per GPU "
              "(--gpus 0,1,2,3 -tp 2: two workers of two GPUs), or CPU processes; the attention "
              "heads, KV heads and MLP widths must divide by it (docs/parallelism.md)")
+    # LoRA adapters over the base model, several in one batch (workers/model/lora.py)
+    enable_lora: bool = option(False, help="serve LoRA adapters (--lora-modules), several in one batch")
+    lora_modules: list[list[str]] | None = option(
+        None, type=lora_module, nargs="+", metavar="NAME=PATH",
+        help="LoRA adapters (PEFT folders) a request names as its model: name=path, or vLLM's JSON form "
+             "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; needs --enable-lora")
+    max_loras: int = option(1, type=int, help="LoRA adapters kept ready at once (more in one step widen it)")
+    max_lora_rank: int = option(16, type=int, help="the highest LoRA rank an adapter may have")
+    max_cpu_loras: int | None = option(None, type=int, help="LoRA adapters kept in host memory (vLLM's flag; "
+                                                               "on the CPU the same memory as --max-loras)")
     # On CUDA, no decode graphs (workers/model/decode_graphs.py)
     enforce_eager: bool = option(
         False, help="on a GPU, run every step eagerly: no CUDA graphs, which otherwise replay decode steps "
@@ -191,10 +215,19 @@ class EngineConfig:
         cap = self.long_prefill_token_threshold
         return min(cap, self.max_num_batched_tokens) if cap > 0 else self.max_num_batched_tokens
 
+    @property
+    def lora_paths(self) -> dict[str, str]:
+        """``--lora-modules`` as adapter name -> folder."""
+        return {name: path for name, path in self.lora_modules or []}
+
     def validate(self) -> None:
         """Raise ValueError, naming the flag, for a value the engine cannot run with."""
         if self.cache_ttl_s is not None and self.cache_ttl_s <= 0:
             raise ValueError(f"--cache-ttl must be positive, got {self.cache_ttl_s}")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        if len(self.lora_paths) != len(self.lora_modules or []):
+            raise ValueError("--lora-modules names an adapter twice")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1:

@@ -28,7 +28,7 @@ import time
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 
 import orjson
 from aiohttp import web
@@ -360,7 +360,7 @@ class _OpenAIServer:
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, encoder: PromptEncoder, model_name: str,
                  metrics: GatewayMetrics, body_timeout_s: float, slo_defaults: dict[str, float],
                  truncation: str = DEFAULT_TRUNCATION, block_size: int = 16,
-                 parsers: ChatParsers | None = None) -> None:
+                 parsers: ChatParsers | None = None, lora_names: Sequence[str] = ()) -> None:
         self._engine = engine
         self._parsers = parsers or ChatParsers(tool_parser(TOOL_PARSER_AUTO, tokenizer.chat_template), None)
         self._truncation = truncation
@@ -369,21 +369,26 @@ class _OpenAIServer:
         self._tokenizer = tokenizer
         self._encoder = encoder
         self._model_name = model_name
+        self._lora_names = tuple(lora_names)  # --lora-modules: a request names one as its model
         self._metrics = metrics
         self._body_timeout_s = body_timeout_s
         self._created = int(time.time())
         self._token_strings = TokenStrings(tokenizer)
 
-    def _check_model(self, model: str | None) -> None:
-        """A missing ``model`` means the served one (as vLLM)."""
+    def _check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter ``model`` names (None: the served model; a missing ``model``
+        means it, as in vLLM); 404 for any other name."""
+        if model in self._lora_names:
+            return model
         if model is not None and model != self._model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+        return None
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """Each prompt of a batch is its own engine request and its own choice, in order."""
         arrival = time.monotonic()
         req = parse_completion_request(await _read_json(request, self._body_timeout_s))
-        self._check_model(req.model)
+        req.lora_name = self._check_model(req.model)
         prompts = []
         for prompt in req.prompts:
             if isinstance(prompt, str):
@@ -424,7 +429,7 @@ class _OpenAIServer:
 
     async def _render_chat(self, req: ChatCompletionRequest) -> tuple[list[int], list[dict], list[dict] | None]:
         """(prompt token ids, the messages and the tools the template rendered them from)."""
-        self._check_model(req.model)
+        req.lora_name = self._check_model(req.model)
         messages, tools = template_inputs(req.messages, req.tool_choice, self._tokenizer.supports_tools)
         try:
             prompt_ids = await self._encoder.encode_chat(messages, self._engine.max_model_len, tools,
@@ -476,7 +481,7 @@ class _OpenAIServer:
         req.slo = resolve_slo(req.slo, request.headers, self._slo_defaults)
         budgets = [resolve_max_tokens(req.max_tokens, len(ids), self._engine.max_model_len, prompt_param)
                    for ids in prompts]
-        fmt = format_cls(format_cls.id_prefix + uuid.uuid4().hex, self._model_name, int(time.time()))
+        fmt = format_cls(format_cls.id_prefix + uuid.uuid4().hex, req.lora_name or self._model_name, int(time.time()))
         choices = []
         for i, (prompt_ids, max_tokens) in enumerate(zip(prompts, budgets)):
             request_id = fmt.id if len(prompts) == 1 else f"{fmt.id}-{i}"
@@ -575,10 +580,12 @@ class _OpenAIServer:
         return _json({"prompt": self._tokenizer.decode(req.tokens, skip_special_tokens=False)})
 
     async def models(self, request: web.Request) -> web.Response:
-        return _json({"object": "list", "data": [{
-            "id": self._model_name, "object": "model", "created": self._created, "owned_by": "memserve",
-            "max_model_len": self._engine.max_model_len,
-        }]})
+        """The served model, then each LoRA adapter with it as its ``parent`` (vLLM's listing)."""
+        base = {"object": "model", "created": self._created, "owned_by": "memserve",
+                "max_model_len": self._engine.max_model_len}
+        return _json({"object": "list", "data": [{"id": self._model_name, **base},
+                                                 *({"id": name, **base, "parent": self._model_name}
+                                                   for name in self._lora_names)]})
 
     async def health(self, request: web.Request) -> web.Response:
         """200 when every worker is alive, else 503 naming the dead ones; status
@@ -635,7 +642,8 @@ def create_app(engine: EngineClient, tokenizer: Tokenizer, model_name: str, max_
                slo_defaults: dict[str, float] | None = None, truncation: str = DEFAULT_TRUNCATION,
                block_size: int = 16, web_ui: bool = True,
                auth: AuthConfig | None = None, tool_call_parser: str = TOOL_PARSER_AUTO,
-               reasoning_parser: str | None = None, response_store: ResponseStore | None = None) -> web.Application:
+               reasoning_parser: str | None = None, response_store: ResponseStore | None = None,
+               lora_names: Sequence[str] = ()) -> web.Application:
     """The OpenAI API over ``engine``. Serve it with ``connection.GatewayRunner(app,
     handler_cancellation=True)`` so that a client disconnect cancels its handler at once
     and malformed HTTP gets error objects too. ``slo_defaults``: the SLOs (``ttft_ms``,
@@ -643,7 +651,8 @@ def create_app(engine: EngineClient, tokenizer: Tokenizer, model_name: str, max_
     context window (text/truncation.py); ``block_size``: the workers' KV block size;
     ``web_ui``: serve the chat page (/) and the dashboard (/dashboard); ``tool_call_parser``
     and ``reasoning_parser``: how chat text is read (gateway/tool_parsers.py, reasoning.py);
-    ``response_store``: where /v1/responses keeps stored responses (gateway/response_store.py)."""
+    ``response_store``: where /v1/responses keeps stored responses (gateway/response_store.py);
+    ``lora_names``: the LoRA adapters a request may name as its model (--lora-modules)."""
     metrics = GatewayMetrics(engine.stats)
     # Anthropic's error objects on /v1/messages* (gateway/anthropic_api.py): outermost, it sees every error.
     middlewares = [anthropic_errors, _error_middleware(metrics)]
@@ -661,7 +670,8 @@ def create_app(engine: EngineClient, tokenizer: Tokenizer, model_name: str, max_
     server = _OpenAIServer(engine, tokenizer, encoder, model_name, metrics, body_timeout_s, slo_defaults or {},
                            truncation, block_size,
                            ChatParsers(tool_parser(tool_call_parser, tokenizer.chat_template),
-                                       REASONING_PARSERS[reasoning_parser] if reasoning_parser else None))
+                                       REASONING_PARSERS[reasoning_parser] if reasoning_parser else None),
+                           lora_names)
     app.add_routes([
         web.post("/v1/completions", server.completions),
         web.post("/v1/chat/completions", server.chat_completions),

@@ -208,7 +208,7 @@ class ZmqEngineClient:
                 yield out
             return
         route = RouteRequest(request_id, prompt_token_ids, session_id, slo or {}, params.max_tokens, params.n,
-                             params.cache_salt)
+                             params.kv_salt)
         if instance is None:
             await self.admit(route)
         decision = self.pick_worker(route) if instance is None else None
@@ -242,7 +242,7 @@ class ZmqEngineClient:
         """Send ``add`` to the stream's worker, after the prefix pull the router chose."""
         if decision is not None and decision.pull_from is not None:
             await self.pull_prefix(decision.pull_from, decision.instance, add.prompt_token_ids + add.output_token_ids,
-                                   add.params.cache_salt)
+                                   add.params.kv_salt)
         await self.channel.send(stream.worker, add)
 
     async def _move(self, stream: RequestStream, progress: RequestProgress, add: AddRequest,

@@ -156,7 +156,7 @@ class PDFlow:
         them died, ``HandoffDone`` when the KV reached D or the handoff failed."""
         c = self.client
         slo = slo or {}
-        route = RouteRequest(request_id, prompt, session_id, slo, params.max_tokens, params.n, params.cache_salt)
+        route = RouteRequest(request_id, prompt, session_id, slo, params.max_tokens, params.n, params.kv_salt)
         await c.admit(route)
         decision = c.pick_worker(route)
         stream = RequestStream(decision.instance)
@@ -165,7 +165,7 @@ class PDFlow:
         r = _Request(Handoff(add, decision.instance), stream, route)
         try:
             if decision.pull_from is not None:
-                await c.pull_prefix(decision.pull_from, decision.instance, prompt, params.cache_salt)
+                await c.pull_prefix(decision.pull_from, decision.instance, prompt, params.kv_salt)
             r.early, r.naming = await self._send_prefill(stream, add, r.state.prefill)
             while not r.finished:
                 item = await self._next_item(r)
@@ -259,7 +259,7 @@ class PDFlow:
             if not r.early:
                 r.handoff = asyncio.create_task(self._handoff(r.stream, state.request_id, state.prefill,
                                                               state.add.prompt_token_ids,
-                                                              salt=state.add.params.cache_salt))
+                                                              salt=state.add.params.kv_salt))
             elif r.done_early is not None:
                 r.stream.queue.put_nowait(r.done_early)
         if out.finished:
@@ -268,7 +268,7 @@ class PDFlow:
                 and self.pd_mode == "pd-caching-3" and r.stream.worker != state.prefill
                 and c.cluster.workers[state.prefill].alive):
             self._return_kv(r.stream.worker, state.prefill, state.add.prompt_token_ids + state.tokens,
-                            state.add.params.cache_salt)
+                            state.add.params.kv_salt)
         return out
 
     async def _end(self, r: _Request) -> None:
@@ -304,22 +304,22 @@ class PDFlow:
         held up by D's answer; its result is whether P was told)."""
         rid, prompt = add.request_id, add.prompt_token_ids
         if self._by_layer(prefill):
-            early = await self._handoff(stream, rid, prefill, prompt, early=True, salt=add.params.cache_salt)
+            early = await self._handoff(stream, rid, prefill, prompt, early=True, salt=add.params.kv_salt)
             await self.client.channel.send(prefill, add)
             return early, None
         await self.client.channel.send(prefill, add)
         return False, asyncio.get_running_loop().create_task(self._handoff(stream, rid, prefill, prompt, early=True,
-                                                                           salt=add.params.cache_salt))
+                                                                           salt=add.params.kv_salt))
 
     def _pick_fresh(self, add: AddRequest, tokens: list[int], exclude: int | None) -> int:
         """Where a request goes on without its KV: a live decode instance, else a live
         prefill instance, which runs the rest of it itself (``EngineUnavailable`` when no
         instance is live)."""
         try:
-            return self._pick_decode(add.prompt_token_ids, exclude=exclude, salt=add.params.cache_salt)
+            return self._pick_decode(add.prompt_token_ids, exclude=exclude, salt=add.params.kv_salt)
         except EngineUnavailable:
             route = RouteRequest(add.request_id, add.prompt_token_ids + tokens, add.session_id, {},
-                                 add.params.max_tokens - len(tokens), 1, add.params.cache_salt)
+                                 add.params.max_tokens - len(tokens), 1, add.params.kv_salt)
             return self.client.pick_worker(route).instance
 
     def _by_layer(self, prefill: int) -> bool:

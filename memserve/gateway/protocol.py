@@ -166,6 +166,7 @@ class GenerationRequest:
     pin_tokens: int = field(default=0, kw_only=True)
     pin_ttl_s: float = field(default=0.0, kw_only=True)
     pin_owner: str = field(default="", kw_only=True)  # the API key's id: its pins have a share of their own
+    lora_name: str | None = field(default=None, kw_only=True)  # the adapter ``model`` names (--lora-modules)
 
     def sampling_params(self, max_tokens: int, eos_token_ids: list[int]) -> SamplingParams:
         """The model's end-of-sequence ids join the stop ids unless ``ignore_eos``, as
@@ -180,8 +181,9 @@ class GenerationRequest:
                               min_tokens=self.min_tokens, n=self.n, logprobs=self.logprobs,
                               prompt_logprobs=self.prompt_logprobs, grammar=self.grammar,
                               cache_ttl_s=self.cache_ttl_s, dropped_at=self.dropped_at,
-                              dropped_token_ids=self.dropped_token_ids, cache_salt=self.cache_salt,
-                              pin_tokens=self.pin_tokens, pin_ttl_s=self.pin_ttl_s, pin_owner=self.pin_owner)
+                              dropped_token_ids=self.dropped_token_ids,
+                              cache_salt=self.cache_salt, pin_tokens=self.pin_tokens,
+                              pin_ttl_s=self.pin_ttl_s, pin_owner=self.pin_owner, lora_name=self.lora_name)
 
 
 def _parse_common(body: dict, max_tokens_names: tuple[str, ...], max_tokens_default: int | None,

@@ -140,7 +140,8 @@ async def serve(cfg: ServeConfig) -> None:
                          web_ui=cfg.web_ui, tool_call_parser=cfg.tool_call_parser,
                          reasoning_parser=cfg.reasoning_parser,
                          response_store=ResponseStore(cfg.responses_store_size, cfg.responses_store_ttl_s),
-                         auth=AuthConfig(tuple(cfg.api_keys), cfg.metrics_api_key, cfg.cache_salt_from_key))
+                         auth=AuthConfig(tuple(cfg.api_keys), cfg.metrics_api_key, cfg.cache_salt_from_key),
+                         lora_names=tuple(cfg.engine.lora_paths))
         runner = GatewayRunner(app, header_timeout_s=cfg.header_timeout_s, body_timeout_s=cfg.body_timeout_s,
                                max_connections=cfg.max_connections, access_log=None, handler_cancellation=True)
         await runner.setup()

@@ -21,6 +21,7 @@ from typing import Any, ClassVar, Protocol, Union
 import msgpack
 
 from memserve.kvcache.events import KVEvents
+from memserve.kvcache.hashing import adapter_salt
 
 PROTOCOL_VERSION = 1
 
@@ -80,6 +81,15 @@ class SamplingParams:
     # Whose pin it is (the API key's id; "" without keys): one key's pins are capped by
     # --max-pinned-fraction-per-key, so they cannot crowd every other key's out.
     pin_owner: str = ""
+    # The LoRA adapter the request runs through (--lora-modules); None: the base model.
+    lora_name: str | None = None
+
+    @property
+    def kv_salt(self) -> str | None:
+        """What the request's blocks are named with: ``cache_salt``, and the adapter, whose
+        K and V are its own (kvcache/hashing.py ``adapter_salt``). Every place that names,
+        finds, holds or sends the request's blocks uses this."""
+        return adapter_salt(self.cache_salt, self.lora_name)
 
     @property
     def greedy(self) -> bool:

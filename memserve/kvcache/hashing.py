@@ -14,6 +14,8 @@ block (about 130 ns a block).
 
 from __future__ import annotations
 
+import json
+
 import sys
 from array import array
 from collections.abc import Sequence
@@ -46,6 +48,16 @@ def salt_seed(salt: str | None) -> int:
     if not salt:
         return ROOT_SEED
     return _hash(_SALT_DOMAIN + salt.encode("utf-8"), ROOT_SEED)
+
+
+def adapter_salt(salt: str | None, lora_name: str | None) -> str | None:
+    """The salt a request's blocks are named with under LoRA adapter ``lora_name``: an
+    adapter changes every layer's K and V, so its blocks must never be found by the base
+    model or another adapter, in any tier, transfer, mirror or event. A salt without an
+    adapter is unchanged."""
+    if lora_name is None:
+        return salt
+    return json.dumps(["lora", lora_name, salt])
 
 
 def block_hashes(tokens: Sequence[int], block_size: int, parent: int | None = None,

@@ -54,6 +54,7 @@ from memserve.workers.model.dtype import resolve_dtype
 from memserve.workers.model.grammar import GrammarMatchers
 from memserve.workers.model.kv_shift import shift_blocks
 from memserve.workers.model.loader import load_model
+from memserve.workers.model.lora import LoRAAdapters
 from memserve.workers.model.logprobs import (
     PromptLogprobs,
     log_softmax_rows,
@@ -75,7 +76,9 @@ class ModelRunner:
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         torch.manual_seed(cfg.seed)
         self.tp, self.followers = tp, followers
-        self.model = load_model(model_dir, self.dtype, self.device, cfg.cpu_gemm, cfg.quantization, tp)
+        # A runner with adapters sets them on its layers: its model is its own.
+        self.model = load_model(model_dir, self.dtype, self.device, cfg.cpu_gemm, cfg.quantization, tp,
+                                shared=not cfg.enable_lora)
         self.model_config = self.model.rank_config  # this rank's heads and widths
         self.vocab_size = self.model_config.vocab_size
         self.max_position_embeddings = self.model_config.max_position_embeddings
@@ -91,7 +94,9 @@ class ModelRunner:
             log.info("CPU prefill attention: %s (--cpu-prefill-attention %s)", self.cpu_prefill,
                      cfg.cpu_prefill_attention)
         self.num_layers = self.model_config.num_layers
-        use_graphs = self.device.type == "cuda" and not cfg.enforce_eager and self.model.capturable
+        # A captured graph would replay the step's LoRA rows of capture time: adapters run eagerly.
+        use_graphs = (self.device.type == "cuda" and not cfg.enforce_eager and self.model.capturable
+                      and not cfg.enable_lora)
         self.pools = KVPools.create(self.model_config, cfg, self.dtype, self.device, scratch_block=use_graphs)
         local: BlockMover = self.pools  # this rank's tiers
         self.disk: DiskStore | None = None
@@ -110,6 +115,9 @@ class ModelRunner:
         self._step_hooks: list[Callable[[StepPlan], LayerHooks | None]] = []
         self.sampler = Sampler()
         self.prompt_logprobs = PromptLogprobs(self.model.compute_logits)
+        self.loras = (LoRAAdapters(self.model, cfg.lora_paths, cfg.max_lora_rank,
+                                   max(cfg.max_loras, cfg.max_cpu_loras or 0), self.dtype)
+                      if cfg.enable_lora else None)
         self._params: dict[str, SamplingParams] = {}
         # A seeded request's seed and prompt length: its token at sequence position q is
         # drawn with position_uniform(seed, q - prompt length).
@@ -193,6 +201,8 @@ class ModelRunner:
                 sample_rows += range(query_start_loc[-1] - 1 - chunk.num_drafts, query_start_loc[-1])
                 sample_ids += [chunk.request_id] * (1 + chunk.num_drafts)
                 sample_positions += range(end - chunk.num_drafts, end + 1)
+        if self.loras is not None:
+            self._set_lora_rows(plan, query_start_loc)
         hooks = self._hooks_for(plan)
         hidden = None
         if self.graphs is not None and len(input_ids) == len(plan.chunks):  # one new token each: pure decode
@@ -231,6 +241,16 @@ class ModelRunner:
                             sampled_logprobs(logprob_rows, log_probs, tokens, params, sample_ids), prompt_logprobs)
         accept_drafts(plan.chunks, tokens, result)
         return result
+
+    def _set_lora_rows(self, plan: StepPlan, query_start_loc: list[int]) -> None:
+        """Tell the model which of the step's rows run which adapter."""
+        assert self.loras is not None
+        rows: dict[str, list[int]] = {}
+        for i, chunk in enumerate(plan.chunks):
+            name = self._params[chunk.request_id].lora_name
+            if name is not None:
+                rows.setdefault(name, []).extend(range(query_start_loc[i], query_start_loc[i + 1]))
+        self.loras.set_rows(rows, self.device)
 
     def _start(self, new: NewRequestData) -> None:
         """Keep what sampling ``new`` needs in the steps to come."""

@@ -100,7 +100,7 @@ class Engine:
             seq.pin_refused = self._pin(seq)
         if req.params.dropped_token_ids:
             reuse_truncated(self.mempool, seq.prompt_token_ids, req.params.dropped_at, req.params.dropped_token_ids,
-                            self.runner.shift_blocks, req.params.cache_salt)
+                            self.runner.shift_blocks, req.params.kv_salt)
         self._arrivals += 1
         return self.scheduler.add(seq)
 

@@ -119,8 +119,8 @@ class HandoffSender:
     def add(self, msg: AddRequest) -> RequestOutput | None:
         """Queue a handoff request: the prefill and the first token only, KV kept."""
         self._prompts[msg.request_id] = list(msg.prompt_token_ids)
-        if msg.params.cache_salt:  # the receiver names the prompt's blocks with it too
-            self._salts[msg.request_id] = msg.params.cache_salt
+        if msg.params.kv_salt:  # the receiver names the prompt's blocks with it too
+            self._salts[msg.request_id] = msg.params.kv_salt
         self.kv.retain(msg.request_id)
         out = self.engine.add_request(dataclasses.replace(msg, params=dataclasses.replace(msg.params, max_tokens=1)))
         if out is not None:  # rejected at once

@@ -75,7 +75,7 @@ class Sequence:
             tokens = self.token_slice(have * block_size, num_blocks * block_size)
             # The first block's seed carries the request's cache_salt (kvcache/hashing.py).
             self.block_hashes += block_hashes(tokens, block_size, self.block_hashes[-1] if have else None,
-                                              self.params.cache_salt)
+                                              self.params.kv_salt)
         return self.block_hashes[:num_blocks]
 
     @property

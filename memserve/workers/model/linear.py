@@ -14,7 +14,10 @@ tensor-parallel size (nano-vllm's ``layers/linear.py`` and vLLM's are the shape)
   summed (each token's row lives on one rank, the others add zeros).
 
 At one rank every cut is the whole tensor, returned as it is (no copy), and every
-product is the ``nn.Linear`` it replaces. How the product is computed is the layer's
+product is the ``nn.Linear`` it replaces. LoRA adapters (``lora.py``) add their rows'
+low-rank updates to the product, cut to the shard as the weight is: a column layer's B
+by its output rows, a row layer's A by its input columns (vLLM's split), so a row
+layer's updates are summed over the ranks with its product. How the product is computed is the layer's
 ``kernel`` where one is set: a oneDNN-packed weight (``packed_linear.py``) or GGUF blocks
 (``gguf_linear.py``), made from the shard after loading, in place of the float weight.
 """
@@ -22,7 +25,7 @@ product is the ``nn.Linear`` it replaces. How the product is computed is the lay
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +70,13 @@ class OutputPart:
         return torch.cat([rows, rows.new_zeros(pad)], dim=dim)
 
 
+@dataclass
+class LoRABatch:
+    """The step's rows that run an adapter: (adapter slot, row indices) per adapter."""
+
+    groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+
+
 class ParallelLinear(nn.Module):
     """What the family shares: a weight [out, in] of this rank's shard, an optional bias,
     and the product through ``kernel`` where one replaced the float weight."""
@@ -79,6 +89,8 @@ class ParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.kernel: nn.Module | None = None
+        self.loras: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # adapter slot -> this shard's (A, B)
+        self.lora_batch: LoRABatch | None = None
 
     @property
     def product_bias(self) -> torch.Tensor | None:
@@ -87,9 +99,21 @@ class ParallelLinear(nn.Module):
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
-            return self.kernel(x)
-        assert self.weight is not None
-        return F.linear(x, self.weight, self.product_bias)
+            out = self.kernel(x)
+        else:
+            assert self.weight is not None
+            out = F.linear(x, self.weight, self.product_bias)
+        if self.loras and self.lora_batch is not None:
+            for slot, rows in self.lora_batch.groups:
+                lora = self.loras.get(slot)
+                if lora is not None:
+                    a, b = lora
+                    out.index_add_(0, rows, F.linear(F.linear(x.index_select(0, rows), a), b))
+        return out
+
+    def shard_lora(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of an adapter's full (A [r, in], B [out, r]) for this layer."""
+        raise NotImplementedError
 
     def set_kernel(self, kernel: nn.Module) -> None:
         """Compute the product through ``kernel`` (made from this shard), dropping the float weight."""
@@ -125,6 +149,9 @@ class ColumnParallelLinear(ParallelLinear):
 
     def shard_blocks(self, blocks: torch.Tensor, ggml_type: int) -> torch.Tensor | None:
         return self._cut(blocks)
+
+    def shard_lora(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return a, self._cut(b)
 
     def _cut(self, full: torch.Tensor) -> torch.Tensor:
         if all(p.local == p.size for p in self.parts):
@@ -164,6 +191,9 @@ class RowParallelLinear(ParallelLinear):
         if name == "bias" or self.tp.size == 1:
             return full
         return full.narrow(1, self.start, self.in_features).contiguous()
+
+    def shard_lora(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.shard("weight", a), b
 
     def shard_blocks(self, blocks: torch.Tensor, ggml_type: int) -> torch.Tensor | None:
         if self.tp.size == 1:

@@ -122,7 +122,7 @@ def stack_expert_weights(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 def load_model(
     folder: str | Path, dtype: torch.dtype, device: str | torch.device, cpu_gemm: str = "onednn",
-    quantization: str = "auto", tp: TensorParallel = SINGLE,
+    quantization: str = "auto", tp: TensorParallel = SINGLE, shared: bool = True,
 ) -> LlamaForCausalLM:
     """Load the model in ``folder`` onto ``device`` in ``dtype``, ready for inference. On CPU
     its linear layers run through oneDNN-packed weights (``packed_linear.py``) unless
@@ -134,12 +134,15 @@ def load_model(
     A model this process already holds with the same settings is shared, not loaded again:
     inference only reads the weights (every runner keeps its own KV pools), so the engines
     a process builds over one model (the profiler's, a test's) hold one copy of them. It is
-    freed with the last runner that uses it."""
+    freed with the last runner that uses it. ``shared=False`` loads a copy of its own, for a
+    runner that changes its layers (LoRA adapters set on them)."""
     if cpu_gemm not in CPU_GEMMS:
         raise ValueError(f"unknown CPU GEMM {cpu_gemm!r}; expected one of {CPU_GEMMS}")
     quantized = use_quantized(quantization, Path(folder), torch.device(device))
     key = (str(Path(folder).resolve()), dtype, str(torch.device(device)), cpu_gemm, str(quantized), tp.rank, tp.size)
-    model = _loaded.get(key)
+    model = _loaded.get(key) if shared else None
+    if model is None and not shared:
+        return _load(Path(folder), dtype, device, cpu_gemm, quantized, tp)
     if model is None:
         model = _loaded[key] = _load(Path(folder), dtype, device, cpu_gemm, quantized, tp)
     return model

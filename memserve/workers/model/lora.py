@@ -1,0 +1,171 @@
+"""LoRA adapters over the model's linear layers, several in one batch (``--enable-lora``).
+
+An adapter is a PEFT folder (``adapter_config.json``, ``adapter_model.safetensors``) as
+``peft`` saves it: for each targeted projection (q, k, v, o, gate, up, down) a down
+projection A [r, in] and an up projection B [out, r], scaled by ``lora_alpha / r``
+(rsLoRA: ``lora_alpha / sqrt(r)``). A row run through adapter i gets
+``x W^T + s_i (x A_i^T) B_i^T``: the base product once for the whole batch, then, per
+adapter in the step, its rows' low-rank update (grouped by adapter on the CPU, as
+S-LoRA's and punica's kernels group by segment on a GPU).
+
+Invariants:
+
+- An adapter's tensors are read once (``read_adapter``) into the model's layer names:
+  the parts of a fused projection (q/k/v, gate/up) side by side, A stacked by part and
+  B block-diagonal (a part the adapter does not target is zero), the scale folded into B.
+  Each layer then cuts them to its rank's shard as it cuts its weight
+  (``ParallelLinear.shard_lora``), so adapters work at any tensor-parallel size.
+- An adapter whose shapes do not fit the base model, or whose rank is over
+  ``--max-lora-rank``, is refused when it is read, naming why; nothing of it is kept.
+- Which rows run which adapter is the step's ``LoRABatch``, set by the runner before the
+  forward pass; rows of the base model are in no group.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from memserve.workers.model.fused_names import FUSED
+from memserve.workers.model.linear import ColumnParallelLinear, LoRABatch, ParallelLinear
+
+# The projections PEFT names -> (our layer, part index); o_proj and down_proj keep their names.
+_PARTS = {part: (fused, i) for fused, parts in FUSED.items() for i, part in enumerate(parts)}
+_UNSUPPORTED = {"use_dora": "DoRA", "modules_to_save": "modules_to_save", "rank_pattern": "per-layer ranks",
+                "alpha_pattern": "per-layer alphas", "layers_to_transform": "layers_to_transform"}
+
+
+class AdapterError(ValueError):
+    """An adapter memserve cannot serve (the message says why)."""
+
+
+def _layer_of(module: str) -> tuple[str, int | None]:
+    """PEFT's module path (``model.layers.0.self_attn.q_proj``) -> (our layer, part)."""
+    for part, (fused, index) in _PARTS.items():
+        if module.endswith("." + part):
+            return module[: -len(part)] + fused, index
+    return module, None
+
+
+def read_adapter(folder: Path, layers: dict[str, ParallelLinear], max_rank: int,
+                 dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The adapter in ``folder`` as (A, B) per layer of ``layers`` (full, unsharded)."""
+    config_path = folder / "adapter_config.json"
+    if not config_path.is_file():
+        raise AdapterError(f"{folder} is not a LoRA adapter: it has no adapter_config.json")
+    config = json.loads(config_path.read_text())
+    if config.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"{folder}: peft_type {config.get('peft_type')!r} is not LoRA")
+    for key, what in _UNSUPPORTED.items():
+        if config.get(key):
+            raise AdapterError(f"{folder}: {what} is not supported")
+    if config.get("bias", "none") != "none":
+        raise AdapterError(f"{folder}: LoRA biases (bias={config['bias']!r}) are not supported")
+    rank = int(config["r"])
+    if rank > max_rank:
+        raise AdapterError(f"{folder}: rank {rank} is over --max-lora-rank {max_rank}")
+    scale = config.get("lora_alpha", rank) / (math.sqrt(rank) if config.get("use_rslora") else rank)
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    with safe_open(str(folder / "adapter_model.safetensors"), framework="pt") as f:
+        for name in f.keys():
+            module, _, kind = name.removeprefix("base_model.model.").rpartition(".lora_")
+            pairs.setdefault(module, {})[kind.removesuffix(".weight")] = f.get_tensor(name).float()
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    by_layer: dict[str, dict[int | None, tuple[torch.Tensor, torch.Tensor]]] = {}
+    for module, ab in pairs.items():
+        layer, part = _layer_of(module)
+        if layer not in layers or set(ab) != {"A", "B"}:
+            raise AdapterError(f"{folder}: {module} is not a linear layer of this base model")
+        by_layer.setdefault(layer, {})[part] = (ab["A"], ab["B"] * scale)
+    for layer, parts in by_layer.items():
+        a, b = _assemble(layers[layer], parts, rank, folder, layer)
+        out[layer] = (a.to(dtype), b.to(dtype))
+    return out
+
+
+def _assemble(layer: ParallelLinear, parts: dict[int | None, tuple[torch.Tensor, torch.Tensor]], rank: int,
+              folder: Path, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, B) of one layer: a fused layer's parts stacked, B block-diagonal."""
+    in_features = layer.in_features * (layer.tp.size if not isinstance(layer, ColumnParallelLinear) else 1)
+    sizes = [p.size for p in layer.parts] if isinstance(layer, ColumnParallelLinear) else [layer.out_features]
+    if None in parts:
+        parts = {0: parts[None]}
+    a = torch.zeros(len(sizes) * rank, in_features)
+    b = torch.zeros(sum(sizes), len(sizes) * rank)
+    for index, (part_a, part_b) in parts.items():
+        assert index is not None
+        if part_a.shape != (rank, in_features) or part_b.shape != (sizes[index], rank):
+            raise AdapterError(f"{folder}: {name} part {index} is A {list(part_a.shape)}, B {list(part_b.shape)}; "
+                               f"this base model needs A [{rank}, {in_features}], B [{sizes[index]}, {rank}] "
+                               "(an adapter of another base model?)")
+        a[index * rank : (index + 1) * rank] = part_a
+        row = sum(sizes[:index])
+        b[row : row + sizes[index], index * rank : (index + 1) * rank] = part_b
+    return a, b
+
+
+class LoRAAdapters:
+    """The adapters a runner serves: read on first use from ``--lora-modules``' folders,
+    kept (cut to this rank's shards) for the ``capacity`` most recently used, and set on
+    the model's layers for each step."""
+
+    def __init__(self, model: nn.Module, modules: dict[str, str], max_rank: int, capacity: int,
+                 dtype: torch.dtype) -> None:
+        self.modules, self.max_rank, self.capacity, self.dtype = modules, max_rank, max(1, capacity), dtype
+        self.layers = {name: m for name, m in model.named_modules() if isinstance(m, ParallelLinear)}
+        self.batch = LoRABatch()
+        for layer in self.layers.values():
+            layer.lora_batch = self.batch
+        self.slots: OrderedDict[str, int] = OrderedDict()  # adapter -> slot, least recently used first
+        self._free = list(range(self.capacity))[::-1]
+        self.loads = 0
+        for name, folder in modules.items():  # refused at start, naming why, rather than at a request
+            try:
+                read_adapter(Path(folder), self.layers, max_rank, dtype)
+            except AdapterError as exc:
+                raise AdapterError(f"--lora-modules {name}: {exc}") from None
+
+    def slot(self, name: str) -> int:
+        """The adapter's slot, reading it in (and evicting the least recently used) if needed."""
+        if name in self.slots:
+            self.slots.move_to_end(name)
+            return self.slots[name]
+        if name not in self.modules:
+            raise AdapterError(f"unknown LoRA adapter {name!r}")
+        weights = read_adapter(Path(self.modules[name]), self.layers, self.max_rank, self.dtype)
+        if not self._free:
+            self._evict(*self.slots.popitem(last=False))
+        slot = self._free.pop()
+        for layer_name, (a, b) in weights.items():
+            layer = self.layers[layer_name]
+            layer.loras[slot] = layer.shard_lora(a.to(layer_device(layer)), b.to(layer_device(layer)))
+        self.slots[name] = slot
+        self.loads += 1
+        return slot
+
+    def _evict(self, name: str, slot: int) -> None:
+        for layer in self.layers.values():
+            layer.loras.pop(slot, None)
+        self._free.append(slot)
+
+    def set_rows(self, rows_by_adapter: dict[str, list[int]], device: torch.device) -> None:
+        """The step's rows of each adapter; more adapters than slots widen the cache for it."""
+        if len(rows_by_adapter) > self.capacity:
+            self._free += range(self.capacity, len(rows_by_adapter))
+            self.capacity = len(rows_by_adapter)
+        slots = {name: self.slot(name) for name in rows_by_adapter}  # first all in, then none evicted below
+        self.batch.groups = [(slots[name], torch.tensor(rows, dtype=torch.long, device=device))
+                             for name, rows in rows_by_adapter.items()]
+
+
+def layer_device(layer: ParallelLinear) -> torch.device:
+    """Where the layer's product runs (its weight may have become a kernel)."""
+    for tensor in (*layer.parameters(), *layer.buffers()):
+        return tensor.device
+    return torch.device("cpu")
