@@ -250,7 +250,7 @@ class ModelRunner:
             name = self._params[chunk.request_id].lora_name
             if name is not None:
                 rows.setdefault(name, []).extend(range(query_start_loc[i], query_start_loc[i + 1]))
-        self.loras.set_rows(rows, self.device)
+        self.loras.set_rows(rows, query_start_loc[-1], self.device)
 
     def _start(self, new: NewRequestData) -> None:
         """Keep what sampling ``new`` needs in the steps to come."""

@@ -72,9 +72,23 @@ class OutputPart:
 
 @dataclass
 class LoRABatch:
-    """The step's rows that run an adapter: (adapter slot, row indices) per adapter."""
+    """Which adapter slot each of the step's rows runs (-1: the base model); None when no
+    row runs one. The masks that pick each row's adapter columns are made once a step per
+    column layout (``mask``) and shared by the layers of that layout."""
 
-    groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    row_slots: torch.Tensor | None = None
+    masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
+
+    def set(self, row_slots: torch.Tensor | None) -> None:
+        self.row_slots, self.masks = row_slots, {}
+
+    def mask(self, layout: tuple, column_slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[rows, columns]: 1 where the column belongs to the row's adapter."""
+        assert self.row_slots is not None
+        mask = self.masks.get(layout)
+        if mask is None:
+            mask = self.masks[layout] = (column_slots[None, :] == self.row_slots[:, None]).to(dtype)
+        return mask
 
 
 class ParallelLinear(nn.Module):
@@ -91,6 +105,9 @@ class ParallelLinear(nn.Module):
         self.kernel: nn.Module | None = None
         self.loras: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # adapter slot -> this shard's (A, B)
         self.lora_batch: LoRABatch | None = None
+        # Every slot's A stacked by rows and B by columns, with each column's slot and the
+        # layout's key: a step's updates are two products whatever its mix of adapters.
+        self.lora_stack: tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple] | None = None
 
     @property
     def product_bias(self) -> torch.Tensor | None:
@@ -103,13 +120,27 @@ class ParallelLinear(nn.Module):
         else:
             assert self.weight is not None
             out = F.linear(x, self.weight, self.product_bias)
-        if self.loras and self.lora_batch is not None:
-            for slot, rows in self.lora_batch.groups:
-                lora = self.loras.get(slot)
-                if lora is not None:
-                    a, b = lora
-                    out.index_add_(0, rows, F.linear(F.linear(x.index_select(0, rows), a), b))
+        batch = self.lora_batch
+        if self.lora_stack is not None and batch is not None and batch.row_slots is not None:
+            a, b, column_slots, layout = self.lora_stack
+            out.addmm_(F.linear(x, a) * batch.mask(layout, column_slots, x.dtype), b.t())
         return out
+
+    def set_lora(self, slot: int, lora: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Hold this shard's (A, B) of the adapter in ``slot`` (None: drop it)."""
+        if lora is None:
+            self.loras.pop(slot, None)
+        else:
+            self.loras[slot] = lora
+        if not self.loras:
+            self.lora_stack = None
+            return
+        slots = sorted(self.loras)
+        a = torch.cat([self.loras[s][0] for s in slots])
+        b = torch.cat([self.loras[s][1] for s in slots], dim=1)
+        widths = [self.loras[s][0].shape[0] for s in slots]
+        column_slots = torch.tensor([s for s, w in zip(slots, widths) for _ in range(w)], device=a.device)
+        self.lora_stack = (a, b, column_slots, tuple(zip(slots, widths)))
 
     def shard_lora(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's part of an adapter's full (A [r, in], B [out, r]) for this layer."""

@@ -4,9 +4,12 @@ An adapter is a PEFT folder (``adapter_config.json``, ``adapter_model.safetensor
 ``peft`` saves it: for each targeted projection (q, k, v, o, gate, up, down) a down
 projection A [r, in] and an up projection B [out, r], scaled by ``lora_alpha / r``
 (rsLoRA: ``lora_alpha / sqrt(r)``). A row run through adapter i gets
-``x W^T + s_i (x A_i^T) B_i^T``: the base product once for the whole batch, then, per
-adapter in the step, its rows' low-rank update (grouped by adapter on the CPU, as
-S-LoRA's and punica's kernels group by segment on a GPU).
+``x W^T + s_i (x A_i^T) B_i^T``: the base product once for the whole batch, then per
+row its adapter's low-rank update. Every adapter a layer holds is stacked (A by rows, B
+by columns), so a step's updates are two products and a mask that keeps each row's own
+adapter's columns, whatever the mix: a few dense operations per layer rather than a few
+per adapter (the ranks are small, so computing every adapter's columns costs less than
+grouping rows by adapter; S-LoRA's and punica's GPU kernels gather by segment instead).
 
 Invariants:
 
@@ -17,8 +20,9 @@ Invariants:
   (``ParallelLinear.shard_lora``), so adapters work at any tensor-parallel size.
 - An adapter whose shapes do not fit the base model, or whose rank is over
   ``--max-lora-rank``, is refused when it is read, naming why; nothing of it is kept.
-- Which rows run which adapter is the step's ``LoRABatch``, set by the runner before the
-  forward pass; rows of the base model are in no group.
+- Which slot each row runs is the step's ``LoRABatch``, set by the runner before the
+  forward pass; a base-model row's slot is -1, and a step of base rows only does no
+  LoRA work at all.
 """
 
 from __future__ import annotations
@@ -144,24 +148,31 @@ class LoRAAdapters:
         slot = self._free.pop()
         for layer_name, (a, b) in weights.items():
             layer = self.layers[layer_name]
-            layer.loras[slot] = layer.shard_lora(a.to(layer_device(layer)), b.to(layer_device(layer)))
+            layer.set_lora(slot, layer.shard_lora(a.to(layer_device(layer)), b.to(layer_device(layer))))
         self.slots[name] = slot
         self.loads += 1
         return slot
 
     def _evict(self, name: str, slot: int) -> None:
         for layer in self.layers.values():
-            layer.loras.pop(slot, None)
+            if slot in layer.loras:
+                layer.set_lora(slot, None)
         self._free.append(slot)
 
-    def set_rows(self, rows_by_adapter: dict[str, list[int]], device: torch.device) -> None:
+    def set_rows(self, rows_by_adapter: dict[str, list[int]], num_rows: int, device: torch.device) -> None:
         """The step's rows of each adapter; more adapters than slots widen the cache for it."""
+        if not rows_by_adapter:
+            self.batch.set(None)
+            return
         if len(rows_by_adapter) > self.capacity:
             self._free += range(self.capacity, len(rows_by_adapter))
             self.capacity = len(rows_by_adapter)
-        slots = {name: self.slot(name) for name in rows_by_adapter}  # first all in, then none evicted below
-        self.batch.groups = [(slots[name], torch.tensor(rows, dtype=torch.long, device=device))
-                             for name, rows in rows_by_adapter.items()]
+        row_slots = [-1] * num_rows
+        for name, rows in rows_by_adapter.items():
+            slot = self.slot(name)
+            for row in rows:
+                row_slots[row] = slot
+        self.batch.set(torch.tensor(row_slots, dtype=torch.long, device=device))
 
 
 def layer_device(layer: ParallelLinear) -> torch.device:
