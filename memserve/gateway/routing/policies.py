@@ -16,6 +16,8 @@ Both cache-aware policies count a prompt routed to a worker and not yet in its m
 
 from __future__ import annotations
 
+import heapq
+
 import math
 from collections import OrderedDict
 
@@ -154,19 +156,22 @@ class CostAware:
                      key=lambda c: (-c.stored_blocks, c.in_flight, c.instance_id), default=None)
         best: tuple[float, int, int] | None = None
         decision: RouteDecision | None = None
+        times = PrefillTimes(cost, x, ctx.block_size, ctx.step_tokens)
+        # The most any *other* worker holds, for each c: the largest, unless c alone holds it.
+        top, second = (heapq.nlargest(2, (c.cached_blocks for c in candidates)) + [0])[:2]
+        top_holders = sum(1 for c in candidates if c.cached_blocks == top)
         for c in open_to:
-            own = exec_s(cost, x, c.cached_blocks, ctx.block_size, ctx.step_tokens, c.decode_s)
+            own = times.exec_s(c.cached_blocks, c.decode_s)
             exec_here, pull = own, None
             if source is not None and source.stored_blocks > c.cached_blocks and c.view.state == "ok":
-                pulled = exec_s(cost, x, source.stored_blocks, ctx.block_size, ctx.step_tokens, c.decode_s)
+                pulled = times.exec_s(source.stored_blocks, c.decode_s)
                 transfer = source.step_s + ctx.transfer_s(source.instance_id, c.instance_id, source.stored_blocks)
                 if transfer <= own - pulled:  # eq. 2
                     exec_here, pull = transfer + pulled, source
-            held = max((o.cached_blocks for o in candidates if o is not c), default=0)
+            held = second if c.cached_blocks == top and top_holders == 1 else top
             copy = 0.0
             if held > c.cached_blocks:  # a second copy of what another worker holds or is computing
-                copy = (exec_s(cost, x, c.cached_blocks, ctx.block_size, ctx.step_tokens)
-                        - exec_s(cost, x, held, ctx.block_size, ctx.step_tokens))
+                copy = times.exec_s(c.cached_blocks) - times.exec_s(held)
             key = (c.queued_s + exec_here + copy, c.in_flight, c.instance_id)  # eq. 1
             if best is None or key < best:
                 best = key
@@ -202,6 +207,25 @@ def cached_ratio(x: int, cached_blocks: int, block_size: int) -> float:
     """MemServe's y: the share of an ``x``-token prompt served from cache. At least one
     token is always computed (the engine needs its logits)."""
     return min(cached_blocks * block_size, x - 1) / x if x > 1 else 0.0
+
+
+class PrefillTimes:
+    """``exec_s`` of one prompt at each cached length, each prefill priced once: a choice
+    among many workers asks for the same few lengths (nothing cached, the longest prefix)
+    once per worker."""
+
+    def __init__(self, cost: CostModel, x: int, block_size: int, step_tokens: int | None) -> None:
+        self.cost, self.x, self.block_size, self.step_tokens = cost, x, block_size, step_tokens
+        self._chunks: dict[int, tuple[float, int]] = {}
+
+    def exec_s(self, cached_blocks: int, decode_s: float = 0.0) -> float:
+        total, count = self._chunks.get(cached_blocks) or self._price(cached_blocks)
+        return total + (count - 1) * decode_s
+
+    def _price(self, cached_blocks: int) -> tuple[float, int]:
+        chunks = prefill_chunks_s(self.cost, self.x, cached_blocks * self.block_size, self.step_tokens)
+        self._chunks[cached_blocks] = (sum(chunks), len(chunks))
+        return self._chunks[cached_blocks]
 
 
 def exec_s(cost: CostModel, x: int, cached_blocks: int, block_size: int, step_tokens: int | None = None,
