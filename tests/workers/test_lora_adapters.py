@@ -116,3 +116,17 @@ def test_adapters_that_do_not_fit_are_refused_at_start(served, tmp_path):
             engine(base, {"bad": tmp_path / name})
     with pytest.raises(AdapterError, match="unknown LoRA adapter 'nope'"):
         engine(base, folders).runner.loras.slot("nope")
+
+
+def test_speculative_drafts_are_verified_through_the_adapter(served):
+    """N-gram drafts from the prompt, verified by the model run through the adapter: the
+    adapter's tokens (as without drafts, which equal peft's above), drafts proposed and
+    accepted."""
+    base, folders, prompts, reference = served
+    echo = prompts[1] + reference["attn"][1] + prompts[1]  # tokens it produces are found in the prompt
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    plain = run(engine(base, folders), [("p", echo, "attn")])["p"]
+    drafted = engine(base, folders, speculative_config=spec)
+    assert run(drafted, [("s", echo, "attn")])["s"] == plain
+    stats = drafted.stats()
+    assert stats["spec_draft_tokens_total"] > 0 and stats["spec_accepted_tokens_total"] > 0
