@@ -143,7 +143,7 @@ def _gateway_cpus(cfg: ServeConfig) -> set[int]:
 
 def _add_profile(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="measure this model on this hardware and fit its cost model (MemServe §5.3)")
-    add_options(p, EngineConfig, only=("model", "dtype"))
+    add_options(p, EngineConfig, only=("model", "dtype", "tensor_parallel_size"))
     p.add_argument("--device", default="auto", help="cpu, cuda:N, or auto (cuda:0 when there is a GPU)")
     p.add_argument("--quick", action="store_true",
                    help="a small grid (about 30 s on 2 cores): what `memserve up` runs in the background when "

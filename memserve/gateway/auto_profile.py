@@ -79,6 +79,8 @@ def profile_command(cfg: ServeConfig) -> list[str]:
     cmd = [sys.executable, "-m", "memserve.cli", "profile", "--quick", "--dtype", cfg.engine.dtype]
     if cfg.engine.model is not None:
         cmd += ["--model", cfg.engine.model]
+    if cfg.engine.tensor_parallel_size > 1:
+        cmd += ["--tensor-parallel-size", str(cfg.engine.tensor_parallel_size)]
     if cfg.gpus:
         return [*cmd, "--device", f"cuda:{cfg.gpus[0]}"]
     threads = cfg.engine.cpu_threads

@@ -51,11 +51,11 @@ def profile_model_name(engine: EngineConfig) -> str:
 
 
 def find_cost_model(engine: EngineConfig) -> tuple[Path, CostModel] | None:
-    """The newest profile of ``engine``'s model and dtype (any dtype's when ``auto``) and
-    the cost model in it; None when there is none."""
+    """The newest profile of ``engine``'s model and dtype (any dtype's when ``auto``), at
+    its tensor-parallel size, and the cost model in it; None when there is none."""
     name = profile_model_name(engine)
     for d in DTYPES if engine.dtype == "auto" else (engine.dtype,):
-        path = find_profile(name, d)
+        path = find_profile(name, d, tensor_parallel_size=engine.tensor_parallel_size)
         if path is not None:
             return path, load_cost_model(path)
     return None

@@ -47,7 +47,7 @@ from memserve.costmodel.fit import (
     fit_cost_model,
 )
 from memserve.costmodel.model import CostKey, CostModel, slug
-from memserve.costmodel.store import default_path
+from memserve.costmodel.store import default_path, tensor_parallel_suffix
 from memserve.ipc.messages import AddRequest, RequestOutput, SamplingParams
 from memserve.kvcache.address import Tier
 from memserve.model_files.generation import eos_token_ids
@@ -56,6 +56,7 @@ from memserve.workers.engine.engine import Engine
 from memserve.workers.kv_pools import KVPools
 from memserve.workers.model_runner import ModelRunner
 from memserve.workers.op_timer import OperatorTimer, llama_operator_classes
+from memserve.workers.real_engine import build_runner
 from memserve.workers.resume_guard import ResumeGuard
 from memserve.workers.transfer_probe import TransferProbe
 
@@ -130,8 +131,13 @@ def device_sync(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-def hardware_name(device: torch.device) -> str:
-    """``cuda-<device name>`` or ``cpu-<model name>-<torch threads>t``."""
+def hardware_name(device: torch.device, tensor_parallel_size: int = 1) -> str:
+    """``cuda-<device name>`` or ``cpu-<model name>-<torch threads>t``, then ``-tp<N>``
+    for a model split over N ranks (each rank's device and threads)."""
+    return _device_name(device) + tensor_parallel_suffix(tensor_parallel_size)
+
+
+def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return slug(f"cuda-{torch.cuda.get_device_name(device)}")
     name = platform.processor() or platform.machine()
@@ -313,17 +319,20 @@ def _plan(grid: Grid, profiler: Profiler, copy: CopyProbe, transfer: TransferPro
 
 
 def profile(model: str | None, dtype: str, device: str, grid: Grid, repeats: int,
-            on_run: Callable[[str], None] = lambda _: None) -> tuple[CostModel, list[FitError]]:
-    """Measure ``grid`` on ``model`` and fit its cost model; returns it and its held-out
-    errors. ``on_run`` is called after each of the ``repeats * points`` runs."""
+            on_run: Callable[[str], None] = lambda _: None,
+            tensor_parallel_size: int = 1) -> tuple[CostModel, list[FitError]]:
+    """Measure ``grid`` on ``model`` (split over ``tensor_parallel_size`` ranks) and fit
+    its cost model; returns it and its held-out errors. ``on_run`` is called after each
+    of the ``repeats * points`` runs."""
     model_dir = ensure_model_dir(model)
     prefill_points, decode_points = grid.prefill_points(), grid.decode_points()
     cfg = EngineConfig(
         model=str(model_dir), dtype=dtype, device=device,
         max_num_seqs=max(max(len(b) for b, _ in prefill_points), max(b for b, _, _ in decode_points)),
         max_num_batched_tokens=max(sum(x for x, _ in b) for b, _ in prefill_points),
+        tensor_parallel_size=tensor_parallel_size,
     )
-    runner = ModelRunner(cfg, model_dir)
+    runner = build_runner(cfg, model_dir)
     engine = Engine(cfg, runner, eos_token_ids(model_dir))
     profiler = Profiler(engine, runner)
     max_blocks = max(n for n, _ in grid.size_points())
@@ -344,7 +353,7 @@ def profile(model: str | None, dtype: str, device: str, grid: Grid, repeats: int
     for point, point_runs in zip(points, runs):
         samples[point.kind].append(point.sample(point_runs))
     key = CostKey(served_model_name(ServeConfig(engine=EngineConfig(model=model))),
-                  str(runner.dtype).removeprefix("torch."), hardware_name(runner.device))
+                  str(runner.dtype).removeprefix("torch."), hardware_name(runner.device, tensor_parallel_size))
     meta = {"source": "profiled", "grid": grid.name, "repeats": repeats, "runs_repeated_after_a_pause": guard.repeats,
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "environment": {"torch": torch.__version__, "threads": torch.get_num_threads(), "device": str(device)}}
@@ -376,7 +385,8 @@ def main(args: argparse.Namespace) -> int:
     with Progress(*columns, console=Console(stderr=True)) as progress:
         task = progress.add_task("loading the model", total=num_runs(grid, args.repeats))
         model, errors = profile(args.model, args.dtype, device, grid, args.repeats,
-                                lambda label: progress.update(task, advance=1, description=label))
+                                lambda label: progress.update(task, advance=1, description=label),
+                                args.tensor_parallel_size)
     path = model.save(args.output or default_path(model.key))
     table = Table(title=f"held-out error: {model.key.model} {model.key.dtype} on {model.key.hardware}")
     for column in ("model", "points", "mean rel. error", "max rel. error"):

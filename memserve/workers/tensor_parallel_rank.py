@@ -39,7 +39,11 @@ def serve(runner: ModelRunner, control: dist.ProcessGroup) -> None:
 
     while True:
         call: list[Any] = [None]
-        dist.broadcast_object_list(call, src=0, group=control)
+        try:
+            dist.broadcast_object_list(call, src=0, group=control)
+        except RuntimeError:  # rank 0 closed the group: it exited (or died), and this rank goes with it
+            log.info("rank 0 is gone: exiting")
+            return
         method, args = call[0]
         if method == "execute":
             try:

@@ -107,6 +107,12 @@ def test_save_load_round_trip_and_default_location(toy: CostModel, tmp_path: Pat
     assert find_profile("toy", "float32") == newer
     assert find_profile("toy", "float32", "cpu-toy-1t") == path
     assert find_profile("toy", "bfloat16") is None
+    # A profile of the model split over two ranks is found for two ranks only.
+    split = CostModel.from_dict({**HAND_BUILT, "key": {**HAND_BUILT["key"], "hardware": "cpu-toy-1t-tp2"}})
+    split_path = split.save(default_path(split.key))
+    assert find_profile("toy", "float32", tensor_parallel_size=2) == split_path
+    assert find_profile("toy", "float32") == newer
+    assert find_profile("toy", "float32", tensor_parallel_size=4) is None
 
 
 def test_presets_have_the_magnitudes_of_their_hardware():

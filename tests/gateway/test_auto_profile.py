@@ -133,6 +133,8 @@ def test_the_profile_runs_on_a_workers_device_with_a_workers_threads(monkeypatch
         [*base, "--model", "m", "--device", "cpu", "--threads", "3"]
     assert profile_command(ServeConfig(cpu_workers=2))[-2:] == ["--threads", str(max(1, (os.cpu_count() or 1) // 2))]
     assert profile_command(ServeConfig(gpus=[2, 3]))[-2:] == ["--device", "cuda:2"]
+    split = profile_command(ServeConfig(engine=EngineConfig(tensor_parallel_size=2)))
+    assert split[split.index("--tensor-parallel-size") + 1] == "2"
 
 
 # ------------------------------------------------------------------ the background profile
