@@ -79,6 +79,7 @@ def test_heads_that_do_not_divide_are_refused(tmp_path):
     assert "the number of attention heads (6) is not divisible by --tensor-parallel-size (4)" in result.stderr
 
 
+@pytest.mark.slow  # 30 s: four processes load the embedded model
 def test_smollm2_at_three_ranks_gives_one_ranks_tokens(model_dir):
     """9 query heads and 3 KV heads: three ranks of 3 and 1."""
     ids = prompts(1000)
