@@ -75,7 +75,7 @@ class ModelRunner:
         self.device = torch.device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         torch.manual_seed(cfg.seed)
-        self.tp, self.followers = tp, followers
+        self.followers = followers
         # A runner with adapters sets them on its layers: its model is its own.
         self.model = load_model(model_dir, self.dtype, self.device, cfg.cpu_gemm, cfg.quantization, tp,
                                 shared=not cfg.enable_lora)
@@ -145,6 +145,11 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.pools.device, self.layout, self.block_size,
                                        self.pools.scratch_block, cfg.max_num_seqs, -(-max_len // self.block_size))
             self.graphs.capture()
+
+    @property
+    def tp(self) -> TensorParallel:
+        """This rank's place in its group (the model's)."""
+        return self.model.tp
 
     @property
     def num_blocks(self) -> int:

@@ -7,7 +7,6 @@ ENGINE_CONFIG_JSON INSTANCE`` (INSTANCE: the worker's id, -1 for a spare)."""
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import signal
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from memserve.config import EngineConfig
 from memserve.workers.cpu_threads import pin_compute_threads, rank_cpus, rank_threads
+from memserve.workers.parent_death import die_with_parent
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -24,13 +24,6 @@ if TYPE_CHECKING:
     from memserve.workers.model_runner import ModelRunner
 
 log = logging.getLogger("memserve.worker")
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def serve(runner: ModelRunner, control: dist.ProcessGroup) -> None:
@@ -84,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     rank, instance = int(rank_arg), int(instance_arg)
     cfg = EngineConfig(**json.loads(cfg_json))
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s")
-    _die_with_parent()
+    die_with_parent(signal.SIGKILL)  # nothing of a rank is worth saving once rank 0 is gone
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if cfg.device == "cpu":  # before torch loads
         cpus = rank_cpus(cfg.cpu_threads_bind, None if instance < 0 else instance, rank, cfg.tensor_parallel_size)

@@ -14,7 +14,6 @@ died: taking over costs a socket and an engine over the ready model, not a cold 
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
 import logging
@@ -60,6 +59,7 @@ from memserve.workers.engine.pd_sender import HandoffSender
 from memserve.workers.heartbeat import HeartbeatThread
 from memserve.workers.kv_event_publisher import KVEventPublisher, KVEventsConfig
 from memserve.workers.kv_share import shared_pools
+from memserve.workers.parent_death import die_with_parent
 from memserve.workers.step_serving import ServeBetweenLayers
 from memserve.workers.warmup import warm_up
 
@@ -72,15 +72,6 @@ log = logging.getLogger("memserve.worker")
 GATEWAY_SILENCE_HEARTBEATS = 15
 # How often an idle loop looks at prefix transfers in flight.
 PUSH_POLL_MS = 5
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to SIGTERM us when the gateway dies, even by SIGKILL."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 class Worker:
@@ -374,7 +365,7 @@ def main(argv: list[str] | None = None) -> None:
         ranks = cfg.engine.tensor_parallel_size
         cpus = rank_cpus(cfg.engine.cpu_threads_bind, None if spare else cfg.instance_id, 0, ranks)
         pin_compute_threads(cpus, rank_threads(cfg.engine.cpu_threads, cpus, ranks))
-    _die_with_parent()
+    die_with_parent()  # SIGTERM when the gateway dies
     # Ctrl-C reaches the whole process group; the gateway shuts workers down in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     worker = Worker(cfg)

@@ -115,9 +115,10 @@ def _assemble(layer: ParallelLinear, parts: dict[int | None, tuple[torch.Tensor,
 
 
 class LoRAAdapters:
-    """The adapters a runner serves: read on first use from ``--lora-modules``' folders,
-    kept (cut to this rank's shards) for the ``capacity`` most recently used, and set on
-    the model's layers for each step."""
+    """The adapters a runner serves, from ``--lora-modules``' folders: each read at start
+    (refused there, naming why), the first ``capacity`` kept (cut to this rank's shards);
+    later the ``capacity`` most recently used are kept, others read again when asked for,
+    and the step's are set on the model's layers."""
 
     def __init__(self, model: nn.Module, modules: dict[str, str], max_rank: int, capacity: int,
                  dtype: torch.dtype) -> None:
@@ -131,9 +132,11 @@ class LoRAAdapters:
         self.loads = 0
         for name, folder in modules.items():  # refused at start, naming why, rather than at a request
             try:
-                read_adapter(Path(folder), self.layers, max_rank, dtype)
+                weights = read_adapter(Path(folder), self.layers, max_rank, dtype)
             except AdapterError as exc:
                 raise AdapterError(f"--lora-modules {name}: {exc}") from None
+            if self._free:
+                self._install(name, weights)
 
     def slot(self, name: str) -> int:
         """The adapter's slot, reading it in (and evicting the least recently used) if needed."""
@@ -142,9 +145,12 @@ class LoRAAdapters:
             return self.slots[name]
         if name not in self.modules:
             raise AdapterError(f"unknown LoRA adapter {name!r}")
-        weights = read_adapter(Path(self.modules[name]), self.layers, self.max_rank, self.dtype)
         if not self._free:
             self._evict(*self.slots.popitem(last=False))
+        return self._install(name, read_adapter(Path(self.modules[name]), self.layers, self.max_rank, self.dtype))
+
+    def _install(self, name: str, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> int:
+        """Put ``weights`` on the layers in a free slot."""
         slot = self._free.pop()
         for layer_name, (a, b) in weights.items():
             layer = self.layers[layer_name]
