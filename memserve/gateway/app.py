@@ -42,6 +42,8 @@ from memserve.gateway.engine_protocol import (
     RequestRejected,
 )
 from memserve.gateway.errors import APIError, bad_request
+from memserve.gateway.lora_adapters import AdapterRegistry, ServedAdapter
+from memserve.gateway.lora_api import AdapterChanger, add_lora_routes
 from memserve.gateway.logprobs import LoggedToken, TokenLog, TokenStrings
 from memserve.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from memserve.gateway.metrics import GatewayMetrics
@@ -360,7 +362,7 @@ class _OpenAIServer:
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, encoder: PromptEncoder, model_name: str,
                  metrics: GatewayMetrics, body_timeout_s: float, slo_defaults: dict[str, float],
                  truncation: str = DEFAULT_TRUNCATION, block_size: int = 16,
-                 parsers: ChatParsers | None = None, lora_names: Sequence[str] = ()) -> None:
+                 parsers: ChatParsers | None = None, adapters: AdapterRegistry | None = None) -> None:
         self._engine = engine
         self._parsers = parsers or ChatParsers(tool_parser(TOOL_PARSER_AUTO, tokenizer.chat_template), None)
         self._truncation = truncation
@@ -369,26 +371,32 @@ class _OpenAIServer:
         self._tokenizer = tokenizer
         self._encoder = encoder
         self._model_name = model_name
-        self._lora_names = tuple(lora_names)  # --lora-modules: a request names one as its model
+        self._adapters = adapters or AdapterRegistry()  # LoRA adapters: a request names one as its model
         self._metrics = metrics
         self._body_timeout_s = body_timeout_s
         self._created = int(time.time())
         self._token_strings = TokenStrings(tokenizer)
 
-    def _check_model(self, model: str | None) -> str | None:
+    def _check_model(self, model: str | None) -> ServedAdapter | None:
         """The LoRA adapter ``model`` names (None: the served model; a missing ``model``
         means it, as in vLLM); 404 for any other name."""
-        if model in self._lora_names:
-            return model
+        adapter = self._adapters.get(model)
+        if adapter is not None:
+            return adapter
         if model is not None and model != self._model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
         return None
+
+    def _use_model(self, req: GenerationRequest) -> None:
+        """Run ``req`` through the adapter its ``model`` names, if it names one."""
+        adapter = self._check_model(req.model)
+        req.lora_name, req.lora_digest = (adapter.name, adapter.digest) if adapter else (None, "")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """Each prompt of a batch is its own engine request and its own choice, in order."""
         arrival = time.monotonic()
         req = parse_completion_request(await _read_json(request, self._body_timeout_s))
-        req.lora_name = self._check_model(req.model)
+        self._use_model(req)
         prompts = []
         for prompt in req.prompts:
             if isinstance(prompt, str):
@@ -429,7 +437,7 @@ class _OpenAIServer:
 
     async def _render_chat(self, req: ChatCompletionRequest) -> tuple[list[int], list[dict], list[dict] | None]:
         """(prompt token ids, the messages and the tools the template rendered them from)."""
-        req.lora_name = self._check_model(req.model)
+        self._use_model(req)
         messages, tools = template_inputs(req.messages, req.tool_choice, self._tokenizer.supports_tools)
         try:
             prompt_ids = await self._encoder.encode_chat(messages, self._engine.max_model_len, tools,
@@ -585,7 +593,7 @@ class _OpenAIServer:
                 "max_model_len": self._engine.max_model_len}
         return _json({"object": "list", "data": [{"id": self._model_name, **base},
                                                  *({"id": name, **base, "parent": self._model_name}
-                                                   for name in self._lora_names)]})
+                                                   for name in self._adapters.names())]})
 
     async def health(self, request: web.Request) -> web.Response:
         """200 when every worker is alive, else 503 naming the dead ones; status
@@ -643,7 +651,8 @@ def create_app(engine: EngineClient, tokenizer: Tokenizer, model_name: str, max_
                block_size: int = 16, web_ui: bool = True,
                auth: AuthConfig | None = None, tool_call_parser: str = TOOL_PARSER_AUTO,
                reasoning_parser: str | None = None, response_store: ResponseStore | None = None,
-               lora_names: Sequence[str] = ()) -> web.Application:
+               adapters: AdapterRegistry | None = None,
+               lora_changer: AdapterChanger | None = None) -> web.Application:
     """The OpenAI API over ``engine``. Serve it with ``connection.GatewayRunner(app,
     handler_cancellation=True)`` so that a client disconnect cancels its handler at once
     and malformed HTTP gets error objects too. ``slo_defaults``: the SLOs (``ttft_ms``,
@@ -652,7 +661,9 @@ def create_app(engine: EngineClient, tokenizer: Tokenizer, model_name: str, max_
     ``web_ui``: serve the chat page (/) and the dashboard (/dashboard); ``tool_call_parser``
     and ``reasoning_parser``: how chat text is read (gateway/tool_parsers.py, reasoning.py);
     ``response_store``: where /v1/responses keeps stored responses (gateway/response_store.py);
-    ``lora_names``: the LoRA adapters a request may name as its model (--lora-modules)."""
+    ``adapters``: the LoRA adapters a request may name as its model (--lora-modules);
+    ``lora_changer``: where /v1/load_lora_adapter and /v1/unload_lora_adapter change them
+    (--allow-runtime-lora-updating; gateway/lora_api.py), None: no such routes."""
     metrics = GatewayMetrics(engine.stats)
     # Anthropic's error objects on /v1/messages* (gateway/anthropic_api.py): outermost, it sees every error.
     middlewares = [anthropic_errors, _error_middleware(metrics)]
@@ -671,7 +682,7 @@ def create_app(engine: EngineClient, tokenizer: Tokenizer, model_name: str, max_
                            truncation, block_size,
                            ChatParsers(tool_parser(tool_call_parser, tokenizer.chat_template),
                                        REASONING_PARSERS[reasoning_parser] if reasoning_parser else None),
-                           lora_names)
+                           adapters)
     app.add_routes([
         web.post("/v1/completions", server.completions),
         web.post("/v1/chat/completions", server.chat_completions),
@@ -691,6 +702,8 @@ def create_app(engine: EngineClient, tokenizer: Tokenizer, model_name: str, max_
     add_messages_routes(app, server.run_chat, server.chat_prompt, read_json)
     # Stats API (/v1/stats, /v1/stats/stream) and, unless --no-web-ui, the chat and dashboard pages.
     add_stats_routes(app, engine.stats, metrics)
+    if lora_changer is not None:
+        add_lora_routes(app, lora_changer, model_name, read_json)
     if web_ui:
         add_web_routes(app)
     return app

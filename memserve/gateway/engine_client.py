@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 from memserve.gateway.cluster import Cluster, WorkerHandle
 from memserve.gateway.engine_protocol import EngineUnavailable
 from memserve.gateway.link_probe import measure_links
+from memserve.gateway.lora_adapters import AdapterRegistry, WorkerAdapters
 from memserve.gateway.pd_flow import HANDOFF_TIMEOUT_S, PDFlow
 from memserve.gateway.request_retry import Move, RequestProgress
 from memserve.gateway.request_stream import RETRY, RequestStream
@@ -51,6 +52,7 @@ from memserve.ipc.messages import (
     WorkerStats,
     choice_request_id,
 )
+from memserve.ipc.adapters import AdapterSet, SetAdapter
 from memserve.ipc.probe import ProbeDone, ProbeTransfer
 from memserve.kvcache.events import KVEvents
 from memserve.kvcache.mirror import PromptTreeMirror
@@ -110,7 +112,7 @@ class ZmqEngineClient:
 
     def __init__(self, channel: GatewayChannel, cluster: Cluster, block_size: int, heartbeat_s: float = 1.0,
                  router: Router | None = None, admission: Admission | None = None, pd_mode: str = "pd-caching-3",
-                 handoff_timeout_s: float = HANDOFF_TIMEOUT_S) -> None:
+                 handoff_timeout_s: float = HANDOFF_TIMEOUT_S, adapters: AdapterRegistry | None = None) -> None:
         self.channel = channel
         self.cluster = cluster
         self.router = router if router is not None else Router(LeastLoad())
@@ -123,11 +125,12 @@ class ZmqEngineClient:
         self.moves: Counter[str] = Counter()  # requests moved off a dead worker, by kind (request_retry.Move)
         self._tasks: list[asyncio.Task] = []
         self._start_error: str | None = None
-        self._transfers: dict[int, asyncio.Future[TransferDone | TransferExpected | ProbeDone]] = {}
+        self._transfers: dict[int, asyncio.Future[TransferDone | TransferExpected | ProbeDone | AdapterSet]] = {}
         self.transfer_ids = itertools.count(1)
         roles = [h.config.role for h in cluster.workers.values()]
         self.pd = PDFlow(self, pd_mode, handoff_timeout_s) if is_disaggregated(roles) else None
         self.predictor: Predictor | None = None  # set by the server once bootstrapped (--predictor on)
+        self.adapters = WorkerAdapters(self, adapters if adapters is not None else AdapterRegistry())
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, timeout_s: float = 600.0) -> None:
@@ -161,6 +164,7 @@ class ZmqEngineClient:
         """A restarted worker is ready: everyone learns its new KV endpoint, then its links
         are measured (it may run on another node now)."""
         await self._announce_peers()
+        await self.adapters.rejoin(instance)
         await self.measure_links([instance])
 
     async def measure_links(self, instances: list[int]) -> None:
@@ -302,8 +306,9 @@ class ZmqEngineClient:
             raise RuntimeError(f"prefix transfer {src} -> {dst} failed: {reply.error}")
         return reply.num_blocks
 
-    async def ask(self, worker: int, msg: ExpectTransfer | TransferPrefix | ProbeTransfer, timeout_s: float):
-        """Send a transfer message and wait for the worker's answer to it."""
+    async def ask(self, worker: int, msg: ExpectTransfer | TransferPrefix | ProbeTransfer | SetAdapter,
+                  timeout_s: float):
+        """Send a message and wait for the worker's answer to it (by its ``transfer_id``)."""
         answer = self._transfers[msg.transfer_id] = asyncio.get_running_loop().create_future()
         try:
             await self.channel.send(worker, msg)
@@ -433,7 +438,7 @@ class ZmqEngineClient:
             stream = self.streams.get(msg.request_id)
             if stream is not None and instance_id in (stream.worker, stream.peer):
                 stream.queue.put_nowait(msg)
-        elif isinstance(msg, (TransferDone, TransferExpected, ProbeDone)):
+        elif isinstance(msg, (TransferDone, TransferExpected, ProbeDone, AdapterSet)):
             future = self._transfers.get(msg.transfer_id)
             if future is not None and not future.done():
                 future.set_result(msg)

@@ -167,6 +167,7 @@ class GenerationRequest:
     pin_ttl_s: float = field(default=0.0, kw_only=True)
     pin_owner: str = field(default="", kw_only=True)  # the API key's id: its pins have a share of their own
     lora_name: str | None = field(default=None, kw_only=True)  # the adapter ``model`` names (--lora-modules)
+    lora_digest: str = field(default="", kw_only=True)  # its files' digest (gateway/lora_adapters.py)
 
     def sampling_params(self, max_tokens: int, eos_token_ids: list[int]) -> SamplingParams:
         """The model's end-of-sequence ids join the stop ids unless ``ignore_eos``, as
@@ -183,7 +184,8 @@ class GenerationRequest:
                               cache_ttl_s=self.cache_ttl_s, dropped_at=self.dropped_at,
                               dropped_token_ids=self.dropped_token_ids,
                               cache_salt=self.cache_salt, pin_tokens=self.pin_tokens,
-                              pin_ttl_s=self.pin_ttl_s, pin_owner=self.pin_owner, lora_name=self.lora_name)
+                              pin_ttl_s=self.pin_ttl_s, pin_owner=self.pin_owner, lora_name=self.lora_name,
+                              lora_digest=self.lora_digest)
 
 
 def _parse_common(body: dict, max_tokens_names: tuple[str, ...], max_tokens_default: int | None,

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from memserve.config import ServeConfig, served_model_name
 from memserve.gateway.app import create_app
+from memserve.gateway.lora_adapters import AdapterRegistry
 from memserve.gateway.auth import AuthConfig
 from memserve.gateway.auto_profile import AutoProfile, report_no_profile
 from memserve.gateway.cluster import Cluster, Launch, launch_local, plan_workers
@@ -96,6 +97,7 @@ async def serve(cfg: ServeConfig) -> None:
     model_dir = await asyncio.to_thread(ensure_model_dir, model)
     cfg.engine.model = str(model_dir)  # local workers load the prepared folder directly
     tokenizer = Tokenizer.from_folder(model_dir)
+    adapters = AdapterRegistry(cfg.engine.lora_paths)  # a folder that is not an adapter is refused here
     # Fitted while the workers load.
     predictor = asyncio.create_task(asyncio.to_thread(_build_predictor, model_dir, tokenizer)) \
         if cfg.predictor == "on" else None
@@ -117,7 +119,7 @@ async def serve(cfg: ServeConfig) -> None:
     cluster = Cluster(workers, cfg.heartbeat_timeout_s, cfg.spare_workers, launch)
     admission = Admission(cfg.admission, cfg.admission_queue_size)  # judges once the router has a cost model
     client = ZmqEngineClient(channel, cluster, cfg.engine.block_size, router=router, admission=admission,
-                             pd_mode=cfg.pd_mode)
+                             pd_mode=cfg.pd_mode, adapters=adapters)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -141,7 +143,8 @@ async def serve(cfg: ServeConfig) -> None:
                          reasoning_parser=cfg.reasoning_parser,
                          response_store=ResponseStore(cfg.responses_store_size, cfg.responses_store_ttl_s),
                          auth=AuthConfig(tuple(cfg.api_keys), cfg.metrics_api_key, cfg.cache_salt_from_key),
-                         lora_names=tuple(cfg.engine.lora_paths))
+                         adapters=adapters,
+                         lora_changer=client.adapters if cfg.allow_runtime_lora_updating else None)
         runner = GatewayRunner(app, header_timeout_s=cfg.header_timeout_s, body_timeout_s=cfg.body_timeout_s,
                                max_connections=cfg.max_connections, access_log=None, handler_cancellation=True)
         await runner.setup()

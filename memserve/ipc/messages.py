@@ -83,13 +83,17 @@ class SamplingParams:
     pin_owner: str = ""
     # The LoRA adapter the request runs through (--lora-modules); None: the base model.
     lora_name: str | None = None
+    # The digest of the adapter's files (model_files/adapter_digest.py), set by the gateway:
+    # it names the adapter's blocks, and a worker serves the request only through those
+    # weights. "" (a request made in-process): whatever the worker serves under the name.
+    lora_digest: str = ""
 
     @property
     def kv_salt(self) -> str | None:
         """What the request's blocks are named with: ``cache_salt``, and the adapter, whose
         K and V are its own (kvcache/hashing.py ``adapter_salt``). Every place that names,
         finds, holds or sends the request's blocks uses this."""
-        return adapter_salt(self.cache_salt, self.lora_name)
+        return adapter_salt(self.cache_salt, self.lora_name, self.lora_digest)
 
     @property
     def greedy(self) -> bool:

@@ -50,14 +50,30 @@ def salt_seed(salt: str | None) -> int:
     return _hash(_SALT_DOMAIN + salt.encode("utf-8"), ROOT_SEED)
 
 
-def adapter_salt(salt: str | None, lora_name: str | None) -> str | None:
-    """The salt a request's blocks are named with under LoRA adapter ``lora_name``: an
-    adapter changes every layer's K and V, so its blocks must never be found by the base
-    model or another adapter, in any tier, transfer, mirror or event. A salt without an
-    adapter is unchanged."""
-    if lora_name is None:
-        return salt
-    return json.dumps(["lora", lora_name, salt])
+def adapter_salt(salt: str | None, lora_name: str | None, lora_digest: str = "") -> str | None:
+    """The salt a request's blocks are named with under LoRA adapter ``lora_name`` whose
+    files have digest ``lora_digest`` (``model_files/adapter_digest.py``): an adapter
+    changes every layer's K and V, so its blocks must never be found by the base model,
+    another adapter or other weights loaded under its name, in any tier, transfer, mirror
+    or event. A salt without an adapter is unchanged, unless it spells an adapter's (a
+    body's ``cache_salt`` can be any text): that one is wrapped, so that no base-model
+    request can name, and so fill, an adapter's blocks."""
+    if lora_name is not None:
+        return json.dumps(["lora", lora_name, lora_digest, salt])
+    if salt is not None and salt.startswith(_ADAPTER_PREFIX):
+        return json.dumps(["base", salt])
+    return salt
+
+
+_ADAPTER_PREFIX = '["lora", '
+
+
+
+def adapter_of(salt: str | None) -> str | None:
+    """The adapter name an ``adapter_salt`` holds (None: the base model's salt)."""
+    if not salt or not salt.startswith(_ADAPTER_PREFIX):
+        return None
+    return json.loads(salt)[1]
 
 
 def block_hashes(tokens: Sequence[int], block_size: int, parent: int | None = None,

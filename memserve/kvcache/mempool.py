@@ -61,7 +61,7 @@ from memserve.kvcache.blocks import MemPoolError, OutOfBlocks
 from memserve.kvcache.disk_store import DiskStore
 from memserve.kvcache.eviction import EvictionPolicy
 from memserve.kvcache.events import KVEvent
-from memserve.kvcache.hashing import block_hashes
+from memserve.kvcache.hashing import adapter_of, block_hashes
 from memserve.kvcache.mover import BlockMover, Buffer, TransferEndpoint
 from memserve.kvcache.pinning import Pins
 from memserve.kvcache.radix import RadixIndex, RadixNode
@@ -118,6 +118,9 @@ class MemPool:
         # vLLM-format KV event publisher): insert records hash -> the block's tokens there,
         # and the consumer takes them out. None: nothing is recorded.
         self.event_tokens: dict[int, Sequence[int]] | None = None
+        # Beside them, the LoRA adapter of each prompt's first block (its children are the
+        # same adapter's: the adapter is part of the first block's name).
+        self.event_adapters: dict[int, str] = {}
         self._hit_tokens = 0
         self._query_tokens = 0
         self._hits = [0] * len(Tier)  # per tier: blocks matched there
@@ -226,13 +229,24 @@ class MemPool:
                 newly = self._index_chain(hashes[start - 1] if start else None, hashes[start:n], addrs[start:n])
                 # Callers that pass names alone (a truncated prompt's shifted copies) give
                 # no tokens: those blocks are published without them.
-                if newly and self.event_tokens is not None and len(tokens) >= n * self.block_size:
-                    bs = self.block_size
-                    for i in range(start, n):
-                        self.event_tokens[hashes[i]] = tokens[i * bs:(i + 1) * bs]
+                if newly and self.event_tokens is not None:
+                    self._record_event_blocks(tokens, hashes[:n], start, salt)
         if flags & _RELEASE:
             self.free_mem(addrs)
         return newly
+
+    def _record_event_blocks(self, tokens: Sequence[int], hashes: Sequence[int], start: int,
+                             salt: str | None) -> None:
+        """Hand the event consumer the tokens of newly indexed blocks ``hashes[start:]``
+        and, for a prompt's first block, its adapter."""
+        assert self.event_tokens is not None
+        bs = self.block_size
+        if len(tokens) >= len(hashes) * bs:
+            for i in range(start, len(hashes)):
+                self.event_tokens[hashes[i]] = tokens[i * bs:(i + 1) * bs]
+        adapter = adapter_of(salt)
+        if start == 0 and adapter is not None:
+            self.event_adapters[hashes[0]] = adapter
 
     def _index_chain(self, parent_hash: int | None, hashes: Sequence[int], addrs: Sequence[int]) -> int:
         groups = self._table.split(addrs, "insert")

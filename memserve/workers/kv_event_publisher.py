@@ -14,8 +14,8 @@ a subscriber built on vLLM's classes decodes it unchanged:
   "block_size", "lora_id", "medium", "lora_name"}``, ``{"type": "BlockRemoved",
   "block_hashes", "medium"}`` or ``{"type": "AllBlocksCleared"}``. vLLM's fields that have
   a default (``extra_keys``, ``group_idx``, ``locality``, ...) are left out, as vLLM's
-  encoder (``omit_defaults``) leaves them out when unset; ``lora_id`` and ``lora_name``
-  are null;
+  encoder (``omit_defaults``) leaves them out when unset; ``lora_name`` is the LoRA
+  adapter the blocks were computed through (null: the base model), ``lora_id`` null;
 - a ROUTER replay socket answers ``[..., b"", start_seq (8-byte big-endian)]`` with one
   ``[..., b"", topic, seq, payload]`` message per buffered batch from ``start_seq`` on,
   then ``[..., b"", b"", -1 (8 bytes, signed), b""]``.
@@ -114,12 +114,12 @@ def _should_bind(endpoint: str) -> bool:
 
 
 def block_stored(hashes: list[int], parent: int | None, tokens: list[int], block_size: int,
-                 medium: str) -> dict[str, Any]:
+                 medium: str, lora_name: str | None = None) -> dict[str, Any]:
     """vLLM's ``BlockStored`` map: the tag, then its fields without a default, in vLLM's order.
     Its fields with a default are left out, as vLLM's encoder leaves them when unset, so a
     batch is the msgpack value vLLM would send."""
     return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
-            "block_size": block_size, "lora_id": None, "medium": medium, "lora_name": None}
+            "block_size": block_size, "lora_id": None, "medium": medium, "lora_name": lora_name}
 
 
 def block_removed(hashes: list[int], medium: str) -> dict[str, Any]:
@@ -130,22 +130,26 @@ ALL_BLOCKS_CLEARED: dict[str, Any] = {"type": "AllBlocksCleared"}
 
 
 class _Block:
-    __slots__ = ("parent", "tier", "tokens")
+    __slots__ = ("lora_name", "parent", "tier", "tokens")
 
-    def __init__(self, tier: Tier, parent: int | None, tokens: Sequence[int] | None) -> None:
+    def __init__(self, tier: Tier, parent: int | None, tokens: Sequence[int] | None, lora_name: str | None) -> None:
         self.tier = tier
         self.parent = parent
         self.tokens = tokens
+        self.lora_name = lora_name
 
 
 class VllmEventTranslator:
     """memserve KV events -> vLLM events (plain maps, ready for msgpack), keeping the
     per-block state that the translation needs (tier, parent, tokens)."""
 
-    def __init__(self, block_size: int, event_tokens: dict[int, Sequence[int]] | None = None) -> None:
+    def __init__(self, block_size: int, event_tokens: dict[int, Sequence[int]] | None = None,
+                 event_adapters: dict[int, str] | None = None) -> None:
         self.block_size = block_size
-        # Filled by the MemPool at insert (hash -> the block's tokens); taken from here.
+        # Filled by the MemPool at insert (hash -> the block's tokens; a prompt's first
+        # block -> its LoRA adapter); taken from here.
         self.event_tokens = event_tokens if event_tokens is not None else {}
+        self.event_adapters = event_adapters if event_adapters is not None else {}
         self.blocks: dict[int, _Block] = {}
 
     def translate(self, events: Iterable[KVEvent]) -> list[dict[str, Any]]:
@@ -164,7 +168,9 @@ class VllmEventTranslator:
         run: list[int] = []
         for h, addr in zip(ev.hashes, ev.addrs):
             tier = addr_tier(addr)
-            self.blocks[h] = _Block(tier, parent, self.event_tokens.pop(h, None))
+            above = self.blocks.get(parent) if parent is not None else None
+            adapter = above.lora_name if above is not None else self.event_adapters.pop(h, None)
+            self.blocks[h] = _Block(tier, parent, self.event_tokens.pop(h, None), adapter)
             parent = h
             if run and self.blocks[run[0]].tier != tier:
                 out.append(self._block_stored(run))
@@ -182,7 +188,8 @@ class VllmEventTranslator:
                 tokens = []
                 break
             tokens.extend(b.tokens)
-        return block_stored(list(chain), blocks[0].parent, tokens, self.block_size, MEDIUM[blocks[0].tier])
+        return block_stored(list(chain), blocks[0].parent, tokens, self.block_size, MEDIUM[blocks[0].tier],
+                            blocks[0].lora_name)
 
     def _removed(self, hashes: list[int], out: list[dict[str, Any]]) -> None:
         run: list[int] = []

@@ -54,7 +54,7 @@ from memserve.workers.model.dtype import resolve_dtype
 from memserve.workers.model.grammar import GrammarMatchers
 from memserve.workers.model.kv_shift import shift_blocks
 from memserve.workers.model.loader import load_model
-from memserve.workers.model.lora import LoRAAdapters
+from memserve.workers.model.lora import AdapterError, AdapterKey, LoRAAdapters
 from memserve.workers.model.logprobs import (
     PromptLogprobs,
     log_softmax_rows,
@@ -250,12 +250,26 @@ class ModelRunner:
     def _set_lora_rows(self, plan: StepPlan, query_start_loc: list[int]) -> None:
         """Tell the model which of the step's rows run which adapter."""
         assert self.loras is not None
-        rows: dict[str, list[int]] = {}
+        rows: dict[AdapterKey, list[int]] = {}
         for i, chunk in enumerate(plan.chunks):
-            name = self._params[chunk.request_id].lora_name
-            if name is not None:
-                rows.setdefault(name, []).extend(range(query_start_loc[i], query_start_loc[i + 1]))
-        self.loras.set_rows(rows, query_start_loc[-1], self.device)
+            params = self._params[chunk.request_id]
+            if params.lora_name is not None:
+                key = self.loras.key(params.lora_name, params.lora_digest)
+                rows.setdefault(key, []).extend(range(query_start_loc[i], query_start_loc[i + 1]))
+        running = {(p.lora_name, p.lora_digest) for p in self._params.values() if p.lora_name and p.lora_digest}
+        self.loras.set_rows(rows, query_start_loc[-1], self.device, running)
+
+    def set_adapter(self, name: str, folder: str | None, digest: str = "") -> None:
+        """Serve LoRA adapter ``name`` from ``folder`` from now on (None: no more), on every
+        rank; raises ``AdapterError`` naming why one cannot be served."""
+        if self.loras is None:
+            raise AdapterError("LoRA adapters are served only with --enable-lora")
+        if folder is None:
+            self.loras.stop(name)
+        else:
+            self.loras.serve(name, folder, digest or None)
+        if self.followers is not None:  # rank 0 refused what the others would refuse
+            self.followers.run("set_adapter", name, folder, digest, mine=lambda: None)
 
     def _start(self, new: NewRequestData) -> None:
         """Keep what sampling ``new`` needs in the steps to come."""

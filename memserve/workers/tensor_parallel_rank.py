@@ -57,6 +57,8 @@ def serve(runner: ModelRunner, control: dist.ProcessGroup) -> None:
             _report(lambda: runner.mover.copy_blocks(*args), control)
         elif method == "shift_blocks":
             _report(lambda: runner.shift_blocks(*args), control)
+        elif method == "set_adapter":
+            _report(lambda: runner.set_adapter(*args), control)
         else:
             raise ValueError(f"unknown call {method!r} from rank 0")
 

@@ -46,6 +46,7 @@ from memserve.ipc.messages import (
     WorkerReady,
     WorkerStats,
 )
+from memserve.ipc.adapters import AdapterSet, SetAdapter
 from memserve.ipc.probe import ProbeDone, ProbeTransfer
 from memserve.kvcache.blocks import MemPoolError
 from memserve.kvcache.events import KVEvents
@@ -246,8 +247,21 @@ class Instance:
         if isinstance(msg, ProbeTransfer):
             self._probe_link(msg)
             return []
+        if isinstance(msg, SetAdapter):
+            self.channel.send(self._set_adapter(msg))
+            return []
         log.warning("worker %d: unexpected message %r", self.id, msg)
         return []
+
+    def _set_adapter(self, msg: SetAdapter) -> AdapterSet:
+        """Serve (or stop serving) a LoRA adapter between steps; a refusal is the answer."""
+        try:
+            self.runner.set_adapter(msg.name, msg.path, msg.digest)
+        except (ValueError, RuntimeError) as exc:  # lora.AdapterError is a ValueError; RuntimeError: another rank's
+            return AdapterSet(msg.transfer_id, str(exc))
+        log.info("worker %d: LoRA adapter %r %s", self.id, msg.name,
+                 f"served from {msg.path}" if msg.path else "no longer served")
+        return AdapterSet(msg.transfer_id)
 
     def _push_prefix(self, msg: TransferPrefix) -> None:
         """Start sending the cached prefix of ``msg.token_ids`` to another instance, which
@@ -321,6 +335,7 @@ class Instance:
             log.error("worker %d: cannot publish KV events (%r); serving without them", self.id, exc)
             return None
         self.engine.mempool.event_tokens = publisher.translator.event_tokens
+        self.engine.mempool.event_adapters = publisher.translator.event_adapters
         return publisher
 
     def _stats(self) -> WorkerStats:

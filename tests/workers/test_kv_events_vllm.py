@@ -33,6 +33,8 @@ from helpers.paths import REPO
 from memserve.bench.server_process import start_server, stop_server
 from memserve.kvcache.address import Tier, make_addrs
 from memserve.kvcache.events import MOVED, REMOVED, STORED, KVEvent
+from memserve.kvcache.hashing import adapter_salt
+from memserve.kvcache.mempool import MemPool
 from memserve.workers.kv_event_publisher import (
     ALL_BLOCKS_CLEARED,
     END_SEQ,
@@ -309,6 +311,23 @@ def test_subscriber_follows_the_worker_and_replays_the_gap(server):
 
 def _addrs(tier: Tier, blocks: list[int]) -> list[int]:
     return make_addrs(0, tier, blocks)
+
+
+def test_an_adapters_blocks_carry_its_lora_name():
+    """A prompt run through a LoRA adapter: its blocks are stored under the adapter's name
+    (vLLM's ``lora_name``), also those indexed later below them; the base model's carry none."""
+    pool = MemPool(0, {Tier.DEVICE: 16}, BLOCK_SIZE)
+    t = VllmEventTranslator(BLOCK_SIZE)
+    pool.event_tokens, pool.event_adapters = t.event_tokens, t.event_adapters
+    tokens = list(range(3 * BLOCK_SIZE))
+    salt = adapter_salt(None, "support", "0123")
+    addrs = pool.alloc_mem(3)
+    pool.insert(tokens[:2 * BLOCK_SIZE], addrs[:2], salt=salt)
+    pool.insert(tokens, addrs, salt=salt)  # one more block below the first two
+    base = pool.alloc_mem(1)
+    pool.insert(tokens[:BLOCK_SIZE], base)
+    events = [e for e in translated(t.translate(pool.drain_events())) if isinstance(e, BlockStored)]
+    assert [(len(e.block_hashes), e.lora_name) for e in events] == [(2, "support"), (1, "support"), (1, None)]
 
 
 def test_translation_of_store_move_remove():

@@ -12,9 +12,11 @@ import pytest
 import torch
 from helpers.hf_greedy import transformers_greedy
 from helpers.one_thread import one_intra_op_thread  # noqa: F401 (autouse fixture)
+from helpers.peft_adapters import make_adapter, peft_greedy
 
 from memserve.config import EngineConfig
 from memserve.ipc.messages import AddRequest, SamplingParams
+from memserve.model_files.adapter_digest import adapter_digest
 from memserve.testing.random_models import TINY_SIZES, save_tiny_model
 from memserve.workers.model.lora import AdapterError
 from memserve.workers.real_engine import build_engine
@@ -30,25 +32,9 @@ ADAPTERS = {
 }
 
 
-def make_adapter(base, folder: Path, seed: int, **options) -> object:
-    """A peft adapter of ``base`` with random (non-zero) A and B, saved to ``folder``."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    model = get_peft_model(base, LoraConfig(**options))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.normal_(0.0, 0.5)
-    model.save_pretrained(folder)
-    return model
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """(base folder, adapter folders, prompts, reference tokens per adapter name or None)."""
-    from peft import PeftModel
-
     root = tmp_path_factory.mktemp("lora")
     base = save_tiny_model(root / "base", "qwen2")
     gen = torch.Generator().manual_seed(0)
@@ -58,8 +44,8 @@ def served(tmp_path_factory):
     for seed, (name, options) in enumerate(ADAPTERS.items()):
         folders[name] = root / name
         make_adapter(save_tiny_model(root / "scratch", "qwen2"), folders[name], seed, **options)
-        peft_model = PeftModel.from_pretrained(save_tiny_model(root / "scratch", "qwen2"), folders[name]).eval()
-        reference[name] = transformers_greedy(peft_model, prompts, NEW_TOKENS)
+        reference[name] = peft_greedy(lambda: save_tiny_model(root / "scratch", "qwen2"), folders[name], prompts,
+                                      NEW_TOKENS)
     assert len({tuple(map(tuple, r)) for r in reference.values()}) == len(reference)  # each adapter changes tokens
     return root / "base", folders, prompts, reference
 
@@ -115,7 +101,7 @@ def test_adapters_that_do_not_fit_are_refused_at_start(served, tmp_path):
         with pytest.raises(AdapterError, match=f"--lora-modules bad: .*{why}"):
             engine(base, {"bad": tmp_path / name})
     with pytest.raises(AdapterError, match="unknown LoRA adapter 'nope'"):
-        engine(base, folders).runner.loras.slot("nope")
+        engine(base, folders).runner.loras.key("nope", "")
 
 
 def test_speculative_drafts_are_verified_through_the_adapter(served):
@@ -130,3 +116,52 @@ def test_speculative_drafts_are_verified_through_the_adapter(served):
     assert run(drafted, [("s", echo, "attn")])["s"] == plain
     stats = drafted.stats()
     assert stats["spec_draft_tokens_total"] > 0 and stats["spec_accepted_tokens_total"] > 0
+
+
+def test_adapters_loaded_and_unloaded_while_serving(served):
+    """Runtime changes as the gateway makes them (requests carry the adapter's digest): an
+    adapter loaded later serves peft's tokens; one unloaded while a request runs on it
+    lets the requests sent before finish with its tokens, is dropped once nothing runs on
+    it, and a request that still names it then fails with an error naming it; the name
+    loaded again from other weights gives those weights' tokens and none of the old
+    weights' cached KV; an adapter refused at run time is not served."""
+    base, folders, prompts, reference = served
+    eng = engine(base, {"attn": folders["attn"]}, max_loras=1)
+    loras = eng.runner.loras
+    eng.runner.set_adapter("mlp", str(folders["mlp"]))
+    assert run(eng, [("m", prompts[0], "mlp")])["m"] == reference["mlp"][0]
+    attn = adapter_digest(folders["attn"])
+
+    def add(rid: str, prompt: list[int], digest: str) -> None:
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, lora_name="attn",
+                                lora_digest=digest)
+        assert eng.add_request(AddRequest(rid, prompt, params)) is None
+
+    add("running", prompts[1], attn)
+    outputs = list(eng.step())  # its prefill: it runs on the adapter now
+    eng.runner.set_adapter("attn", None)
+    add("sent-before", prompts[2], attn)  # sent by the gateway before the unload reached it
+    while eng.has_work:
+        outputs += eng.step()
+    for rid, i in (("running", 1), ("sent-before", 2)):
+        assert [t for o in outputs if o.request_id == rid for t in o.new_token_ids] == reference["attn"][i]
+    assert run(eng, [("base", prompts[0], None)])["base"] == reference[None][0]  # a step with nothing on it
+    assert ("attn", attn) not in loras.slots  # so it was dropped
+    add("late", prompts[0], attn)  # a request that still names it
+    outputs = []
+    while eng.has_work:
+        outputs += eng.step()
+    assert outputs[-1].finish_reason == "error" and "'attn' was unloaded" in (outputs[-1].error or "")
+    eng.runner.set_adapter("attn", str(folders["all"]))
+    swapped = adapter_digest(folders["all"])
+    add("swapped", prompts[1], swapped)
+    outputs = []
+    while eng.has_work:
+        outputs += eng.step()
+    assert [t for o in outputs for t in o.new_token_ids] == reference["all"][1]
+    assert outputs[-1].num_cached_tokens == 0  # the old weights' blocks are other blocks
+    with pytest.raises(AdapterError, match="rank 32 is over"):
+        big = folders["attn"].parent / "big-runtime"
+        make_adapter(save_tiny_model(big.parent / "b2", "qwen2"), big, 0, r=32, target_modules=["q_proj"])
+        eng.runner.set_adapter("big", str(big))
+    assert "big" not in loras.served

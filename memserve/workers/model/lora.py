@@ -30,12 +30,14 @@ from __future__ import annotations
 import json
 import math
 from collections import OrderedDict
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
+from memserve.model_files.adapter_digest import adapter_digest
 from memserve.workers.model.fused_names import FUSED
 from memserve.workers.model.linear import ColumnParallelLinear, LoRABatch, ParallelLinear
 
@@ -114,68 +116,116 @@ def _assemble(layer: ParallelLinear, parts: dict[int | None, tuple[torch.Tensor,
     return a, b
 
 
+AdapterKey = tuple[str, str]  # (name, digest of its files): the weights a slot holds
+
+
 class LoRAAdapters:
-    """The adapters a runner serves, from ``--lora-modules``' folders: each read at start
-    (refused there, naming why), the first ``capacity`` kept (cut to this rank's shards);
-    later the ``capacity`` most recently used are kept, others read again when asked for,
-    and the step's are set on the model's layers."""
+    """The adapters a runner serves and the slots that hold them ready.
+
+    Served adapters start as ``--lora-modules``' folders (each read at start: refused
+    there, naming why) and change at run time (``serve``, ``stop``). A slot holds one
+    adapter's weights by name and digest, so a name loaded again from other files is
+    other weights. The ``capacity`` most recently used are kept; others are read again
+    when asked for. An adapter no longer served keeps its slot while a request the
+    runner knows still runs on it, and is dropped once none does."""
 
     def __init__(self, model: nn.Module, modules: dict[str, str], max_rank: int, capacity: int,
                  dtype: torch.dtype) -> None:
-        self.modules, self.max_rank, self.capacity, self.dtype = modules, max_rank, max(1, capacity), dtype
+        self.max_rank, self.capacity, self.dtype = max_rank, max(1, capacity), dtype
         self.layers = {name: m for name, m in model.named_modules() if isinstance(m, ParallelLinear)}
         self.batch = LoRABatch()
         for layer in self.layers.values():
             layer.lora_batch = self.batch
-        self.slots: OrderedDict[str, int] = OrderedDict()  # adapter -> slot, least recently used first
+        self.served: dict[str, tuple[str, str]] = {}  # name -> (folder, digest)
+        self.slots: OrderedDict[AdapterKey, int] = OrderedDict()  # least recently used first
         self._free = list(range(self.capacity))[::-1]
         self.loads = 0
         for name, folder in modules.items():  # refused at start, naming why, rather than at a request
             try:
-                weights = read_adapter(Path(folder), self.layers, max_rank, dtype)
-            except AdapterError as exc:
+                self.serve(name, folder)
+            except (AdapterError, FileNotFoundError) as exc:
                 raise AdapterError(f"--lora-modules {name}: {exc}") from None
-            if self._free:
-                self._install(name, weights)
 
-    def slot(self, name: str) -> int:
-        """The adapter's slot, reading it in (and evicting the least recently used) if needed."""
-        if name in self.slots:
-            self.slots.move_to_end(name)
-            return self.slots[name]
-        if name not in self.modules:
+    def serve(self, name: str, folder: str, digest: str | None = None) -> None:
+        """Serve ``folder``'s adapter as ``name`` from now on (read now, refused naming why;
+        kept in a slot if one is free). ``digest``: its files' (computed when not given)."""
+        digest = digest or adapter_digest(folder)
+        try:
+            weights = read_adapter(Path(folder), self.layers, self.max_rank, self.dtype)
+        except FileNotFoundError as exc:
+            raise AdapterError(str(exc)) from None
+        self.served[name] = (folder, digest)
+        if self._free and (name, digest) not in self.slots:
+            self._install((name, digest), weights)
+
+    def stop(self, name: str) -> None:
+        """Serve ``name`` no more; requests running on it keep its slot until they end."""
+        if self.served.pop(name, None) is None:
+            raise AdapterError(f"LoRA adapter {name!r} is not served")
+
+    def key(self, name: str, digest: str) -> AdapterKey:
+        """The slot key of a request's adapter: ``digest`` "" means the one served as ``name``."""
+        if digest:
+            return name, digest
+        if name not in self.served:
             raise AdapterError(f"unknown LoRA adapter {name!r}")
-        if not self._free:
-            self._evict(*self.slots.popitem(last=False))
-        return self._install(name, read_adapter(Path(self.modules[name]), self.layers, self.max_rank, self.dtype))
+        return name, self.served[name][1]
 
-    def _install(self, name: str, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> int:
+    def slot(self, key: AdapterKey, keep: Collection[AdapterKey] = ()) -> int:
+        """The adapter's slot, reading it in (in place of the least recently used adapter
+        not in ``keep``) if needed."""
+        if key in self.slots:
+            self.slots.move_to_end(key)
+            return self.slots[key]
+        name, digest = key
+        folder, served_digest = self.served.get(name, ("", ""))
+        if served_digest != digest:
+            raise AdapterError(f"LoRA adapter {name!r} was unloaded" if not folder else
+                               f"LoRA adapter {name!r} was replaced by other weights")
+        if not self._free:
+            idle = next((k for k in self.slots if k not in keep), None)
+            if idle is None:  # every slot is needed: one more
+                self._free.append(self.capacity)
+                self.capacity += 1
+            else:
+                self._evict(idle)
+        return self._install(key, read_adapter(Path(folder), self.layers, self.max_rank, self.dtype))
+
+    def _is_served(self, key: AdapterKey) -> bool:
+        return self.served.get(key[0], ("", ""))[1] == key[1]
+
+    def _install(self, key: AdapterKey, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> int:
         """Put ``weights`` on the layers in a free slot."""
         slot = self._free.pop()
         for layer_name, (a, b) in weights.items():
             layer = self.layers[layer_name]
             layer.set_lora(slot, layer.shard_lora(a.to(layer_device(layer)), b.to(layer_device(layer))))
-        self.slots[name] = slot
+        self.slots[key] = slot
         self.loads += 1
         return slot
 
-    def _evict(self, name: str, slot: int) -> None:
+    def _evict(self, key: AdapterKey) -> None:
+        slot = self.slots.pop(key)
         for layer in self.layers.values():
             if slot in layer.loras:
                 layer.set_lora(slot, None)
         self._free.append(slot)
 
-    def set_rows(self, rows_by_adapter: dict[str, list[int]], num_rows: int, device: torch.device) -> None:
-        """The step's rows of each adapter; more adapters than slots widen the cache for it."""
+    def set_rows(self, rows_by_adapter: dict[AdapterKey, list[int]], num_rows: int, device: torch.device,
+                 running: Collection[AdapterKey] = ()) -> None:
+        """The step's rows of each adapter. ``running``: the adapters of every request the
+        runner knows; an adapter no longer served keeps its slot while one of them runs on
+        it (it cannot be read again), and is dropped once none does."""
+        unserved = {k for k in self.slots if not self._is_served(k)}
+        for key in unserved - set(running):
+            self._evict(key)
         if not rows_by_adapter:
             self.batch.set(None)
             return
-        if len(rows_by_adapter) > self.capacity:
-            self._free += range(self.capacity, len(rows_by_adapter))
-            self.capacity = len(rows_by_adapter)
+        keep = set(rows_by_adapter) | (unserved & set(running))
         row_slots = [-1] * num_rows
-        for name, rows in rows_by_adapter.items():
-            slot = self.slot(name)
+        for key, rows in rows_by_adapter.items():
+            slot = self.slot(key, keep)
             for row in rows:
                 row_slots[row] = slot
         self.batch.set(torch.tensor(row_slots, dtype=torch.long, device=device))
