@@ -408,6 +408,9 @@ class ServeConfig:
         help="salt every request's KV cache with its API key (combined with a body's cache_salt, "
              "never replaced by it), so clients with different keys never share cached KV blocks "
              "(needs --api-key)")
+    allow_runtime_lora_updating: bool = option(
+        False, help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which change the LoRA "
+                    "adapters served while running (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING; needs --enable-lora)")
     # vLLM-format KV events (workers/kv_event_publisher.py).
     kv_events_config: dict | None = option(
         None, group="KV events", type=json_object, metavar="JSON",
@@ -435,6 +438,8 @@ class ServeConfig:
                 raise ValueError("--spare-workers starts local processes; it does not go with --ray")
         if self.cache_salt_from_key and not self.api_keys:
             raise ValueError("--cache-salt-from-key needs --api-key or MEMSERVE_API_KEY")
+        if self.allow_runtime_lora_updating and not self.engine.enable_lora:
+            raise ValueError("--allow-runtime-lora-updating needs --enable-lora")
 
 
 def served_model_name(cfg: ServeConfig) -> str:
