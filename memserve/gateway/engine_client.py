@@ -212,7 +212,7 @@ class ZmqEngineClient:
                 yield out
             return
         route = RouteRequest(request_id, prompt_token_ids, session_id, slo or {}, params.max_tokens, params.n,
-                             params.kv_salt)
+                             params.kv_salt, params.lora_name)
         if instance is None:
             await self.admit(route)
         decision = self.pick_worker(route) if instance is None else None

@@ -156,7 +156,8 @@ class PDFlow:
         them died, ``HandoffDone`` when the KV reached D or the handoff failed."""
         c = self.client
         slo = slo or {}
-        route = RouteRequest(request_id, prompt, session_id, slo, params.max_tokens, params.n, params.kv_salt)
+        route = RouteRequest(request_id, prompt, session_id, slo, params.max_tokens, params.n, params.kv_salt,
+                             params.lora_name)
         await c.admit(route)
         decision = c.pick_worker(route)
         stream = RequestStream(decision.instance)

@@ -257,6 +257,10 @@ class WorkerStats:
     loop_age_s: float = 0.0  # since the engine loop last went round: a stuck step shows here
     # Tensor parallelism: seconds rank 0's steps spent in collectives between the ranks, since start.
     tensor_parallel_comm_s: float = 0.0
+    # LoRA adapters held ready in its slots (a request on one starts without reading it),
+    # and the mean seconds reading one in took (0: none read yet).
+    lora_adapters: list[str] = field(default_factory=list)
+    lora_load_s: float = 0.0
 
     @classmethod
     def from_report(cls, engine_report: dict[str, Any], pd: PDStats) -> WorkerStats:

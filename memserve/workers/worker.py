@@ -342,7 +342,10 @@ class Instance:
         """The engine's statistics and the KV handoffs' (both sides, and how many went in place)."""
         pd = PDStats(**self.sender.stats(), **self.receiver.stats(), **self.endpoint.stats())
         stats = WorkerStats.from_report(self.engine.stats(), pd)
-        return dataclasses.replace(stats, tensor_parallel_comm_s=self.runner.tp.comm_seconds)
+        loras = self.runner.loras
+        return dataclasses.replace(stats, tensor_parallel_comm_s=self.runner.tp.comm_seconds,
+                                   lora_adapters=loras.ready() if loras else [],
+                                   lora_load_s=loras.mean_load_s if loras else 0.0)
 
     def _step(self) -> list[RequestOutput]:
         """One engine step; a failure fails the requests in flight, not the worker."""

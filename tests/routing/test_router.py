@@ -20,9 +20,11 @@ from memserve.gateway.routing.route_types import (
     Candidate,
     RouteDecision,
     RoutingContext,
+    WorkerView,
 )
 from memserve.gateway.routing.router import LeastLoad, Router, RouteRequest
 from memserve.gateway.routing_metrics import RouterStatsCollector
+from memserve.ipc.messages import WorkerStats
 
 REQ = RouteRequest("r1", [1, 2, 3, 4])
 
@@ -221,6 +223,25 @@ def test_cost_queued_work_flips_the_choice_at_its_break_even():
         router = Router.named("cost", cost=linear_cost(transfer_bytes_per_s=1e-3))
         router.ledger.admit("queued", 0, queued, 0, max_tokens=8)
         assert router.route(RouteRequest("r", PROMPT), [view(0, cached=PROMPT[:32]), view(1)]).instance == winner
+
+
+def test_a_request_on_an_adapter_is_charged_its_load_where_it_is_not_ready():
+    """Worker 1 holds adapter "a" in its slots; worker 0 would read it in first (its
+    measured 5 s). With equal queues the request goes where the adapter is; once worker
+    1's queue is longer than the load by more than that, it goes to worker 0. A base
+    request, or one on an adapter no worker holds, is not charged."""
+    def views() -> list[WorkerView]:
+        ready, other = view(0), view(1)
+        ready.stats = WorkerStats(lora_load_s=5.0)
+        other.stats = WorkerStats(lora_adapters=["a"], lora_load_s=5.0)
+        return [ready, other]
+
+    for queued, winner in ((0, 1), (4, 1), (6, 0)):
+        router = Router.named("cost", cost=linear_cost())
+        if queued:
+            router.ledger.admit("queued", 1, queued, 0, max_tokens=8)
+        assert router.route(RouteRequest("r", PROMPT, lora_name="a"), views()).instance == winner, queued
+    assert Router.named("cost", cost=linear_cost()).route(RouteRequest("r", PROMPT), views()).instance == 0
 
 
 # ------------------------------------------------------------------ ledger and metrics

@@ -135,7 +135,12 @@ class CostAware:
     blocks each, long-doc-qa, mean of 20 seeds; docs/benchmarks.md, "Routing"):
     without these rules a KV-bound cluster spread copies and new documents by queue,
     evicted documents whose next questions were queued, and its P99 TTFT was 1.4-1.6x
-    prompt-tree's at 0.4-0.5 session starts/s; with them it is within 10% of it."""
+    prompt-tree's at 0.4-0.5 session starts/s; with them it is within 10% of it.
+
+    A request on a LoRA adapter is charged, on a worker whose slots do not hold it, the
+    time that worker takes to read an adapter in (its ``lora_load_s``), so that requests
+    on one adapter gather where it is ready (llm-d's LoRA affinity) unless another
+    worker's queue is shorter by more than that."""
 
     name = "cost"
     uses_cache = True
@@ -172,7 +177,8 @@ class CostAware:
             copy = 0.0
             if held > c.cached_blocks:  # a second copy of what another worker holds or is computing
                 copy = times.exec_s(c.cached_blocks) - times.exec_s(held)
-            key = (c.queued_s + exec_here + copy, c.in_flight, c.instance_id)  # eq. 1
+            # eq. 1, and reading the request's LoRA adapter in where the worker does not hold it
+            key = (c.queued_s + exec_here + copy + c.adapter_load_s, c.in_flight, c.instance_id)
             if best is None or key < best:
                 best = key
                 if pull is not None:

@@ -30,6 +30,7 @@ class RouteRequest:
     max_tokens: int | None = None  # per choice; None: unknown (the ledger assumes a default)
     n: int = 1  # choices decoded from the one prompt
     cache_salt: str | None = None  # names the prompt's blocks apart (kvcache/hashing.py)
+    lora_name: str | None = None  # the LoRA adapter it runs through (None: the base model)
 
 
 @dataclass
@@ -58,6 +59,7 @@ class Candidate:
     # what the requests routed there and not started yet compute); None: not reported.
     free_blocks: int | None = None
     kv_blocks: int | None = None  # its device KV pool, in blocks; None: not reported
+    adapter_load_s: float = 0.0  # reading the request's LoRA adapter in there first (0: it holds it)
 
     @property
     def instance_id(self) -> int:

@@ -127,10 +127,11 @@ class Router:
                 pending = max(self.pending.match(w.instance_id, hashes) - stored, 0)
             device = w.stats.mempool.tiers.get("device") if self.cost is not None else None
             work = self.ledger.scores(w.instance_id)
+            load_s = w.stats.lora_load_s if request.lora_name not in (None, *w.stats.lora_adapters) else 0.0
             out.append(Candidate(w, stored + pending, pending_blocks=pending, queued_s=work.work_s, step_s=work.step_s,
                                  decode_s=work.decode_s,
                                  free_blocks=self._free_blocks(device, work.waiting_tokens, block_size),
-                                 kv_blocks=device.total if device is not None else None))
+                                 kv_blocks=device.total if device is not None else None, adapter_load_s=load_s))
         return out, hashes
 
     def _free_blocks(self, device: TierStats | None, waiting_tokens: int, block_size: int) -> int | None:

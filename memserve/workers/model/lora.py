@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections import OrderedDict
 from collections.abc import Collection
 from pathlib import Path
@@ -140,6 +141,7 @@ class LoRAAdapters:
         self.slots: OrderedDict[AdapterKey, int] = OrderedDict()  # least recently used first
         self._free = list(range(self.capacity))[::-1]
         self.loads = 0
+        self._load_s = 0.0  # reading adapters in and setting them on the layers, in all
         for name, folder in modules.items():  # refused at start, naming why, rather than at a request
             try:
                 self.serve(name, folder)
@@ -149,6 +151,7 @@ class LoRAAdapters:
     def serve(self, name: str, folder: str, digest: str | None = None) -> None:
         """Serve ``folder``'s adapter as ``name`` from now on (read now, refused naming why;
         kept in a slot if one is free). ``digest``: its files' (computed when not given)."""
+        started = time.perf_counter()
         digest = digest or adapter_digest(folder)
         try:
             weights = read_adapter(Path(folder), self.layers, self.max_rank, self.dtype)
@@ -156,7 +159,7 @@ class LoRAAdapters:
             raise AdapterError(str(exc)) from None
         self.served[name] = (folder, digest)
         if self._free and (name, digest) not in self.slots:
-            self._install((name, digest), weights)
+            self._install((name, digest), weights, started)
 
     def stop(self, name: str) -> None:
         """Serve ``name`` no more; requests running on it keep its slot until they end."""
@@ -189,19 +192,32 @@ class LoRAAdapters:
                 self.capacity += 1
             else:
                 self._evict(idle)
-        return self._install(key, read_adapter(Path(folder), self.layers, self.max_rank, self.dtype))
+        started = time.perf_counter()
+        return self._install(key, read_adapter(Path(folder), self.layers, self.max_rank, self.dtype), started)
+
+    @property
+    def mean_load_s(self) -> float:
+        """Mean seconds an adapter took to read in (0: none yet): what the router prices
+        a request on an adapter a worker does not hold."""
+        return self._load_s / self.loads if self.loads else 0.0
+
+    def ready(self) -> list[str]:
+        """The served adapters held in a slot: a request on one starts without reading it."""
+        return sorted(name for name, digest in self.slots if self._is_served((name, digest)))
 
     def _is_served(self, key: AdapterKey) -> bool:
         return self.served.get(key[0], ("", ""))[1] == key[1]
 
-    def _install(self, key: AdapterKey, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> int:
-        """Put ``weights`` on the layers in a free slot."""
+    def _install(self, key: AdapterKey, weights: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                 started: float) -> int:
+        """Put ``weights`` (read since ``started``) on the layers in a free slot."""
         slot = self._free.pop()
         for layer_name, (a, b) in weights.items():
             layer = self.layers[layer_name]
             layer.set_lora(slot, layer.shard_lora(a.to(layer_device(layer)), b.to(layer_device(layer))))
         self.slots[key] = slot
         self.loads += 1
+        self._load_s += time.perf_counter() - started
         return slot
 
     def _evict(self, key: AdapterKey) -> None:
