@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import zlib
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -141,6 +142,9 @@ class OpenAIClient:
     api_key: str | None = None
     timeout_s: float = 600.0
     extra_body: dict = field(default_factory=dict)
+    # vLLM bench's --lora-modules: each conversation runs through one of these models (LoRA
+    # adapters), the same for all its turns (its KV is that adapter's); empty: ``model``.
+    lora_modules: list[str] = field(default_factory=list)
     t0: float = field(default_factory=time.perf_counter)  # the run's time origin
     _http: aiohttp.ClientSession | None = field(default=None, init=False)
 
@@ -182,8 +186,16 @@ class OpenAIClient:
         except (ValueError, AttributeError, KeyError, TypeError):
             raise ModelListUnavailable(f"{url} did not return an OpenAI model list") from None
 
+    def model_of(self, session_id: str) -> str:
+        """The model a conversation's requests name: one of ``lora_modules``, spread evenly
+        by a hash of the session id, else ``model``."""
+        if not self.lora_modules:
+            return self.model
+        return self.lora_modules[zlib.crc32(session_id.encode()) % len(self.lora_modules)]
+
     def body(self, spec: RequestSpec) -> dict:
-        body: dict = {"model": self.model, "stream": True, "stream_options": {"include_usage": True}}
+        body: dict = {"model": self.model_of(spec.session_id), "stream": True,
+                      "stream_options": {"include_usage": True}}
         if self.endpoint == "chat":
             body["messages"] = spec.messages
         else:

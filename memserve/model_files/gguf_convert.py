@@ -7,9 +7,10 @@ float32, which holds every dequantized value exactly, under the names and in the
 of the Hugging Face checkpoint that llama.cpp's ``convert_hf_to_gguf.py`` converted: its
 per-architecture tensor names are mapped back, stacked experts split per expert, the
 Q/K row permutation of its llama architecture undone, and the ``+ 1`` it adds to Gemma's
-norm weights taken off again. Linear weights of the types memserve runs quantized (Q4_0, Q4_1, Q8_0) are also
-kept as the file stores them, in ``gguf/blocks.safetensors`` (the tied lm_head as the
-embedding's blocks), so that a worker need not widen them. The config is rebuilt from the metadata the same converter
+norm weights taken off again. Linear weights of the types memserve runs quantized (Q4_0,
+Q4_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K) are also kept as the file stores them, in
+``gguf/blocks.safetensors`` (the tied lm_head as the embedding's blocks), so that a
+worker need not widen them. The config is rebuilt from the metadata the same converter
 writes, with llama.cpp's own defaults for what it leaves out (Gemma's attention scale and
 sliding-layer pattern), so the folder means what llama.cpp would run.
 
@@ -45,7 +46,7 @@ from memserve.model_files.hub_cache import hub_snapshot, is_repo_id
 log = logging.getLogger(__name__)
 
 # Part of the cache key: bump it when the converted folder's content changes.
-CONVERTER_VERSION = 5
+CONVERTER_VERSION = 6
 WEIGHTS_FILE = "model.safetensors"
 # The linear layers' weights as the file stores them, where their type runs quantized
 # (workers/model/gguf_linear.py): uint8 rows of ggml blocks under the Hugging Face
@@ -53,7 +54,8 @@ WEIGHTS_FILE = "model.safetensors"
 # In a folder of its own: loaders that read every *.safetensors of a model folder (the
 # predictor's, other servers') must not take these for weights.
 QUANTIZED_FILE = "gguf/blocks.safetensors"
-QUANTIZED_TYPES = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0}
+QUANTIZED_TYPES = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
+                   GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K}
 # Linear layers, by the end of their Hugging Face weight's name.
 _LINEAR_SUFFIXES = ("_proj.weight", "lm_head.weight")
 # llama.cpp's tensor names (gguf.constants.TENSOR_NAMES) -> Hugging Face's, within

@@ -231,3 +231,19 @@ def test_request_body_per_dialect(dialect, fixed, expected, absent):
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True} and body["top_p"] == 0.5
     if dialect == "transformers":
         assert '"min_new_tokens": 7' in body["generation_config"]
+
+
+def test_lora_modules_spread_conversations_over_adapters_one_each():
+    """vLLM bench's --lora-modules: every turn of a conversation names the same adapter,
+    and conversations are spread over all of them."""
+    client = OpenAIClient(base_url="http://x", model="base", lora_modules=["a", "b", "c", "d"])
+
+    def model(session: str, turn: int) -> str:
+        spec = RequestSpec(session_id=session, turn=turn, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        return client.body(spec)["model"]
+
+    chosen = {s: model(f"s{s}", 1) for s in range(40)}
+    assert all(model(f"s{s}", 3) == chosen[s] for s in range(40))
+    counts = {name: list(chosen.values()).count(name) for name in "abcd"}
+    assert min(counts.values()) >= 5, counts
+    assert OpenAIClient(base_url="http://x", model="base").model_of("s1") == "base"

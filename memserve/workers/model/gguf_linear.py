@@ -1,4 +1,5 @@
-"""Linear layers whose weights stay GGUF-quantized in memory (Q4_0, Q4_1, Q8_0), on the CPU.
+"""Linear layers whose weights stay GGUF-quantized in memory (Q4_0, Q4_1, Q8_0 and the
+K-quants Q4_K, Q5_K, Q6_K), on the CPU.
 
 A decode step reads every weight once, so its time is the weights' bytes over the memory
 bandwidth: kept as the file stores them (4.5-8.5 bits a weight), SmolLM2's linear layers
@@ -27,7 +28,7 @@ from gguf import GGMLQuantizationType
 from safetensors import safe_open
 from torch import nn
 
-from memserve.model_files.gguf_convert import QUANTIZED_FILE
+from memserve.model_files.gguf_convert import QUANTIZED_FILE, QUANTIZED_TYPES
 from memserve.workers.model import cpu_kernels
 from memserve.workers.model.fused_names import fused_parts
 from memserve.workers.model.linear import ParallelLinear
@@ -102,8 +103,9 @@ def use_quantized(quantization: str, folder: Path, device: torch.device) -> bool
     has_blocks = (folder / QUANTIZED_FILE).is_file()
     runnable = device.type == "cpu" and cpu_kernels.available()
     if quantization == "gguf" and not (has_blocks and runnable):
-        why = "it holds no GGUF weights of a type run quantized (Q4_0, Q4_1, Q8_0)" if not has_blocks else \
-            "GGUF weights run quantized only on the CPU, with memserve's CPU kernels built"
+        types = ", ".join(t.name for t in sorted(QUANTIZED_TYPES))
+        why = (f"it holds no GGUF weights of a type run quantized ({types})" if not has_blocks
+               else "GGUF weights run quantized only on the CPU, with memserve's CPU kernels built")
         raise ValueError(f"--quantization gguf cannot serve {folder}: {why}")
     return has_blocks and runnable
 

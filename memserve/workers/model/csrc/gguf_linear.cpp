@@ -5,14 +5,24 @@
 //   Q4_0: fp16 d, 16 bytes of nibbles        w = (q - 8) * d   (q: byte j's low nibble is
 //   Q4_1: fp16 d, fp16 m, 16 bytes           w = q * d + m      weight j, its high nibble
 //   Q8_0: fp16 d, 32 int8                    w = q * d          weight j + 16)
+// or, for the K-quants, K / 256 super-blocks of 256 weights in sub-blocks with scales of
+// their own, themselves quantized against the super-block's fp16 d (and dmin):
+//   Q4_K: d, dmin, 12 bytes of 6-bit scale/min pairs for 8 sub-blocks of 32, 128 bytes of
+//         nibbles (bytes 32j..32j+31: sub-block 2j low, 2j + 1 high)   w = d sc q - dmin m
+//   Q5_K: as Q4_K with 32 bytes of fifth bits (bit i of byte l: sub-block i, weight l)
+//         between the scales and the nibbles
+//   Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales of sub-blocks
+//         of 16, fp16 d                                                  w = d sc (q - 32)
 // gguf_matmul multiplies a few activation rows (decode steps) by such rows without ever
 // widening the weight matrix in memory: each block is widened in registers (two 16-lane
 // vectors with AVX-512, -march=native on a CPU that has it; 32 floats on the stack
 // elsewhere) and used for every activation row, so the bytes read per step are the
 // file's (4.5-8.5 bits a weight against 32 for float32), which is what bounds a decode
-// step. Sums are float32; the result equals the dequantized weights' product up
-// to the order of float32 sums and roundings. gguf_dequantize widens a whole matrix, for prefill chunks,
-// where a oneDNN product over widened weights is faster than this loop.
+// step. A K-quant super-block is widened once into 256 floats on the stack (vectorised
+// with AVX-512) and dotted with every activation row. Sums are float32; the result equals
+// the dequantized weights' product up to the order of float32 sums and roundings.
+// gguf_dequantize widens a whole matrix, for prefill chunks, where a oneDNN product over
+// widened weights is faster than this loop.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -29,8 +39,12 @@
 namespace {
 
 constexpr int64_t BLOCK = 32;
+constexpr int64_t SUPER = 256;    // weights in a K-quant super-block
 constexpr int64_t MAX_ROWS = 16;  // activation rows gguf_matmul takes at once
-enum Type : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml's type ids
+enum Type : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  // ggml's type ids
+
+constexpr bool is_k(int64_t type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
+constexpr int64_t block_weights(int64_t type) { return is_k(type) ? SUPER : BLOCK; }
 
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
@@ -47,25 +61,27 @@ int64_t block_bytes(int64_t type) {
     case Q4_0: return 18;
     case Q4_1: return 20;
     case Q8_0: return 34;
-    default: TORCH_CHECK(false, "GGUF type ", type, " is not executed quantized (Q4_0, Q4_1, Q8_0 are)");
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+    default:
+      TORCH_CHECK(false, "GGUF type ", type,
+                  " is not executed quantized (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K are)");
   }
   return 0;
 }
 
-// The 32 weights of the block at ``p``, widened to float32.
-template <int64_t TYPE>
-inline void widen_block(const uint8_t* p, float* w) {
-  const float d = half_at(p);
-  if constexpr (TYPE == Q8_0) {
-    const int8_t* q = reinterpret_cast<const int8_t*>(p + 2);
-    for (int64_t i = 0; i < BLOCK; ++i) w[i] = static_cast<float>(q[i]) * d;
-  } else {
-    const float m = TYPE == Q4_1 ? half_at(p + 2) : -8.0f * d;
-    const uint8_t* q = p + (TYPE == Q4_1 ? 4 : 2);
-    for (int64_t i = 0; i < BLOCK / 2; ++i) {
-      w[i] = static_cast<float>(q[i] & 0x0F) * d + m;
-      w[i + BLOCK / 2] = static_cast<float>(q[i] >> 4) * d + m;
-    }
+// Calls ``f`` with the ggml type as a compile-time constant, so each type gets its own loop.
+template <typename F>
+void dispatch(int64_t type, F&& f) {
+  switch (type) {
+    case Q4_0: return f(std::integral_constant<int64_t, Q4_0>{});
+    case Q4_1: return f(std::integral_constant<int64_t, Q4_1>{});
+    case Q8_0: return f(std::integral_constant<int64_t, Q8_0>{});
+    case Q4_K: return f(std::integral_constant<int64_t, Q4_K>{});
+    case Q5_K: return f(std::integral_constant<int64_t, Q5_K>{});
+    case Q6_K: return f(std::integral_constant<int64_t, Q6_K>{});
+    default: block_bytes(type);  // refuses it by name
   }
 }
 
@@ -83,7 +99,137 @@ inline void block_values(const uint8_t* p, __m512& low, __m512& high) {
     high = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
   }
 }
+
+// 16 bytes from ``p`` as 16 int32 lanes.
+inline __m512i bytes16(const uint8_t* p) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 #endif
+
+// The 32 weights of the block at ``p``, widened to float32.
+template <int64_t TYPE>
+inline void widen_block(const uint8_t* p, float* w) {
+  const float d = half_at(p);
+#ifdef __AVX512F__
+  const __m512 scale = _mm512_set1_ps(d);
+  const __m512 offset = _mm512_set1_ps(TYPE == Q4_1 ? half_at(p + 2) : TYPE == Q4_0 ? -8.0f * d : 0.0f);
+  __m512 low, high;
+  block_values<TYPE>(p, low, high);
+  _mm512_storeu_ps(w, _mm512_fmadd_ps(low, scale, offset));
+  _mm512_storeu_ps(w + 16, _mm512_fmadd_ps(high, scale, offset));
+#else
+  if constexpr (TYPE == Q8_0) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(p + 2);
+    for (int64_t i = 0; i < BLOCK; ++i) w[i] = static_cast<float>(q[i]) * d;
+  } else {
+    const float m = TYPE == Q4_1 ? half_at(p + 2) : -8.0f * d;
+    const uint8_t* q = p + (TYPE == Q4_1 ? 4 : 2);
+    for (int64_t i = 0; i < BLOCK / 2; ++i) {
+      w[i] = static_cast<float>(q[i] & 0x0F) * d + m;
+      w[i + BLOCK / 2] = static_cast<float>(q[i] >> 4) * d + m;
+    }
+  }
+#endif
+}
+
+// Q4_K's and Q5_K's 8 sub-block scales and mins, 6 bits each in 12 bytes (ggml's
+// get_scale_min_k4): bytes 0-3 hold scales 0-3, 4-7 mins 0-3, each with 2 high bits of
+// scale/min 4-7, whose low 4 bits are bytes 8-11's nibbles.
+inline void k_scales(const uint8_t* s, float d, float dmin, float* scale, float* min) {
+  for (int64_t j = 0; j < 4; ++j) {
+    scale[j] = d * static_cast<float>(s[j] & 63);
+    min[j] = dmin * static_cast<float>(s[j + 4] & 63);
+    scale[j + 4] = d * static_cast<float>((s[j + 8] & 0x0F) | ((s[j] >> 6) << 4));
+    min[j + 4] = dmin * static_cast<float>((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
+  }
+}
+
+// The 256 weights of the Q4_K or Q5_K super-block at ``p``: sub-block 2j's weight l is
+// byte 32j + l's low nibble, 2j + 1's its high one (and bit 2j, 2j + 1 of Q5_K's byte l
+// their fifth bit).
+template <int64_t TYPE>
+inline void widen_q45_k(const uint8_t* p, float* w) {
+  float scale[8], min[8];
+  k_scales(p + 4, half_at(p), half_at(p + 2), scale, min);
+  const uint8_t* qh = p + 16;
+  const uint8_t* qs = p + (TYPE == Q5_K ? 48 : 16);
+  for (int64_t j = 0; j < 4; ++j) {
+#ifdef __AVX512F__
+    const __m512 d1 = _mm512_set1_ps(scale[2 * j]), m1 = _mm512_set1_ps(-min[2 * j]);
+    const __m512 d2 = _mm512_set1_ps(scale[2 * j + 1]), m2 = _mm512_set1_ps(-min[2 * j + 1]);
+    for (int64_t half = 0; half < 2; ++half) {
+      const __m512i bytes = bytes16(qs + 32 * j + 16 * half);
+      __m512i low = _mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)), high = _mm512_srli_epi32(bytes, 4);
+      if constexpr (TYPE == Q5_K) {
+        const __m512i bits = bytes16(qh + 16 * half), sixteen = _mm512_set1_epi32(16);
+        low = _mm512_mask_add_epi32(low, _mm512_test_epi32_mask(bits, _mm512_set1_epi32(1 << (2 * j))), low, sixteen);
+        high = _mm512_mask_add_epi32(high, _mm512_test_epi32_mask(bits, _mm512_set1_epi32(2 << (2 * j))), high,
+                                     sixteen);
+      }
+      _mm512_storeu_ps(w + 64 * j + 16 * half, _mm512_fmadd_ps(_mm512_cvtepi32_ps(low), d1, m1));
+      _mm512_storeu_ps(w + 64 * j + 32 + 16 * half, _mm512_fmadd_ps(_mm512_cvtepi32_ps(high), d2, m2));
+    }
+#else
+    for (int64_t l = 0; l < 32; ++l) {
+      int low = qs[32 * j + l] & 0x0F, high = qs[32 * j + l] >> 4;
+      if constexpr (TYPE == Q5_K) {
+        low |= ((qh[l] >> (2 * j)) & 1) << 4;
+        high |= ((qh[l] >> (2 * j + 1)) & 1) << 4;
+      }
+      w[64 * j + l] = scale[2 * j] * static_cast<float>(low) - min[2 * j];
+      w[64 * j + 32 + l] = scale[2 * j + 1] * static_cast<float>(high) - min[2 * j + 1];
+    }
+#endif
+  }
+}
+
+// The 256 weights of the Q6_K super-block at ``p``, two halves of 128: weight l, l + 32,
+// l + 64, l + 96 of half h (l < 32) are the low nibbles of ql[64h + l], ql[64h + 32 + l],
+// then their high nibbles, with bit pairs 0-1, 2-3, 4-5, 6-7 of qh[32h + l] on top.
+inline void widen_q6_k(const uint8_t* p, float* w) {
+  const float d = half_at(p + 208);
+  const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
+  for (int64_t h = 0; h < 2; ++h) {
+    const uint8_t* ql = p + 64 * h;
+    const uint8_t* qh = p + 128 + 32 * h;
+    float* y = w + 128 * h;
+#ifdef __AVX512F__
+    for (int64_t quarter = 0; quarter < 2; ++quarter) {  // l = 16 quarter .. + 15
+      const int64_t l = 16 * quarter;
+      const __m512i a = bytes16(ql + l), b = bytes16(ql + 32 + l), hb = bytes16(qh + l);
+      const __m512i nibble = _mm512_set1_epi32(0x0F), pair = _mm512_set1_epi32(3), bias = _mm512_set1_epi32(32);
+      const __m512i low[4] = {_mm512_and_si512(a, nibble), _mm512_and_si512(b, nibble), _mm512_srli_epi32(a, 4),
+                              _mm512_srli_epi32(b, 4)};
+      for (int64_t i = 0; i < 4; ++i) {
+        const __m512i high = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hb, 2 * i), pair), 4);
+        const __m512i q = _mm512_sub_epi32(_mm512_or_si512(low[i], high), bias);
+        const __m512 scale = _mm512_set1_ps(d * static_cast<float>(sc[8 * h + 2 * i + quarter]));
+        _mm512_storeu_ps(y + 32 * i + l, _mm512_mul_ps(_mm512_cvtepi32_ps(q), scale));
+      }
+    }
+#else
+    for (int64_t l = 0; l < 32; ++l) {
+      const int low[4] = {ql[l] & 0x0F, ql[l + 32] & 0x0F, ql[l] >> 4, ql[l + 32] >> 4};
+      for (int64_t i = 0; i < 4; ++i) {
+        const int q = (low[i] | (((qh[l] >> (2 * i)) & 3) << 4)) - 32;
+        y[32 * i + l] = d * static_cast<float>(sc[8 * h + 2 * i + l / 16]) * static_cast<float>(q);
+      }
+    }
+#endif
+  }
+}
+
+// The weights of the block (32) or super-block (256) of type TYPE at ``p``, widened to float32.
+template <int64_t TYPE>
+inline void widen(const uint8_t* p, float* w) {
+  if constexpr (TYPE == Q6_K) {
+    widen_q6_k(p, w);
+  } else if constexpr (is_k(TYPE)) {
+    widen_q45_k<TYPE>(p, w);
+  } else {
+    widen_block<TYPE>(p, w);
+  }
+}
 
 #ifdef __AVX512F__
 // out[r, n] for R activation rows from ``r0`` on, against weight row ``row``: each block
@@ -113,60 +259,93 @@ inline void dot_rows(float* out, const float* x, const uint8_t* row, int64_t r0,
 }
 #endif
 
+// A row's running sum over the blocks: a vector of partial sums with AVX-512 (reduced
+// once at the end of the row), a float elsewhere.
+#ifdef __AVX512F__
+using Sum = __m512;
+inline Sum zero_sum() { return _mm512_setzero_ps(); }
+inline float total(Sum s) { return _mm512_reduce_add_ps(s); }
+#else
+using Sum = float;
+inline Sum zero_sum() { return 0.0f; }
+inline float total(Sum s) { return s; }
+#endif
+
+// s + the dot product of N (a multiple of 32) widened weights ``w`` (64-byte aligned) with
+// ``x``: independent FMA chains, so that one row's product is not bound by their latency.
+template <int64_t N>
+inline Sum add_dot(Sum s, const float* w, const float* x) {
+#ifdef __AVX512F__
+  constexpr int64_t chains = N % 64 == 0 ? 4 : 2;
+  __m512 acc[chains];
+  for (int64_t v = 0; v < chains; ++v) acc[v] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < N; i += 16 * chains)
+    for (int64_t v = 0; v < chains; ++v)
+      acc[v] = _mm512_fmadd_ps(_mm512_load_ps(w + i + 16 * v), _mm512_loadu_ps(x + i + 16 * v), acc[v]);
+  for (int64_t v = 1; v < chains; ++v) acc[0] = _mm512_add_ps(acc[0], acc[v]);
+  return _mm512_add_ps(s, acc[0]);
+#else
+  for (int64_t i = 0; i < N; ++i) s += w[i] * x[i];
+  return s;
+#endif
+}
+
+// out[r, n] for every activation row against weight row ``row``, each block (super-block
+// for the K-quants) widened once on the stack and dotted with every row.
+template <int64_t TYPE>
+inline void widened_dot_rows(float* out, const float* x, const uint8_t* row, int64_t rows, int64_t n,
+                             int64_t n_out, int64_t k) {
+  constexpr int64_t weights = block_weights(TYPE);
+  const int64_t bytes = block_bytes(TYPE);
+  alignas(64) float w[weights];
+  Sum sums[MAX_ROWS];
+  for (int64_t r = 0; r < rows; ++r) sums[r] = zero_sum();
+  for (int64_t b = 0; b < k / weights; ++b) {
+    widen<TYPE>(row + b * bytes, w);
+    for (int64_t r = 0; r < rows; ++r) sums[r] = add_dot<weights>(sums[r], w, x + r * k + b * weights);
+  }
+  for (int64_t r = 0; r < rows; ++r) out[r * n_out + n] = total(sums[r]);
+}
+
 template <int64_t TYPE>
 void matmul_rows(float* out, const float* x, const uint8_t* blocks, int64_t rows, int64_t n_out, int64_t k) {
-  const int64_t row_bytes = k / BLOCK * block_bytes(TYPE);
+  const int64_t row_bytes = k / block_weights(TYPE) * block_bytes(TYPE);
   at::parallel_for(0, n_out, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* row = blocks + n * row_bytes;
 #ifdef __AVX512F__
-      // Four rows at a time; the weight row stays in L1 between groups.
-      int64_t r0 = 0;
-      for (; r0 + 4 <= rows; r0 += 4) dot_rows<TYPE, 4>(out, x, row, r0, n, n_out, k);
-      const int64_t left = rows - r0;
-      if (left == 3) dot_rows<TYPE, 3>(out, x, row, r0, n, n_out, k);
-      if (left == 2) dot_rows<TYPE, 2>(out, x, row, r0, n, n_out, k);
-      if (left == 1) dot_rows<TYPE, 1>(out, x, row, r0, n, n_out, k);
-#else
-      float w[BLOCK];
-      for (int64_t r = 0; r < rows; ++r) out[r * n_out + n] = 0.0f;
-      for (int64_t b = 0; b < k / BLOCK; ++b) {
-        widen_block<TYPE>(row + b * block_bytes(TYPE), w);
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* xr = x + r * k + b * BLOCK;
-          float sum = 0.0f;
-          for (int64_t i = 0; i < BLOCK; ++i) sum += w[i] * xr[i];
-          out[r * n_out + n] += sum;
-        }
+      if constexpr (!is_k(TYPE)) {
+        // Four rows at a time; the weight row stays in L1 between groups.
+        int64_t r0 = 0;
+        for (; r0 + 4 <= rows; r0 += 4) dot_rows<TYPE, 4>(out, x, row, r0, n, n_out, k);
+        const int64_t left = rows - r0;
+        if (left == 3) dot_rows<TYPE, 3>(out, x, row, r0, n, n_out, k);
+        if (left == 2) dot_rows<TYPE, 2>(out, x, row, r0, n, n_out, k);
+        if (left == 1) dot_rows<TYPE, 1>(out, x, row, r0, n, n_out, k);
+        continue;
       }
 #endif
+      widened_dot_rows<TYPE>(out, x, row, rows, n, n_out, k);
     }
   });
 }
 
 template <int64_t TYPE, typename T>
 void dequantize_rows(T* out, const uint8_t* blocks, int64_t n_out, int64_t k) {
-  const int64_t nb = k / BLOCK, bytes = block_bytes(TYPE), row_bytes = nb * bytes;
+  constexpr int64_t weights = block_weights(TYPE);
+  const int64_t nb = k / weights, bytes = block_bytes(TYPE), row_bytes = nb * bytes;
   at::parallel_for(0, n_out, 16, [&](int64_t begin, int64_t end) {
-    float w[BLOCK];
+    alignas(64) float w[weights];
     for (int64_t n = begin; n < end; ++n) {
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* block = blocks + n * row_bytes + b * bytes;
-        T* dst = out + n * k + b * BLOCK;
-#ifdef __AVX512F__
+        T* dst = out + n * k + b * weights;
         if constexpr (std::is_same_v<T, float>) {
-          const float d = half_at(block);
-          const __m512 scale = _mm512_set1_ps(d);
-          const __m512 offset = _mm512_set1_ps(TYPE == Q4_1 ? half_at(block + 2) : TYPE == Q4_0 ? -8.0f * d : 0.0f);
-          __m512 low, high;
-          block_values<TYPE>(block, low, high);
-          _mm512_storeu_ps(dst, _mm512_fmadd_ps(low, scale, offset));
-          _mm512_storeu_ps(dst + 16, _mm512_fmadd_ps(high, scale, offset));
-          continue;
+          widen<TYPE>(block, dst);
+        } else {
+          widen<TYPE>(block, w);
+          for (int64_t i = 0; i < weights; ++i) dst[i] = static_cast<T>(w[i]);
         }
-#endif
-        widen_block<TYPE>(block, w);
-        for (int64_t i = 0; i < BLOCK; ++i) dst[i] = static_cast<T>(w[i]);
       }
     }
   });
@@ -175,40 +354,41 @@ void dequantize_rows(T* out, const uint8_t* blocks, int64_t n_out, int64_t k) {
 void check_blocks(const at::Tensor& blocks, int64_t type, int64_t k) {
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
               "GGUF blocks: contiguous uint8 [out_features, row bytes]");
-  TORCH_CHECK(k % BLOCK == 0 && blocks.size(1) == k / BLOCK * block_bytes(type),
+  const int64_t weights = block_weights(type);
+  TORCH_CHECK(k % weights == 0 && blocks.size(1) == k / weights * block_bytes(type),
               "GGUF blocks: ", blocks.size(1), " bytes a row do not hold ", k, " weights of type ", type);
 }
 
-// out [rows, n] float32 = x [rows, k] float32 @ W^T, W the GGUF ``blocks`` [n, k / 32 blocks].
+// out [rows, n] float32 = x [rows, k] float32 @ W^T, W the GGUF ``blocks`` [n, row bytes].
 void gguf_matmul(at::Tensor out, const at::Tensor& x, const at::Tensor& blocks, int64_t type) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(0) <= MAX_ROWS,
               "gguf_matmul: x contiguous float32 [rows <= ", MAX_ROWS, ", in_features]");
   check_blocks(blocks, type, x.size(1));
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == x.size(0) &&
                   out.size(1) == blocks.size(0), "gguf_matmul: out contiguous float32 [rows, out_features]");
-  auto run = type == Q4_0 ? matmul_rows<Q4_0> : type == Q4_1 ? matmul_rows<Q4_1> : matmul_rows<Q8_0>;
-  run(out.data_ptr<float>(), x.data_ptr<float>(), blocks.data_ptr<uint8_t>(), x.size(0), blocks.size(0), x.size(1));
+  dispatch(type, [&](auto t) {
+    matmul_rows<decltype(t)::value>(out.data_ptr<float>(), x.data_ptr<float>(), blocks.data_ptr<uint8_t>(),
+                                    x.size(0), blocks.size(0), x.size(1));
+  });
 }
 
 // out [n, k] (float32 or bf16) = the weights the GGUF ``blocks`` hold.
 void gguf_dequantize(at::Tensor out, const at::Tensor& blocks, int64_t type) {
   TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == blocks.size(0),
               "gguf_dequantize: out contiguous [out_features, in_features]");
+  TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16,
+              "gguf_dequantize: float32 or bfloat16 only");
   check_blocks(blocks, type, out.size(1));
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   const int64_t n = out.size(0), k = out.size(1);
-  if (out.scalar_type() == at::kFloat) {
-    auto run = type == Q4_0 ? dequantize_rows<Q4_0, float> : type == Q4_1 ? dequantize_rows<Q4_1, float>
-                                                                           : dequantize_rows<Q8_0, float>;
-    run(out.data_ptr<float>(), src, n, k);
-  } else if (out.scalar_type() == at::kBFloat16) {
-    auto run = type == Q4_0 ? dequantize_rows<Q4_0, c10::BFloat16>
-               : type == Q4_1 ? dequantize_rows<Q4_1, c10::BFloat16>
-                              : dequantize_rows<Q8_0, c10::BFloat16>;
-    run(out.data_ptr<c10::BFloat16>(), src, n, k);
-  } else {
-    TORCH_CHECK(false, "gguf_dequantize: float32 or bfloat16 only");
-  }
+  dispatch(type, [&](auto t) {
+    constexpr int64_t TYPE = decltype(t)::value;
+    if (out.scalar_type() == at::kFloat) {
+      dequantize_rows<TYPE, float>(out.data_ptr<float>(), src, n, k);
+    } else {
+      dequantize_rows<TYPE, c10::BFloat16>(out.data_ptr<c10::BFloat16>(), src, n, k);
+    }
+  });
 }
 
 }  // namespace
