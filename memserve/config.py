@@ -87,12 +87,14 @@ class EngineConfig:
         "auto", choices=["auto", "blocked", "sdpa"],
         help="CPU prefill attention: oneDNN products over query blocks in float32, torch's SDPA, or "
              "auto (default): whichever a short probe at start-up measures faster on this CPU")
-    # GGUF weights run quantized on the CPU (workers/model/gguf_linear.py)
+    # GGUF weights (workers/model/gguf_linear.py) and Hugging Face quantized checkpoints
+    # (workers/model/quantization_config.py) run quantized
     quantization: str = option(
-        "auto", flags=["--quantization", "-q"], choices=["auto", "none", "gguf"],
-        help="weights as the checkpoint ships them: auto (default) runs a GGUF file's Q4_0, Q4_1 and "
-             "Q8_0 linear weights quantized on the CPU (docs/quantization.md); none widens every "
-             "weight to --dtype; gguf insists on quantized execution")
+        "auto", flags=["--quantization", "-q"], choices=["auto", "none", "gguf", "fp8", "awq", "gptq"],
+        help="weights as the checkpoint ships them (docs/quantization.md): auto (default) runs a GGUF "
+             "file's quantized linear weights on the CPU, and a checkpoint's quantization_config (FP8, "
+             "AWQ, GPTQ) as it ships; none widens a GGUF file's weights to --dtype; gguf, awq, gptq "
+             "insist on that method; fp8 also quantizes a float checkpoint to FP8 at load")
     # Ranks per worker, each holding a shard of every layer (workers/tensor_parallel_group.py)
     tensor_parallel_size: int = option(
         1, flags=["--tensor-parallel-size", "-tp"], type=int,

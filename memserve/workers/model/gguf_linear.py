@@ -33,7 +33,7 @@ from memserve.workers.model import cpu_kernels
 from memserve.workers.model.fused_names import fused_parts
 from memserve.workers.model.linear import ParallelLinear
 
-QUANTIZATIONS = ("auto", "none", "gguf")
+QUANTIZATIONS = ("auto", "none", "gguf", "fp8", "awq", "gptq")  # the last three: quantization_config.py
 
 
 class GGUFLinear(nn.Module):
@@ -95,10 +95,11 @@ def fused_blocks(blocks: dict[str, torch.Tensor],
 
 def use_quantized(quantization: str, folder: Path, device: torch.device) -> bool:
     """Whether the model in ``folder`` runs its GGUF-quantized weights as they are:
-    ``auto`` where it has some and this is a CPU with the kernels; ``gguf`` insists."""
+    ``auto`` where it has some and this is a CPU with the kernels; ``gguf`` insists; the
+    other methods (``quantization_config.py``) run its float weights."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; expected one of {QUANTIZATIONS}")
-    if quantization == "none":
+    if quantization not in ("auto", "gguf"):
         return False
     has_blocks = (folder / QUANTIZED_FILE).is_file()
     runnable = device.type == "cpu" and cpu_kernels.available()

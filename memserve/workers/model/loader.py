@@ -7,15 +7,16 @@ gate/up) and, for mixture-of-experts models, each layer's per-expert tensors are
 into one tensor per projection (``moe.py``). Of a multimodal Gemma 3 checkpoint only the
 text model is read, renamed to a text-only model's names. One rank of a tensor-parallel
 group keeps each tensor's cut that its layers ask for (``linear.py``: ``shard``); the
-rest is freed as the model is assembled."""
+rest is freed as the model is assembled. A quantized checkpoint's quantized layers are
+taken out first and become their layers' kernels (``quantization_config.py``)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import weakref
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,6 +31,7 @@ from memserve.workers.model.packed_linear import (
     pack_linears,
     packing_supported,
 )
+from memserve.workers.model.quantization_config import Scheme, read_scheme, set_kernels, take_quantized
 from memserve.workers.model.tensor_parallel import SINGLE, TensorParallel
 
 log = logging.getLogger(__name__)
@@ -50,8 +52,10 @@ _loaded: weakref.WeakValueDictionary[tuple[str, torch.dtype, str, str, str, int,
     weakref.WeakValueDictionary())
 
 
-def read_safetensors(folder: Path, dtype: torch.dtype, device: str | torch.device) -> dict[str, torch.Tensor]:
-    """All tensors of the folder's *.safetensors shards, floating ones cast to ``dtype``."""
+def read_safetensors(folder: Path, dtype: torch.dtype, device: str | torch.device,
+                     keep: Callable[[str, torch.Tensor], bool] | None = None) -> dict[str, torch.Tensor]:
+    """All tensors of the folder's *.safetensors shards, floating ones cast to ``dtype``
+    except those ``keep`` keeps as stored (a quantized checkpoint's FP8 values, scales)."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {folder}")
@@ -62,7 +66,8 @@ def read_safetensors(folder: Path, dtype: torch.dtype, device: str | torch.devic
                 if name.endswith(_IGNORED_SUFFIXES) or name.startswith(_IGNORED_PREFIXES):
                     continue
                 tensor = f.get_tensor(name)
-                tensors[_text_model_name(name)] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+                cast = tensor.is_floating_point() and not (keep is not None and keep(name, tensor))
+                tensors[_text_model_name(name)] = tensor.to(dtype) if cast else tensor
     return tensors
 
 
@@ -129,7 +134,10 @@ def load_model(
     ``cpu_gemm`` is "torch" or oneDNN cannot pack ``dtype`` here, and its norms and SwiGLU
     through the fused pointwise kernels where they build. A folder converted from a GGUF
     file runs its quantized linear weights as the file stores them (``gguf_linear.py``)
-    unless ``quantization`` is "none". With ``tp`` of several ranks, this rank's shard.
+    unless ``quantization`` is "none"; a Hugging Face checkpoint with a
+    ``quantization_config`` (FP8, AWQ, GPTQ) runs quantized, and ``quantization`` "fp8"
+    quantizes a float checkpoint at load (``quantization_config.py``). With ``tp`` of
+    several ranks, this rank's shard.
 
     A model this process already holds with the same settings is shared, not loaded again:
     inference only reads the weights (every runner keeps its own KV pools), so the engines
@@ -138,24 +146,16 @@ def load_model(
     runner that changes its layers (LoRA adapters set on them)."""
     if cpu_gemm not in CPU_GEMMS:
         raise ValueError(f"unknown CPU GEMM {cpu_gemm!r}; expected one of {CPU_GEMMS}")
-    quantized = use_quantized(quantization, Path(folder), torch.device(device))
-    key = (str(Path(folder).resolve()), dtype, str(torch.device(device)), cpu_gemm, str(quantized), tp.rank, tp.size)
+    scheme = read_scheme(Path(folder), quantization)  # refuses what is not built, by name
+    quantized = scheme is None and use_quantized(quantization, Path(folder), torch.device(device))
+    key = (str(Path(folder).resolve()), dtype, str(torch.device(device)), cpu_gemm, f"{quantized}:{scheme}",
+           tp.rank, tp.size)
     model = _loaded.get(key) if shared else None
     if model is None and not shared:
-        return _load(Path(folder), dtype, device, cpu_gemm, quantized, tp)
+        return _load(Path(folder), dtype, device, cpu_gemm, quantized, tp, scheme)
     if model is None:
-        model = _loaded[key] = _load(Path(folder), dtype, device, cpu_gemm, quantized, tp)
+        model = _loaded[key] = _load(Path(folder), dtype, device, cpu_gemm, quantized, tp, scheme)
     return model
-
-
-def refuse_quantization_config(folder: Path) -> None:
-    """A Hugging Face checkpoint quantized by a method memserve does not run (FP8, AWQ,
-    GPTQ, ...) is refused by name, not as weights that do not fit."""
-    config = json.loads((folder / "config.json").read_text())
-    method = (config.get("quantization_config") or {}).get("quant_method")
-    if method is not None:
-        raise ValueError(f"{folder}: quantization_config with quant_method {method!r} is not supported "
-                         "(memserve runs GGUF files' Q4_0, Q4_1 and Q8_0 weights quantized, and float checkpoints)")
 
 
 def shard_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
@@ -172,17 +172,18 @@ def shard_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> N
 
 
 def _load(folder: Path, dtype: torch.dtype, device: str | torch.device, cpu_gemm: str,
-          quantized: bool = False, tp: TensorParallel = SINGLE) -> LlamaForCausalLM:
-    refuse_quantization_config(folder)
+          quantized: bool = False, tp: TensorParallel = SINGLE, scheme: Scheme | None = None) -> LlamaForCausalLM:
     config = ModelConfig.from_folder(folder)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, tp)  # refuses heads or widths the ranks do not divide
-    weights = fuse_hf_weights(stack_expert_weights(read_safetensors(folder, dtype, device)))
-    tie = config.tie_word_embeddings or "lm_head.weight" not in weights
+    checkpoint = read_safetensors(folder, dtype, device, None if scheme is None else scheme.keeps)
+    quantized_weights = take_quantized(checkpoint, scheme) if scheme is not None and not scheme.at_load else {}
+    weights = fuse_hf_weights(stack_expert_weights(checkpoint))
+    tie = config.tie_word_embeddings or "lm_head.weight" not in weights.keys() | quantized_weights.keys()
     if tie:
         weights.pop("lm_head.weight", None)
     shard_weights(model, weights)
-    expected = set(model.state_dict()) - ({"lm_head.weight"} if tie else set())
+    expected = set(model.state_dict()) - ({"lm_head.weight"} if tie else set()) - set(quantized_weights)
     missing, unexpected = expected - set(weights), set(weights) - expected
     if missing or unexpected:
         raise ValueError(
@@ -192,6 +193,8 @@ def _load(folder: Path, dtype: torch.dtype, device: str | torch.device, cpu_gemm
     model.load_state_dict(weights, strict=False, assign=True)
     if tie:
         model.lm_head.weight = model.model.embed_tokens.weight
+    if scheme is not None:
+        log.info("%s: %s", folder.name, set_kernels(model, quantized_weights, scheme, dtype))
     if quantized:
         blocks, types = fused_blocks(*read_blocks(folder))
         log.info("%s: %d linear layers run GGUF-quantized %s", folder.name,
