@@ -203,16 +203,21 @@ def prompts() -> list[list[int]]:
     return [torch.randint(0, TINY_SIZES["vocab_size"], (n,), generator=gen).tolist() for n in (5, 40)]
 
 
-def test_memserve_serves_the_blocks_with_the_dequantized_weights_greedy_tokens(quantized_file):
+@pytest.mark.parametrize("quantization", ["gguf", "auto"])
+def test_memserve_serves_the_blocks_with_the_dequantized_weights_greedy_tokens(quantized_file, quantization):
+    """``gguf``: the blocks alone (the 40-token prefill widens each weight for its product);
+    ``auto``: the blocks for decode rows, the weight also kept widened and packed for the
+    prefill's rows. Both give transformers' tokens on the widened weights."""
     folder, _ = quantized_file
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)  # the widened weights
     reference = transformers_greedy(hf, prompts(), NEW_TOKENS)
-    cfg = EngineConfig(model=str(folder), dtype="float32", num_blocks=32, max_num_seqs=4, quantization="gguf")
+    cfg = EngineConfig(model=str(folder), dtype="float32", num_blocks=32, max_num_seqs=4, quantization=quantization)
     engine = build_engine(cfg, folder)
     quantized = [m for m in engine.runner.model.modules() if isinstance(m, GGUFLinear)]
     assert quantized and any(m.out_features == TINY_SIZES["vocab_size"] for m in quantized)  # the lm_head too
+    assert all((m.wide is not None) == (quantization == "auto") for m in quantized)
     assert [tokens for tokens, _ in generate(engine, prompts(), NEW_TOKENS)] == reference
 
 

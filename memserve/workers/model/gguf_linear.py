@@ -3,12 +3,16 @@ K-quants Q4_K, Q5_K, Q6_K), on the CPU.
 
 A decode step reads every weight once, so its time is the weights' bytes over the memory
 bandwidth: kept as the file stores them (4.5-8.5 bits a weight), SmolLM2's linear layers
-are about a fifth of their float32 bytes. Steps of at most ``GGUF_MATMUL_MAX_ROWS`` rows
-(decode batches) multiply the blocks directly (csrc/gguf_linear.cpp); longer chunks
-(prefills) widen the weight for the one product, where the widening costs less than the
-product it feeds. Either way the result is the dequantized weight's product up to float
-rounding, so a quantized model serves the tokens of the float32 folder converted from the
-same file (``model_files/gguf_convert.py``), which is what ``--quantization none`` runs.
+are about a fifth of their float32 bytes. Steps of few rows (decode batches) multiply the
+blocks directly (csrc/gguf_linear.cpp). The kernel's cost grows with the rows where a
+oneDNN-packed float weight reuses each weight across rows, so longer chunks (prefills,
+larger batches) go elsewhere: under ``--quantization auto`` to the same weight widened and
+packed, kept beside the blocks (past ``WIDE_FROM_ROWS`` rows, the crossover measured in
+float32 and bf16), under ``gguf`` (the blocks alone, the least memory) through the weight
+widened for the one product. Either way the result is the dequantized weight's product
+up to float rounding, so a quantized model serves the tokens of the float32 folder
+converted from the same file (``model_files/gguf_convert.py``), which is what
+``--quantization none`` runs.
 
 ``quantize_linears`` makes these the kernels of a loaded model's linear layers
 (``linear.py``) where the converted folder holds their blocks, cut to the rank's shard as
@@ -32,24 +36,36 @@ from memserve.model_files.gguf_convert import QUANTIZED_FILE, QUANTIZED_TYPES
 from memserve.workers.model import cpu_kernels
 from memserve.workers.model.fused_names import fused_parts
 from memserve.workers.model.linear import ParallelLinear
+from memserve.workers.model.packed_linear import PackedLinear
 
 QUANTIZATIONS = ("auto", "none", "gguf", "fp8", "awq", "gptq")  # the last three: quantization_config.py
 
 
+# Rows from which a layer that keeps its weight widened multiplies by it rather than by the
+# blocks: on one SmolLM2 gate/up layer (576 x 3,072) the blocks took 0.71-0.77x the packed
+# weight's time at 4 rows, 0.95-1.05x at 8, 1.3-1.9x at 16 (float32 and bf16).
+WIDE_FROM_ROWS = 8
+
+
 class GGUFLinear(nn.Module):
-    """``nn.Linear`` (no bias) over GGUF blocks [out_features, row bytes] of one ggml type."""
+    """``nn.Linear`` (no bias) over GGUF blocks [out_features, row bytes] of one ggml type;
+    ``wide``: the same weight widened (oneDNN-packed), for chunks past ``WIDE_FROM_ROWS`` rows."""
 
     blocks: torch.Tensor  # a buffer, registered in __init__: it moves with the module
 
-    def __init__(self, blocks: torch.Tensor, ggml_type: int, in_features: int, dtype: torch.dtype):
+    def __init__(self, blocks: torch.Tensor, ggml_type: int, in_features: int, dtype: torch.dtype,
+                 wide: nn.Module | None = None):
         super().__init__()
         self.register_buffer("blocks", blocks, persistent=False)
         self.ggml_type, self.in_features, self.out_features = ggml_type, in_features, blocks.shape[0]
         self.dtype = dtype
+        self.wide = wide
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] <= cpu_kernels.GGUF_MATMUL_MAX_ROWS:
+        if self.wide is not None and rows.shape[0] > WIDE_FROM_ROWS:
+            out = self.wide(rows)
+        elif rows.shape[0] <= cpu_kernels.GGUF_MATMUL_MAX_ROWS:
             out = cpu_kernels.gguf_matmul(rows.float().contiguous(), self.blocks, self.ggml_type).to(x.dtype)
         else:
             weight = cpu_kernels.gguf_dequantize(self.blocks, self.ggml_type, self.in_features, x.dtype)
@@ -112,9 +128,10 @@ def use_quantized(quantization: str, folder: Path, device: torch.device) -> bool
 
 
 def quantize_linears(model: nn.Module, blocks: dict[str, torch.Tensor], types: dict[str, int],
-                     dtype: torch.dtype) -> int:
+                     dtype: torch.dtype, keep_wide: bool = False) -> int:
     """Give each bias-free linear layer of ``model`` whose weight (by parameter name) is in
-    ``blocks`` a ``GGUFLinear`` kernel over its shard of them; returns how many got one."""
+    ``blocks`` a ``GGUFLinear`` kernel over its shard of them, with its float weight packed
+    for oneDNN beside them when ``keep_wide``; returns how many got one."""
     replaced = 0
     for name, layer in model.named_modules():
         weight = f"{name}.weight"
@@ -122,7 +139,8 @@ def quantize_linears(model: nn.Module, blocks: dict[str, torch.Tensor], types: d
             continue
         shard = layer.shard_blocks(blocks[weight], types[weight])
         if shard is not None:
-            layer.set_kernel(GGUFLinear(shard, types[weight], layer.in_features, dtype))
+            wide = PackedLinear(layer.weight, None) if keep_wide and layer.weight is not None else None
+            layer.set_kernel(GGUFLinear(shard, types[weight], layer.in_features, dtype, wide))
             replaced += 1
     return replaced
 

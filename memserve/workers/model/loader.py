@@ -147,14 +147,15 @@ def load_model(
     if cpu_gemm not in CPU_GEMMS:
         raise ValueError(f"unknown CPU GEMM {cpu_gemm!r}; expected one of {CPU_GEMMS}")
     scheme = read_scheme(Path(folder), quantization)  # refuses what is not built, by name
-    quantized = scheme is None and use_quantized(quantization, Path(folder), torch.device(device))
-    key = (str(Path(folder).resolve()), dtype, str(torch.device(device)), cpu_gemm, f"{quantized}:{scheme}",
+    # "auto" or "gguf" where a converted GGUF file's blocks run quantized, else None.
+    gguf = quantization if scheme is None and use_quantized(quantization, Path(folder), torch.device(device)) else None
+    key = (str(Path(folder).resolve()), dtype, str(torch.device(device)), cpu_gemm, f"{gguf}:{scheme}",
            tp.rank, tp.size)
     model = _loaded.get(key) if shared else None
     if model is None and not shared:
-        return _load(Path(folder), dtype, device, cpu_gemm, quantized, tp, scheme)
+        return _load(Path(folder), dtype, device, cpu_gemm, gguf, tp, scheme)
     if model is None:
-        model = _loaded[key] = _load(Path(folder), dtype, device, cpu_gemm, quantized, tp, scheme)
+        model = _loaded[key] = _load(Path(folder), dtype, device, cpu_gemm, gguf, tp, scheme)
     return model
 
 
@@ -172,7 +173,7 @@ def shard_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> N
 
 
 def _load(folder: Path, dtype: torch.dtype, device: str | torch.device, cpu_gemm: str,
-          quantized: bool = False, tp: TensorParallel = SINGLE, scheme: Scheme | None = None) -> LlamaForCausalLM:
+          gguf: str | None = None, tp: TensorParallel = SINGLE, scheme: Scheme | None = None) -> LlamaForCausalLM:
     config = ModelConfig.from_folder(folder)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, tp)  # refuses heads or widths the ranks do not divide
@@ -195,10 +196,12 @@ def _load(folder: Path, dtype: torch.dtype, device: str | torch.device, cpu_gemm
         model.lm_head.weight = model.model.embed_tokens.weight
     if scheme is not None:
         log.info("%s: %s", folder.name, set_kernels(model, quantized_weights, scheme, dtype))
-    if quantized:
+    if gguf is not None:
         blocks, types = fused_blocks(*read_blocks(folder))
-        log.info("%s: %d linear layers run GGUF-quantized %s", folder.name,
-                 quantize_linears(model, blocks, types, dtype), describe(types))
+        keep_wide = gguf == "auto" and cpu_gemm == "onednn" and packing_supported(dtype, torch.device(device))
+        log.info("%s: %d linear layers run GGUF-quantized %s%s", folder.name,
+                 quantize_linears(model, blocks, types, dtype, keep_wide), describe(types),
+                 ", their weights also widened for chunks of many rows" if keep_wide else "")
     if cpu_gemm == "onednn" and packing_supported(dtype, torch.device(device)):
         pack_linears(model)
     use_fused_pointwise(model)
