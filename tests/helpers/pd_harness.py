@@ -26,15 +26,15 @@ SHAREGPT = SHARED_DATA / "sharegpt-sample.jsonl"
 async def pd_cluster(roles: list[str], pd_mode: str = "pd-caching-3", num_blocks: int = 128,
                      heartbeat_timeout_s: float = 5.0, handoff_timeout_s: float = 5.0,
                      transfer_mode: str = "by-request-agg", kv_same_host_transport: str = "shm",
-                     tensor_parallel_size: int = 1):
+                     tensor_parallel_size: int = 1, **engine_options):
     """(client, tokenizer) over ``roles`` workers (of ``tensor_parallel_size`` ranks each);
     stopped on exit. The workers share one machine: KV moves in place (shm) or as ZeroMQ
-    frames (zmq)."""
+    frames (zmq). ``engine_options``: more ``EngineConfig`` fields (LoRA adapters, say)."""
     model_dir = ensure_model_dir(None)
     channel = GatewayChannel()
     configs = plan_workers(EngineConfig(model=str(model_dir), dtype="float32", num_blocks=num_blocks,
                                         transfer_mode=transfer_mode, kv_same_host_transport=kv_same_host_transport,
-                                        tensor_parallel_size=tensor_parallel_size),
+                                        tensor_parallel_size=tensor_parallel_size, **engine_options),
                            channel.address, len(roles), None, roles)
     apply_pd_mode(configs, pd_mode)
     client = ZmqEngineClient(channel, Cluster(configs, heartbeat_timeout_s), BLOCK, pd_mode=pd_mode,

@@ -165,3 +165,31 @@ def test_adapters_loaded_and_unloaded_while_serving(served):
         make_adapter(save_tiny_model(big.parent / "b2", "qwen2"), big, 0, r=32, target_modules=["q_proj"])
         eng.runner.set_adapter("big", str(big))
     assert "big" not in loras.served
+
+
+def test_an_adapters_blocks_on_disk_are_found_after_a_restart_under_it_alone(served, tmp_path):
+    """A prompt run through an adapter, its KV saved to the disk tier at a graceful close:
+    the engine started again on the same directory finds it under that adapter (its
+    tokens still peft's), and not under another adapter or the base model."""
+    base, folders, prompts, reference = served
+    options = {"disk_cache_dir": str(tmp_path / "kv"), "disk_cache_gb": 0.01, "num_host_blocks": 8}
+    digests = {name: adapter_digest(folder) for name, folder in folders.items()}
+
+    def once(eng, rid: str, lora: str | None) -> tuple[list[int], int]:
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, lora_name=lora,
+                                lora_digest=digests[lora] if lora else "")
+        assert eng.add_request(AddRequest(rid, prompts[1], params)) is None
+        tokens, cached = [], 0
+        while eng.has_work:
+            for o in eng.step():
+                tokens += o.new_token_ids
+                cached = max(cached, o.num_cached_tokens)
+        return tokens, cached
+
+    first = engine(base, folders, **options)
+    assert once(first, "first", "attn") == (reference["attn"][1], 0)
+    first.close()  # what the faster tiers cache goes to disk
+    again = engine(base, folders, **options)
+    assert once(again, "again", "attn") == (reference["attn"][1], 32)  # its two full blocks, from disk
+    assert once(again, "other", "mlp") == (reference["mlp"][1], 0)
+    assert once(again, "base", None) == (reference[None][1], 0)
