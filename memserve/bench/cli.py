@@ -77,9 +77,6 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     server = p.add_argument_group("server")
     server.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, with or without /v1")
     server.add_argument("--model", help="model name to request (default: the first of GET /v1/models)")
-    server.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME",
-                        help="LoRA adapters to request (vLLM bench's flag): each conversation names one, "
-                             "spread evenly, for all its turns")
     server.add_argument("--endpoint", choices=ENDPOINTS, default="chat",
                         help="chat: /v1/chat/completions; completions: /v1/completions with a plain transcript")
     server.add_argument("--dialect", choices=DIALECTS, default="memserve",

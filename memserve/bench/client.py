@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import zlib
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from memserve.workload.records import RequestRecord
+from memserve.workload.replay import session_adapter
 
 DIALECTS = ("memserve", "openai", "transformers")
 ENDPOINTS = ("chat", "completions")
@@ -188,10 +188,8 @@ class OpenAIClient:
 
     def model_of(self, session_id: str) -> str:
         """The model a conversation's requests name: one of ``lora_modules``, spread evenly
-        by a hash of the session id, else ``model``."""
-        if not self.lora_modules:
-            return self.model
-        return self.lora_modules[zlib.crc32(session_id.encode()) % len(self.lora_modules)]
+        by a hash of the session id (``session_adapter``), else ``model``."""
+        return session_adapter(session_id, self.lora_modules) or self.model
 
     def body(self, spec: RequestSpec) -> dict:
         body: dict = {"model": self.model_of(spec.session_id), "stream": True,

@@ -97,6 +97,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     sim.add_argument("--saver-gbps", type=positive_float, default=None,
                      help="the background saver's bandwidth in GB/s for every copy (a slow saver; implies "
                           "--async-saver)")
+    sim.add_argument("--max-loras", type=int, default=1,
+                     help="LoRA adapter slots per instance (with --lora-modules; sim/adapters.py)")
+    sim.add_argument("--lora-load-ms", type=positive_float, default=40.0,
+                     help="milliseconds an instance takes to read in an adapter its slots lack (a worker's "
+                          "lora_load_s: 25-54 ms for a rank-16 SmolLM2 adapter on the CPU)")
     add_host_arguments(p)
     add_workload_arguments(p)
     add_load_arguments(p)
@@ -163,7 +168,8 @@ def run_simulate_command(args: argparse.Namespace) -> int:
                          args.num_disk_blocks, predict, roles, args.pd_mode,
                          Admission(args.admission, args.admission_queue_size), topology, node_loss,
                          args.async_saver or args.saver_gbps is not None,
-                         args.saver_gbps * 1e9 if args.saver_gbps else None)
+                         args.saver_gbps * 1e9 if args.saver_gbps else None,
+                         (args.max_loras, args.lora_load_ms / 1e3) if args.lora_modules else None)
     except ValueError as e:
         return fail(str(e), EXIT_USAGE)
     started = time.perf_counter()

@@ -32,21 +32,27 @@ class SimInstance:
     _device: dict[str, int] | None = field(default=None, init=False, repr=False)  # counted by the latest take_stats
     _stats: WorkerStats = field(default_factory=WorkerStats, init=False, repr=False)  # the report last built
     _built: dict[str, int] | None = field(default=None, init=False, repr=False)  # the counts it was built from
+    _adapters: list[str] = field(default_factory=list, init=False, repr=False)  # its slots' at the latest take_stats
 
     def __post_init__(self) -> None:
         self.plain = PlainDecodes(self.engine, self.runner)
 
     def take_stats(self) -> None:
-        """Count its device blocks for its stats report, as a heartbeat does (about as
-        often as its steps end); the report is built when the router reads it."""
+        """Count its device blocks (and note the LoRA adapters its slots hold) for its stats
+        report, as a heartbeat does (about as often as its steps end); the report is built
+        when the router reads it."""
         self._device = self.engine.mempool.tier_stats(Tier.DEVICE)
+        slots = self.runner.adapters
+        self._adapters = slots.held() if slots is not None else []
 
     @property
     def stats(self) -> WorkerStats:
-        """Its stats report as the router reads it: its device blocks as of the latest
-        ``take_stats`` (none before the first)."""
+        """Its stats report as the router reads it: its device blocks and adapters as of the
+        latest ``take_stats`` (none before the first)."""
         if self._built is not self._device and self._device is not None:
-            self._stats = WorkerStats(mempool=MemPoolStats(tiers={"device": TierStats(**self._device)}))
+            slots = self.runner.adapters
+            self._stats = WorkerStats(mempool=MemPoolStats(tiers={"device": TierStats(**self._device)}),
+                                      lora_adapters=self._adapters, lora_load_s=slots.load_s if slots else 0.0)
             self._built = self._device
         return self._stats
 

@@ -32,6 +32,9 @@ def simulation_stats(sim: Simulation, wall_s: float, duration_s: float, roles: l
         out["node_loss"] = node_loss_stats(sim)
     if len(sim.instances[0].engine.mempool.tiers) > 1:
         out["tiers"] = tier_stats(sim)
+    slots = [inst.runner.adapters for inst in sim.instances if inst.runner.adapters is not None]
+    if slots:  # LoRA adapters read into an instance's slots, over the run
+        out["lora_loads"] = sum(s.loads for s in slots)
     return out
 
 

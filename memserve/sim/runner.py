@@ -27,6 +27,7 @@ from memserve.kvcache.address import Tier
 from memserve.kvcache.disk_store import DiskStore
 from memserve.kvcache.mover import BlockMover, Buffer
 from memserve.kvcache.saver import Saver, SaveJob
+from memserve.sim.adapters import AdapterSlots
 from memserve.sim.saver import TimedSaver
 from memserve.workers.engine.layer_hooks import LayerHooks
 from memserve.workers.engine.step_plan import KVLoad, StepPlan, StepResult
@@ -76,7 +77,7 @@ class NullMover:
 class SimulatedRunner:
     def __init__(self, cost: CostModel, num_blocks: int, block_size: int, max_model_len: int,
                  clock: Callable[[], float], num_disk_blocks: int = 0, async_saves: bool = False,
-                 save_bytes_s: float | None = None) -> None:
+                 save_bytes_s: float | None = None, adapters: AdapterSlots | None = None) -> None:
         self.cost = cost
         self.num_blocks = num_blocks
         self.num_disk_blocks = num_disk_blocks
@@ -94,10 +95,13 @@ class SimulatedRunner:
         self.last_step_s = 0.0  # duration of the latest execute()
         self.last_stall_s = 0.0  # of which waiting for saves
         self._loads: dict[str, float] = {}  # request id -> virtual time its load is done
+        self.adapters = adapters  # LoRA adapter slots (None: no adapters served)
+        self._adapter_of: dict[str, str] = {}  # request id -> the LoRA adapter it runs through
 
     def execute(self, plan: StepPlan) -> StepResult:
         if plan.loads:
             self.start_loads(plan.loads)
+        reading_s = self._read_adapters(plan) if self.adapters is not None else 0.0
         prefills: list[tuple[int, float]] = []  # (tokens, ratio cached) of each prefill chunk
         decodes = context = longest = 0  # the decoding requests, their context tokens and the longest
         sampled: dict[str, int] = {}
@@ -114,9 +118,21 @@ class SimulatedRunner:
                 sampled[c.request_id] = synthetic_token(c.token_ids[-1], end)
         cost = self.cost
         self.last_stall_s = self.timed_saver.take_stall() if self.timed_saver is not None else 0.0
-        self.last_step_s = self.last_stall_s + (cost.step_s(prefills, decodes, context, longest) if prefills
-                                                else cost.decode_step_s(decodes, context, longest))
+        self.last_step_s = self.last_stall_s + reading_s + (
+            cost.step_s(prefills, decodes, context, longest) if prefills else cost.decode_step_s(decodes, context,
+                                                                                                  longest))
         return StepResult(sampled)
+
+    def _read_adapters(self, plan: StepPlan) -> float:
+        """Seconds reading in the LoRA adapters this step's requests run and the slots lack."""
+        assert self.adapters is not None
+        for rid in plan.finished_ids:
+            self._adapter_of.pop(rid, None)
+        for new in plan.new_requests:
+            if new.params.lora_name is not None:
+                self._adapter_of[new.request_id] = new.params.lora_name
+        needed = {self._adapter_of[c.request_id] for c in plan.chunks if c.request_id in self._adapter_of}
+        return self.adapters.step_s(needed)
 
     def save_s(self, job: SaveJob) -> float:
         """How long the asynchronous saver copies ``job``'s blocks."""

@@ -70,7 +70,9 @@ from memserve.gateway.routing.router import Router, RouteRequest, WorkerView
 from memserve.ipc.messages import AddRequest, RequestOutput, SamplingParams
 from memserve.kvcache.blocks import OutOfBlocks
 from memserve.kvcache.events import KVEvents
+from memserve.kvcache.hashing import adapter_salt
 from memserve.kvcache.mirror import PromptTreeMirror
+from memserve.sim.adapters import AdapterSlots
 from memserve.sim.instance import InFlight, SimInstance
 from memserve.sim.node_loss import NodeLoss
 from memserve.sim.pd_flow import SimPDFlow
@@ -115,7 +117,8 @@ class Simulation:
                  predict: Callable[[str, int], int] | None = None, roles: list[str] | None = None,
                  pd_mode: str = "pd-caching-3", admission: Admission | None = None,
                  topology: Topology | None = None, node_loss: NodeLoss | None = None,
-                 async_saves: bool = False, save_bytes_s: float | None = None) -> None:
+                 async_saves: bool = False, save_bytes_s: float | None = None,
+                 lora_slots: tuple[int, float] | None = None) -> None:
         self.now = 0.0
         self.admission = admission if admission is not None else Admission(OFF)
         self.admission.clock = self.clock
@@ -139,7 +142,8 @@ class Simulation:
         for i, role in enumerate(roles):
             runner = SimulatedRunner(cost, engine_cfg.num_blocks, engine_cfg.block_size,
                                      engine_cfg.max_model_len or 1 << 30, self.clock, num_disk_blocks,
-                                     async_saves, save_bytes_s)
+                                     async_saves, save_bytes_s,
+                                     AdapterSlots(*lora_slots) if lora_slots is not None else None)
             caching = engine_cfg.enable_prefix_caching and role_caches(role, pd_mode)
             engine = Engine(replace(engine_cfg, enable_prefix_caching=caching), runner, set(), i, self.clock)
             self.instances.append(SimInstance(engine, runner, PromptTreeMirror(i, engine_cfg.block_size), role))
@@ -231,7 +235,10 @@ class Simulation:
         slo = {key: v for key, v in (("ttft_ms", slo_ttft_ms), ("tbt_ms", slo_tbt_ms)) if v is not None}
         record = RequestRecord(session.session_id, k + 1, self.now, prompt_tokens=len(prompt),
                                slo_ttft_ms=slo_ttft_ms, slo_tbt_ms=slo_tbt_ms)
-        arrival = _Arrival(RouteRequest(rid, prompt, session.session_id, slo, max_tokens), record, s, k, messages)
+        adapter = self.options.adapter_of(session.session_id)
+        arrival = _Arrival(RouteRequest(rid, prompt, session.session_id, slo, max_tokens,
+                                        cache_salt=adapter_salt(None, adapter), lora_name=adapter),
+                           record, s, k, messages)
         self._judge(arrival, held=False)
 
     def _judge(self, arrival: _Arrival, held: bool) -> None:
@@ -276,7 +283,7 @@ class Simulation:
         request = arrival.request
         rid, prompt, slo, max_tokens = request.request_id, request.prompt_token_ids, request.slo, request.max_tokens
         assert max_tokens is not None  # every simulated request has its output length
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, lora_name=request.lora_name)
         add = AddRequest(rid, prompt, params, request.session_id, 0.0, 0, slo.get("ttft_ms"), slo.get("tbt_ms"),
                          predicted_output_tokens=self.predict(rid, max_tokens) if self.predict else None)
         self.send(add, request, InFlight(arrival.record, arrival.session, arrival.turn, -1, arrival.messages, add,

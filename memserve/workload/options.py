@@ -101,6 +101,9 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     wl.add_argument("--share-ratio", type=_positive_int, default=1,
                     help="replay every session this many times as distinct sessions (MemServe Fig. 15)")
     wl.add_argument("--seed", type=int, default=0)
+    wl.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME",
+                    help="LoRA adapters to request (vLLM bench's flag): each conversation names one, spread "
+                         "evenly, for all its turns")
 
 def add_load_arguments(p: argparse.ArgumentParser) -> None:
     """How the workload is offered, shared with ``memserve simulate``."""
@@ -169,6 +172,7 @@ def replay_options(args: argparse.Namespace, rate: float) -> ReplayOptions:
         slo_scale=args.slo_scale,
         think_time_s=args.think_time,
         seed=args.seed,
+        lora_modules=tuple(args.lora_modules),
     )
 
 def build_sessions(args: argparse.Namespace, parts: int) -> tuple[WorkloadSpec, list[list[Session]], str]:

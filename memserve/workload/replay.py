@@ -6,12 +6,16 @@ replays the same sessions on a virtual clock.
   after i exponential gaps; the first at once; ``inf`` starts all at once).
 - Per-request SLOs are drawn from a seeded generator keyed by session and turn, so every
   run with the same seed asks the same of every request, whatever order they are sent in.
+- With LoRA adapters, each session runs through one of them for all its turns, the same
+  in both.
 """
 
 from __future__ import annotations
 
 import math
 import random
+import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from memserve.workload.records import RequestRecord
@@ -35,6 +39,9 @@ class ReplayOptions:
     slo_scale: tuple[float, float] | None = None
     think_time_s: float = 0.0  # mean of the exponential pause between turns
     seed: int = 0
+    # LoRA adapters the conversations run through (vLLM bench's --lora-modules): each
+    # conversation one, for all its turns (``session_adapter``); empty: the base model.
+    lora_modules: tuple[str, ...] = ()
 
     def slos(self, session_id: str, turn: int) -> tuple[float | None, float | None]:
         """(TTFT, TBT) SLOs in ms of a session's turn (1-based); the same in every run
@@ -45,6 +52,9 @@ class ReplayOptions:
         ttft, tbt = self.slo_ttft_ms, self.slo_tbt_ms
         return None if ttft is None else ttft * scale, None if tbt is None else tbt * scale
 
+    def adapter_of(self, session_id: str) -> str | None:
+        return session_adapter(session_id, self.lora_modules)
+
     def max_tokens_for(self, turn: Turn) -> int:
         """Natural: ``max_tokens`` (default 256). Fixed: the turn's target length, capped
         by ``max_tokens`` when that is set (a turn without one, such as a conversation's
@@ -52,6 +62,14 @@ class ReplayOptions:
         if not self.fixed_output_len or turn.output_len is None:
             return self.max_tokens or DEFAULT_MAX_TOKENS
         return min(turn.output_len, self.max_tokens) if self.max_tokens else turn.output_len
+
+
+def session_adapter(session_id: str, names: Sequence[str]) -> str | None:
+    """The adapter of ``names`` a conversation runs through, spread evenly by a hash of its
+    id (the same in every run and process); None without adapters."""
+    if not names:
+        return None
+    return names[zlib.crc32(session_id.encode()) % len(names)]
 
 
 @dataclass
