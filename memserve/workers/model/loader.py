@@ -6,8 +6,8 @@ Checkpoint tensors are renamed and concatenated into the model's fused parameter
 gate/up) and, for mixture-of-experts models, each layer's per-expert tensors are stacked
 into one tensor per projection (``moe.py``). Of a multimodal Gemma 3 checkpoint only the
 text model is read, renamed to a text-only model's names. One rank of a tensor-parallel
-group keeps each tensor's cut that its layers ask for (``linear.py``: ``shard``); the
-rest is freed as the model is assembled. A quantized checkpoint's quantized layers are
+group reads only the part of each split layer's tensors its layers ask for
+(``checkpoint_cuts.py``), and cuts what it reads whole (``linear.py``: ``shard``). A quantized checkpoint's quantized layers are
 taken out first and become their layers' kernels (``quantization_config.py``)."""
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ import logging
 import re
 import weakref
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from memserve.workers.model.checkpoint_cuts import Cut, FileSlice, checkpoint_cuts
 from memserve.workers.model.fused_names import fused_parts
 from memserve.workers.model.gguf_linear import describe, fused_blocks, quantize_linears, read_blocks, use_quantized
 from memserve.workers.model.llama import LlamaForCausalLM, use_fused_pointwise
@@ -53,9 +54,11 @@ _loaded: weakref.WeakValueDictionary[tuple[str, torch.dtype, str, str, str, int,
 
 
 def read_safetensors(folder: Path, dtype: torch.dtype, device: str | torch.device,
-                     keep: Callable[[str, torch.Tensor], bool] | None = None) -> dict[str, torch.Tensor]:
+                     keep: Callable[[str, torch.Tensor], bool] | None = None,
+                     cuts: dict[str, Cut] | None = None) -> dict[str, torch.Tensor]:
     """All tensors of the folder's *.safetensors shards, floating ones cast to ``dtype``
-    except those ``keep`` keeps as stored (a quantized checkpoint's FP8 values, scales)."""
+    except those ``keep`` keeps as stored (a quantized checkpoint's FP8 values, scales);
+    of a tensor named in ``cuts``, only the part its cut reads (``checkpoint_cuts.py``)."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {folder}")
@@ -65,7 +68,8 @@ def read_safetensors(folder: Path, dtype: torch.dtype, device: str | torch.devic
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES) or name.startswith(_IGNORED_PREFIXES):
                     continue
-                tensor = f.get_tensor(name)
+                cut = cuts.get(name) if cuts else None
+                tensor = cut(FileSlice(f.get_slice(name))) if cut is not None else f.get_tensor(name)
                 cast = tensor.is_floating_point() and not (keep is not None and keep(name, tensor))
                 tensors[_text_model_name(name)] = tensor.to(dtype) if cast else tensor
     return tensors
@@ -159,16 +163,17 @@ def load_model(
     return model
 
 
-def shard_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+def shard_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], read_cut: Collection[str] = ()) -> None:
     """Cut each of ``weights`` to the part ``model``'s layer asks for (its ``shard``), in
-    place; the full tensors are dropped as they are cut."""
+    place, but those ``read_cut`` (read as their part already); the full tensors are
+    dropped as they are cut."""
     for prefix, module in model.named_modules():
         shard = getattr(module, "shard", None)
         if shard is None:
             continue
         for name, _ in module.named_parameters(recurse=False):
             key = f"{prefix}.{name}" if prefix else name
-            if key in weights:
+            if key in weights and key not in read_cut:
                 weights[key] = shard(name, weights.pop(key))
 
 
@@ -177,13 +182,15 @@ def _load(folder: Path, dtype: torch.dtype, device: str | torch.device, cpu_gemm
     config = ModelConfig.from_folder(folder)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, tp)  # refuses heads or widths the ranks do not divide
-    checkpoint = read_safetensors(folder, dtype, device, None if scheme is None else scheme.keeps)
+    # A rank reads its part of each split layer's tensors, not the whole model (float checkpoints).
+    cuts, read_cut = checkpoint_cuts(model) if scheme is None else ({}, set())
+    checkpoint = read_safetensors(folder, dtype, device, None if scheme is None else scheme.keeps, cuts)
     quantized_weights = take_quantized(checkpoint, scheme) if scheme is not None and not scheme.at_load else {}
     weights = fuse_hf_weights(stack_expert_weights(checkpoint))
     tie = config.tie_word_embeddings or "lm_head.weight" not in weights.keys() | quantized_weights.keys()
     if tie:
         weights.pop("lm_head.weight", None)
-    shard_weights(model, weights)
+    shard_weights(model, weights, read_cut)
     expected = set(model.state_dict()) - ({"lm_head.weight"} if tie else set()) - set(quantized_weights)
     missing, unexpected = expected - set(weights), set(weights) - expected
     if missing or unexpected:
