@@ -6,8 +6,8 @@ Only where a worker runs changes, not how it serves: each worker is the usual
 (``ray_actor.py``) and talking to the gateway and its peers over ZeroMQ on TCP with
 CurveZMQ, its endpoints announced in its ``WorkerReady`` as without Ray.
 
-- Placement: one placement group with a bundle per worker, ``{"GPU": 1}`` or
-  ``{"CPU": threads}``, spread over the nodes or packed onto few; worker i's actor
+- Placement: one placement group with a bundle per worker, ``{"GPU": ranks}`` or
+  ``{"CPU": threads x ranks}`` (``--tensor-parallel-size``), spread over the nodes or packed onto few; worker i's actor
   always goes in bundle i, so a restarted worker gets its bundle back (Ray places again
   the bundles of a node that left).
 - Supervision: ``RayLauncher`` is the Cluster's ``launch`` callable and
@@ -71,8 +71,11 @@ def connect(address: str) -> str:
 
 
 def bundle(engine: EngineConfig) -> dict[str, float]:
-    """A worker's share of its node: a GPU, or ``--cpu-threads`` CPUs (one by default)."""
-    return {"GPU": 1} if engine.device.startswith("cuda") else {"CPU": engine.cpu_threads or 1}
+    """A worker's share of its node: a GPU, or ``--cpu-threads`` CPUs (one by default), for
+    each of its tensor-parallel ranks. One bundle never spans nodes, so a worker's ranks
+    share a node (what a STRICT_PACK group of one bundle per rank would ask)."""
+    ranks = engine.tensor_parallel_size
+    return {"GPU": ranks} if engine.device.startswith("cuda") else {"CPU": (engine.cpu_threads or 1) * ranks}
 
 
 def _ready(ref: ray.ObjectRef) -> bool:

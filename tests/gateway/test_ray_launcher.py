@@ -30,7 +30,7 @@ from ray.util.placement_group import placement_group_table
 
 from memserve.config import EngineConfig
 from memserve.gateway.cluster import plan_workers
-from memserve.gateway.ray_launcher import RayLauncher
+from memserve.gateway.ray_launcher import RayLauncher, bundle
 from memserve.ipc.curve import ENV_VAR, CurveKeys
 
 
@@ -61,6 +61,13 @@ def _gone(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+def test_a_tensor_parallel_workers_bundle_holds_every_rank_on_one_node() -> None:
+    """One bundle per worker, never split across nodes: a GPU per rank, or its CPUs per rank."""
+    assert bundle(EngineConfig(device="cuda:0,1", tensor_parallel_size=2)) == {"GPU": 2}
+    assert bundle(EngineConfig(cpu_threads=2, tensor_parallel_size=3)) == {"CPU": 6}
+    assert bundle(EngineConfig()) == {"CPU": 1}
 
 
 def test_an_actor_starts_watches_and_ends_a_worker(ray_node: str, tmp_path: Path) -> None:
