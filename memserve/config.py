@@ -29,6 +29,7 @@ from memserve.text.truncation import DEFAULT_TRUNCATION, TRUNCATION_MODES
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
+KV_CACHE_DTYPES = ["auto", "fp8", "fp8_e4m3"]  # fp8 and fp8_e4m3: float8_e4m3fn
 ON_OFF = {"on": True, "off": False}
 
 
@@ -133,6 +134,13 @@ class EngineConfig:
     # num_blocks, when set, overrides kv_cache_gb; the flags go one without the other.
     num_blocks: int | None = option(None, type=int, exclusive="kv size", help="KV blocks per worker")
     kv_cache_gb: float = option(1.0, type=float, exclusive="kv size", help="KV cache size per worker")
+    # The KV pools' element type in every tier (workers/kv_pools.py): auto is --dtype's.
+    kv_cache_dtype: str = option(
+        "auto", choices=KV_CACHE_DTYPES,
+        help="KV cache element type (vLLM's flag): auto (default) keeps K and V in --dtype; fp8 (or "
+             "fp8_e4m3) stores them as float8_e4m3fn with scale 1.0, half bf16's bytes and a quarter of "
+             "float32's in every tier, widened where attention reads them (docs/quantization.md); "
+             "vLLM's fp8_e5m2 is not offered")
     # Host-DRAM tier (same layout as the device's).
     num_host_blocks: int = option(0, type=int, help="host-DRAM KV tier blocks per worker")
     # Disk tier: one file per KV block (workers/kv_disk.py).

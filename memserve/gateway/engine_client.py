@@ -99,6 +99,7 @@ def worker_entry(stats: WorkerStats) -> dict:
         "spec_decode": {"draft_tokens": stats.spec_draft_tokens_total,
                         "accepted_tokens": stats.spec_accepted_tokens_total},
         "tensor_parallel_comm_s": stats.tensor_parallel_comm_s,  # rank 0's time in collectives
+        "kv_cache_dtype": stats.kv_cache_dtype,  # the KV pools' element type (--kv-cache-dtype)
         "num_steps": stats.num_steps,
     }
 

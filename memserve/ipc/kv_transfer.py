@@ -840,7 +840,8 @@ class KVTransferEndpoint:
             mover = pool.mover
             if mover is None or msg.block_nbytes != mover.block_nbytes:
                 raise MemPoolError(f"block layout mismatch: sender {msg.block_nbytes} B/block, receiver "
-                                   f"{mover.block_nbytes if mover else 'no mover'} B/block")
+                                   f"{mover.block_nbytes if mover else 'no mover'} B/block (the workers must share "
+                                   f"the model, --dtype, --kv-cache-dtype, --block-size and tensor-parallel size)")
             if msg.src is not None:
                 self._copy_in(msg, identity, None)
                 self.counts["in_place_received"] += 1

@@ -261,6 +261,8 @@ class WorkerStats:
     # and the mean seconds reading one in took (0: none read yet).
     lora_adapters: list[str] = field(default_factory=list)
     lora_load_s: float = 0.0
+    # Its KV pools' element type (--kv-cache-dtype), as torch names it: "float8_e4m3fn", "bfloat16".
+    kv_cache_dtype: str = ""
 
     @classmethod
     def from_report(cls, engine_report: dict[str, Any], pd: PDStats) -> WorkerStats:

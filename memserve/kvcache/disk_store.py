@@ -2,8 +2,9 @@
 
 ``<dir>/<fingerprint>/i<instance>/<hash>.kv`` holds a header (magic, fingerprint, block hash, parent
 hash, payload size, xxh3 checksum of all of it) and the block's bytes. The fingerprint
-names the model, dtype and KV layout, so a directory shared by several models (or kept
-across an upgrade that changes them) never serves one model's KV to another. File names
+names the model, dtype, KV cache dtype and KV layout, so a directory shared by several
+models or KV dtypes (or kept across an upgrade that changes them) never serves one's KV
+to another: each fingerprint has a directory of its own, and a file is checked against it. File names
 come from block hashes only, never from user input. A file is written to a temporary
 name and renamed, so a reader (or a restart after a crash mid-save) sees a whole file or
 none; a missing, short or corrupt file reads as a miss (``read`` returns None and records
@@ -38,7 +39,7 @@ SUFFIX = ".kv"
 
 
 def fingerprint(*parts: bytes | str) -> int:
-    """A 64-bit name for what makes KV bytes reusable (model, dtype, layout, block size)."""
+    """A 64-bit name for what makes KV bytes reusable (model, dtype, KV dtype, layout, block size)."""
     h = xxhash.xxh3_64()
     for p in parts:
         b = p.encode() if isinstance(p, str) else p

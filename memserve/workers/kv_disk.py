@@ -1,7 +1,9 @@
 """The disk tier of a model runner: a ``DiskStore`` under ``--disk-cache-dir`` whose
 fingerprint names everything that makes KV bytes reusable, so that files written by one
-model, dtype or KV layout are never read by another (a restart with the same ones, or an
-upgrade of memserve that keeps them, finds its blocks again)."""
+model, dtype, KV cache dtype or KV layout are never read by another (a restart with the
+same ones, or an upgrade of memserve that keeps them, finds its blocks again). A KV cache
+dtype other than the model's (``--kv-cache-dtype fp8``) is named on its own; with
+``auto`` the fingerprint is what it was before the option existed."""
 
 from __future__ import annotations
 
@@ -28,8 +30,12 @@ def weights_identity(model_dir: Path) -> list[bytes]:
     return parts
 
 
-def open_disk_store(cfg: EngineConfig, model_dir: Path, dtype: torch.dtype, block_nbytes: int) -> DiskStore:
+def open_disk_store(cfg: EngineConfig, model_dir: Path, dtype: torch.dtype, kv_dtype: torch.dtype,
+                    block_nbytes: int) -> DiskStore:
+    """The disk tier of a model computing in ``dtype`` whose pools hold ``kv_dtype``."""
     if cfg.disk_cache_dir is None:
         raise ValueError("no disk tier configured (--disk-cache-dir)")
-    key = fingerprint(*weights_identity(model_dir), str(dtype), cfg.kv_layout, str(cfg.block_size), str(block_nbytes))
+    kv_cache = [str(kv_dtype)] if kv_dtype != dtype else []
+    key = fingerprint(*weights_identity(model_dir), str(dtype), *kv_cache, cfg.kv_layout, str(cfg.block_size),
+                      str(block_nbytes))
     return DiskStore(cfg.disk_cache_dir, int(cfg.disk_cache_gb * 2**30), block_nbytes, key)

@@ -8,7 +8,14 @@ so a run of consecutive blocks is one contiguous buffer. Layer-major layout
 With ``--kv-same-host-transport shm`` a CPU worker's pools live in memfds (``shares``),
 which same-host peers map to copy blocks out of (``kv_share.py``); each memfd stays open
 as long as its ``KVPools``, and its pages are reserved when it is made, as ``torch.zeros``
-touches them."""
+touches them.
+
+The pools' element type is ``--kv-cache-dtype``'s (``kv_cache_dtype``): the model's dtype,
+or float8_e4m3fn, which attention quantizes K and V into as it writes them and widens
+as it reads them (``model/attention.py``). Every tier holds the same element type, and
+everything here (tier moves, reads and writes for transfers and the disk, by-layer
+transfers) copies blocks as bytes, never converting them: an FP8 block leaves and
+returns bit for bit."""
 
 from __future__ import annotations
 
@@ -29,6 +36,19 @@ from memserve.kvcache.mover import Buffer
 from memserve.workers.model.attention import allocate_kv_cache, kv_cache_shape, layer_kv
 
 log = logging.getLogger("memserve.worker")
+
+# --kv-cache-dtype's FP8 names (vLLM's): both are e4m3 (fp8_e5m2 is not offered).
+FP8_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pools' element type for ``--kv-cache-dtype name``: auto keeps the model's."""
+    if name == "auto":
+        return model_dtype
+    if name not in FP8_KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {name!r} is not supported: auto, or fp8 / fp8_e4m3 (float8_e4m3fn); "
+                         "vLLM's fp8_e5m2 is not offered")
+    return FP8_KV_CACHE_DTYPES[name]
 
 
 @dataclass(frozen=True)
@@ -70,10 +90,12 @@ class KVPools:
             weakref.finalize(self, os.close, share.fd)
 
     @classmethod
-    def create(cls, model_config, cfg: EngineConfig, dtype: torch.dtype, device: torch.device,
+    def create(cls, model_config, cfg: EngineConfig, model_dtype: torch.dtype, device: torch.device,
                scratch_block: bool = False) -> "KVPools":
+        """Pools of ``cfg.kv_cache_dtype`` for a model computing in ``model_dtype``."""
+        dtype = kv_cache_dtype(cfg.kv_cache_dtype, model_dtype)
         shape = (model_config.num_layers, cfg.block_size, model_config.num_kv_heads, model_config.head_dim)
-        block_bytes = 2 * shape[0] * shape[1] * shape[2] * shape[3] * torch.finfo(dtype).bits // 8
+        block_bytes = 2 * shape[0] * shape[1] * shape[2] * shape[3] * dtype.itemsize
         num_blocks = cfg.num_blocks or max(1, int(cfg.kv_cache_gb * 2**30) // block_bytes)
 
         shares: dict[Tier, HostShare] = {}
@@ -101,6 +123,11 @@ class KVPools:
     @property
     def device(self) -> torch.Tensor:
         return self.pools[Tier.DEVICE]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The element type of every tier's pool (``--kv-cache-dtype``)."""
+        return self.device.dtype
 
     @property
     def block_dim(self) -> int:
@@ -141,6 +168,7 @@ class KVPools:
             return
         src_idx = torch.tensor(src_blocks, device=src.device)
         dst_idx = torch.tensor(dst_blocks, device=dst.device)
+        src, dst = src.view(torch.uint8), dst.view(torch.uint8)  # bytes: index_copy_ knows no FP8
         # Into host memory the copy must be complete on return (a save frees its source
         # next, and a CUDA->CPU non_blocking copy would still be in flight); copies to the
         # device stay asynchronous, in stream order.
@@ -167,17 +195,22 @@ class KVPools:
     def read_layer(self, blocks: list[int], layer: int) -> memoryview:
         """A host copy of layer ``layer``'s K and V of device ``blocks``, as
         ``[len(blocks), 2, block_size, kv_heads, head_dim]`` in either layout (by-layer
-        transfer: a copy, so the step may reuse the blocks before it is sent)."""
-        k, v = layer_kv(self.device, layer, self.layout)
+        transfer: a copy, so the step may reuse the blocks before it is sent), as bytes."""
+        k, v = layer_kv(self.device.view(torch.uint8), layer, self.layout)
         idx = torch.tensor(blocks, device=self.device.device)
         t = torch.stack((k.index_select(0, idx), v.index_select(0, idx)), dim=1).cpu()
-        return t.view(torch.uint8).numpy().data.cast("B")
+        return t.numpy().data.cast("B")
 
     def write_layer(self, tier: Tier, blocks: list[int], layer: int, buf: bytes | memoryview) -> None:
-        """Store what ``read_layer`` produced into ``blocks`` of ``tier``."""
-        pool = self.pools[tier]
+        """Store what ``read_layer`` produced into ``blocks`` of ``tier``, as bytes
+        (index_copy_ knows no FP8); raises ValueError for a sender's blocks of another size."""
+        pool = self.pools[tier].view(torch.uint8)
         k, v = layer_kv(pool, layer, self.layout)
-        data = torch.frombuffer(bytearray(buf) if isinstance(buf, bytes) else buf, dtype=pool.dtype)
+        want = len(blocks) * 2 * math.prod(k.shape[1:])
+        if memoryview(buf).nbytes != want:
+            raise ValueError(f"one layer of {len(blocks)} blocks came as {memoryview(buf).nbytes} B, {want} B here "
+                             f"({self.dtype} KV): the workers differ in model, --dtype or --kv-cache-dtype")
+        data = torch.frombuffer(bytearray(buf) if isinstance(buf, bytes) else buf, dtype=torch.uint8)
         data = data.view(len(blocks), 2, *k.shape[1:]).to(pool.device)
         idx = torch.tensor(blocks, device=pool.device)
         k.index_copy_(0, idx, data[:, 0])

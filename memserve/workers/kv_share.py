@@ -10,11 +10,11 @@ blocks out of. Only the handle differs between devices:
   opened with ``rebuild_cuda_tensor`` on the local device of the same UUID: a peer that
   does not see that GPU maps nothing and gets frames. The pinned host tier is not shared.
 
-Invariants: a mapped pool has this worker's layout, dtype and block shape (``open``
-refuses others), so a block copies as it is; a copy out of a peer's pool runs on a copy
-stream after the compute enqueued before it (the blocks it writes may still be read by a
-step in flight) and is complete on return, since the receiver answers next and the
-sender may then reuse its blocks.
+Invariants: a mapped pool has this worker's layout, KV dtype (``--kv-cache-dtype``) and
+block shape (``open`` refuses others, naming what differs), so a block copies as it is;
+a copy out of a peer's pool runs on a copy stream after the compute enqueued before it
+(the blocks it writes may still be read by a step in flight) and is complete on return,
+since the receiver answers next and the sender may then reuse its blocks.
 """
 
 from __future__ import annotations
@@ -57,9 +57,14 @@ class SharedKVPools:
                               "dtype": _dtype_name(pool.dtype)})
         if not tiers:
             raise RuntimeError("no KV pool of this worker is in memory a peer can map")
-        return {"layout": self.pools.layout, "block_nbytes": self.pools.block_nbytes, "tiers": tiers}
+        return {"layout": self.pools.layout, "block_nbytes": self.pools.block_nbytes,
+                "kv_dtype": _dtype_name(self.pools.dtype), "tiers": tiers}
 
     def open(self, description: dict[str, Any]) -> MappedPools:
+        here = _dtype_name(self.pools.dtype)
+        if description["kv_dtype"] != here:
+            raise ValueError(f"the peer's KV cache holds {description['kv_dtype']}, this one {here}: the workers' "
+                             f"--kv-cache-dtype (or --dtype) differ, and their blocks cannot be exchanged")
         if description["layout"] != self.pools.layout or description["block_nbytes"] != self.pools.block_nbytes:
             raise ValueError(f"the peer's blocks are {description['layout']}, {description['block_nbytes']} B; "
                              f"here {self.pools.layout}, {self.pools.block_nbytes} B")

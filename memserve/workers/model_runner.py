@@ -102,7 +102,7 @@ class ModelRunner:
         self.disk: DiskStore | None = None
         self.num_disk_blocks = 0  # the disk tier, when there is one, is ``disk``'s
         if cfg.disk_cache_dir:
-            self.disk = open_disk_store(cfg, model_dir, self.dtype, self.pools.block_nbytes)
+            self.disk = open_disk_store(cfg, model_dir, self.dtype, self.pools.dtype, self.pools.block_nbytes)
             local = TieredMover(self.pools, self.disk)
         # The MemPool's moves go to every rank; this rank's own loads copy only its share.
         self.mover: BlockMover = GroupMover(local, followers) if followers is not None else local

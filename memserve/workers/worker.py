@@ -345,7 +345,8 @@ class Instance:
         loras = self.runner.loras
         return dataclasses.replace(stats, tensor_parallel_comm_s=self.runner.tp.comm_seconds,
                                    lora_adapters=loras.ready() if loras else [],
-                                   lora_load_s=loras.mean_load_s if loras else 0.0)
+                                   lora_load_s=loras.mean_load_s if loras else 0.0,
+                                   kv_cache_dtype=str(self.runner.pools.dtype).removeprefix("torch."))
 
     def _step(self) -> list[RequestOutput]:
         """One engine step; a failure fails the requests in flight, not the worker."""

@@ -84,6 +84,13 @@ explicitly (``_softcapped_attention``; decode groups are then attended in one ca
 chunked), the blocked prefill and the CPU kernel cap their scores themselves, and
 xformers, which cannot cap them either, gives way to the SDPA path on CUDA; a
 soft-capped model is not captured in CUDA graphs.
+
+An FP8 KV cache (``--kv-cache-dtype fp8``: pools of float8_e4m3fn, per-tensor scale 1.0)
+holds K and V clamped to e4m3's range and rounded as ``write_kv`` stores them
+(``store_kv``). Attention reads them widened to the queries' dtype: every gathered path
+widens its gather (``AttentionPlan.gather``'s ``dtype``), the CPU kernel widens each
+element as it reads it, and a prefill chunk with nothing cached before it attends its
+own K and V as computed, before rounding (as vLLM does).
 """
 
 from __future__ import annotations
@@ -295,19 +302,29 @@ class AttentionPlan:
         return cls(meta.layout, slots // bs, slots % bs, decodes, prefills, None, blocked, window=window,
                    softcap=softcap)
 
-    def gather(self, cache: torch.Tensor, block_tables: torch.Tensor, buffer: str) -> torch.Tensor:
-        """[..., blocks] block ids -> [..., heads, blocks * block_size, dim] keys or values.
+    def gather(self, cache: torch.Tensor, block_tables: torch.Tensor, buffer: str,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+        """[..., blocks] block ids -> [..., heads, blocks * block_size, dim] keys or values,
+        in ``dtype`` (the compute dtype; None: the cache's): an FP8 cache's blocks are
+        widened after the gather.
 
         Copies into a buffer that every layer reuses: a fresh multi-megabyte tensor per
         layer costs page faults that doubled CPU decode time. index_select copies whole
         blocks and is several times faster than advanced indexing on CPU."""
         shape = (block_tables.numel(), *cache.shape[1:])
-        out = self._buffers.get(buffer)
-        if out is None or out.shape != shape or out.dtype != cache.dtype:
-            out = self._buffers[buffer] = torch.empty(shape, dtype=cache.dtype, device=cache.device)
+        out = self._buffer(buffer, shape, cache.dtype, cache.device)
         torch.index_select(cache, 0, block_tables.flatten(), out=out)
+        if dtype is not None and dtype != cache.dtype:
+            out = self._buffer(f"{buffer}-wide", shape, dtype, cache.device).copy_(out)
         tokens = out.view(*block_tables.shape[:-1], -1, *cache.shape[-2:])
         return tokens.transpose(-3, -2)
+
+    def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The reused buffer ``name``, made anew where its shape or dtype changed."""
+        out = self._buffers.get(name)
+        if out is None or out.shape != shape or out.dtype != dtype:
+            out = self._buffers[name] = torch.empty(shape, dtype=dtype, device=device)
+        return out
 
     def additive_mask(self, group: DecodeGroup, dtype: torch.dtype, buffer: str) -> torch.Tensor:
         """The group's key mask as 0 / -inf in ``dtype`` (what the CPU flash kernel takes),
@@ -400,10 +417,20 @@ def tanh_softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
     return torch.tanh(x / cap) * cap
 
 
+def store_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as a pool of ``dtype`` stores it: into FP8 (scale 1.0) clamped to its range
+    first, as vLLM does (torch 2.13 saturates a larger value, but its casts have turned
+    one into NaN before)."""
+    if x.dtype == dtype:
+        return x
+    limit = torch.finfo(dtype).max
+    return x.clamp(-limit, limit).to(dtype)
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> None:
-    """Store the new tokens' K/V [T, kv_heads, dim] at their slots."""
-    k_cache[plan.write_blocks, plan.write_offsets] = k
-    v_cache[plan.write_blocks, plan.write_offsets] = v
+    """Store the new tokens' K/V [T, kv_heads, dim] at their slots (in the cache's dtype)."""
+    k_cache[plan.write_blocks, plan.write_offsets] = store_kv(k, k_cache.dtype)
+    v_cache[plan.write_blocks, plan.write_offsets] = store_kv(v, v_cache.dtype)
 
 
 def paged_attention(
@@ -441,8 +468,8 @@ def paged_attention(
             attended = _chunked_decode(queries, k_cache, v_cache, plan, group, f"decode-{i}", scale)
             out[group.tokens] = attended.reshape(-1, num_heads, head_dim)
             continue
-        keys = plan.gather(k_cache, group.block_tables, f"decode-{i}-k")
-        values = plan.gather(v_cache, group.block_tables, f"decode-{i}-v")
+        keys = plan.gather(k_cache, group.block_tables, f"decode-{i}-k", q.dtype)
+        values = plan.gather(v_cache, group.block_tables, f"decode-{i}-v", q.dtype)
         if upcast:
             # torch's CPU kernel attends a single query row in bf16 several times slower
             # than in float32 (measured, torch 2.13; from 2 rows on bf16 is the faster):
@@ -458,8 +485,8 @@ def paged_attention(
         if seq.block_ids is None:
             keys, values = k[seq.tokens].transpose(0, 1), v[seq.tokens].transpose(0, 1)
         else:
-            keys = plan.gather(k_cache, seq.block_ids, f"prefill-{i}-k")[:, : seq.context_len]
-            values = plan.gather(v_cache, seq.block_ids, f"prefill-{i}-v")[:, : seq.context_len]
+            keys = plan.gather(k_cache, seq.block_ids, f"prefill-{i}-k", q.dtype)[:, : seq.context_len]
+            values = plan.gather(v_cache, seq.block_ids, f"prefill-{i}-v", q.dtype)[:, : seq.context_len]
         if plan.blocked_prefill:
             out[seq.tokens] = _blocked_prefill(q[seq.tokens], keys, values, scale, plan.window, plan.softcap)
             continue
@@ -579,8 +606,8 @@ def _chunked_decode(
         first = chunk.start // block_size
         blocks = group.block_tables[:, first : first + DECODE_CHUNK_BLOCKS]
         width = blocks.shape[1] * block_size
-        keys = plan.gather(k_cache, blocks, f"{name}-k{width}")
-        values = plan.gather(v_cache, blocks, f"{name}-v{width}")
+        keys = plan.gather(k_cache, blocks, f"{name}-k{width}", queries.dtype)
+        values = plan.gather(v_cache, blocks, f"{name}-v{width}", queries.dtype)
         chunk_mask = mask[..., chunk.start : chunk.start + width] if mask is not None and chunk.masked else None
         part, part_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             queries, keys, values, attn_mask=chunk_mask, scale=scale
@@ -609,8 +636,8 @@ def _static_decode_attention(
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[-2]
     queries = q.reshape(num_tokens, kv_heads, num_heads // kv_heads, head_dim)
-    keys = plan.gather(k_cache, rows.block_tables, "static-k")
-    values = plan.gather(v_cache, rows.block_tables, "static-v")
+    keys = plan.gather(k_cache, rows.block_tables, "static-k", q.dtype)
+    values = plan.gather(v_cache, rows.block_tables, "static-v", q.dtype)
     attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=rows.key_mask, scale=scale)
     return attended.reshape(num_tokens, num_heads, head_dim)
 
@@ -626,8 +653,8 @@ def _xformers_paged_attention(
     group = num_heads // num_kv_heads
     blocks = batch.block_tables.flatten()
     # gather() yields [heads, tokens, dim] views; transposed back they are contiguous [tokens, heads, dim].
-    keys = plan.gather(k_cache, blocks, "all-k").transpose(0, 1).reshape(1, -1, num_kv_heads, 1, head_dim)
-    values = plan.gather(v_cache, blocks, "all-v").transpose(0, 1).reshape(1, -1, num_kv_heads, 1, head_dim)
+    keys = plan.gather(k_cache, blocks, "all-k", q.dtype).transpose(0, 1).reshape(1, -1, num_kv_heads, 1, head_dim)
+    values = plan.gather(v_cache, blocks, "all-v", q.dtype).transpose(0, 1).reshape(1, -1, num_kv_heads, 1, head_dim)
     out = _xformers_attention(
         q.reshape(1, num_tokens, num_kv_heads, group, head_dim),
         keys.expand(-1, -1, -1, group, -1),

@@ -7,8 +7,8 @@ carry no position and are copied as they are. That is what lets a conversation w
 oldest turns were truncated reuse the KV of the turns it kept, instead of recomputing
 it (``KVCacheManager.reuse_truncated`` plans which blocks; this module moves tensors).
 
-The rotation is done in float32 whatever the pool's dtype: a bf16 key is rounded once,
-on the way back into the pool, as the directly computed key is. A model whose layers
+The rotation is done in float32 whatever the pool's dtype: a bf16 or FP8 key is rounded
+once, on the way back into the pool, as the directly computed key is. A model whose layers
 rotate with different bases (Gemma 3's sliding and global layers) shifts each layer's
 keys with its own rotary."""
 
@@ -50,4 +50,5 @@ def shift_blocks(kv_cache: torch.Tensor, layout: str, rotary: RotaryEmbedding | 
     # Each layer's cos and sin, broadcast over the keys' other dims.
     cos, sin = (torch.stack([tables[r][i] for r in rotaries]).view(shape) for i in (0, 1))
     keys.copy_(apply_rotary(keys.float(), cos, sin))
-    kv_cache.index_copy_(block_dim, torch.tensor(dst_blocks, device=device), blocks)
+    # As bytes: index_copy_ knows no FP8 (--kv-cache-dtype fp8) on CPU.
+    kv_cache.view(torch.uint8).index_copy_(block_dim, torch.tensor(dst_blocks, device=device), blocks.view(torch.uint8))

@@ -11,10 +11,14 @@
 // PARTITION tokens) so that one long sequence still keeps every thread busy; each item
 // keeps its partial max, sum of exponentials and weighted values in float32, and a second
 // pass merges the partitions (flash-decoding). bf16 inputs are widened to float32 as they
-// are read. Compiled with -ffast-math for vectorised exp and reductions: every score is
-// finite (only real tokens are visited, no masks), which is what fast-math assumes.
+// are read, and so is an FP8 cache's float8_e4m3fn (--kv-cache-dtype fp8, scale 1.0), by
+// a 256-entry table of c10's exact conversion: the queries and output keep their dtype.
+// Compiled with -ffast-math for vectorised exp and reductions: every score is finite
+// (only real tokens are visited, no masks; an FP8 cache holds no NaN, its writes are
+// clamped to e4m3's range), which is what fast-math assumes.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
 #include "bf16.h"
@@ -31,10 +35,22 @@ constexpr int64_t PARTITION = 512;
 
 using memserve_kernels::widen;
 
+// Every e4m3fn byte's float32 value, exact (c10's conversion, made once at load).
+struct Fp8Table {
+  float value[256];
+  Fp8Table() {
+    for (int i = 0; i < 256; ++i) value[i] = static_cast<float>(c10::Float8_e4m3fn(i, c10::Float8_e4m3fn::from_bits()));
+  }
+};
+const Fp8Table fp8_table;
+
+inline float widen(c10::Float8_e4m3fn x) { return fp8_table.value[x.x]; }
+
 constexpr int64_t MAX_DIM = 256;
 
-// DIM: the head dim when known at compile time (64, 128: fully unrolled loops), else 0.
-template <typename T, int64_t DIM>
+// T: the queries' and output's dtype; KV: the caches' (T, or float8_e4m3fn). DIM: the
+// head dim when known at compile time (64, 128: fully unrolled loops), else 0.
+template <typename T, typename KV, int64_t DIM>
 void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                       int64_t window, double softcap) {
@@ -45,8 +61,8 @@ void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
   const int64_t vb = v_cache.stride(0), vt = v_cache.stride(1), vh = v_cache.stride(2);
   const int64_t table_stride = block_tables.stride(0);
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const KV* kp = k_cache.data_ptr<KV>();
+  const KV* vp = v_cache.data_ptr<KV>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
@@ -91,9 +107,9 @@ void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
         const float* qg = &query[g * dim];
         float* sg = &scores[g * PARTITION];
         for (int64_t i = 0, block = start / block_size, first = start % block_size; i < count; ++block, first = 0) {
-          const T* keys = kp + table[block] * kb + h * kh;
+          const KV* keys = kp + table[block] * kb + h * kh;
           for (int64_t o = first; o < block_size && i < count; ++o, ++i) {
-            const T* key = keys + o * kt;
+            const KV* key = keys + o * kt;
             float s = 0.0f;
 #pragma omp simd reduction(+ : s)
             for (int64_t d = 0; d < D; ++d) s += qg[d] * widen(key[d]);
@@ -121,9 +137,9 @@ void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
         const float* sg = &scores[g * PARTITION];
         float ag[DIM > 0 ? DIM : MAX_DIM] = {};
         for (int64_t i = 0, block = start / block_size, first = start % block_size; i < count; ++block, first = 0) {
-          const T* values = vp + table[block] * vb + h * vh;
+          const KV* values = vp + table[block] * vb + h * vh;
           for (int64_t o = first; o < block_size && i < count; ++o, ++i) {
-            const T* value = values + o * vt;
+            const KV* value = values + o * vt;
             const float p = sg[i];
 #pragma omp simd
             for (int64_t d = 0; d < D; ++d) ag[d] += p * widen(value[d]);
@@ -166,6 +182,15 @@ void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
   });
 }
 
+using DecodeFn = void (*)(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const at::Tensor&, double, int64_t, double);
+
+// The instance for head dim ``dim``: unrolled for 64 and 128.
+template <typename T, typename KV>
+DecodeFn dispatch_dim(int64_t dim) {
+  return dim == 64 ? decode_attention<T, KV, 64> : dim == 128 ? decode_attention<T, KV, 128> : decode_attention<T, KV, 0>;
+}
+
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                             int64_t window, double softcap) {
@@ -174,23 +199,23 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
               "caches: [blocks, block_size, kv_heads, dim] with contiguous dim");
   TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0, "head shapes do not match");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
-                  q.scalar_type() == out.scalar_type(), "q, out and the caches need one dtype");
+  TORCH_CHECK(q.scalar_type() == out.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (k_cache.scalar_type() == q.scalar_type() || k_cache.scalar_type() == at::kFloat8_e4m3fn),
+              "q and out need one dtype, the caches that one or float8_e4m3fn");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.stride(1) == 1 &&
                   context_lens.scalar_type() == at::kLong && context_lens.is_contiguous(),
               "block_tables [rows, blocks] and context_lens [rows]: int64");
   TORCH_CHECK(PARTITION % k_cache.size(1) == 0, "the block size must divide ", PARTITION);
   TORCH_CHECK(block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0), "one table and length per row");
   TORCH_CHECK(q.size(2) <= MAX_DIM, "head dim at most ", MAX_DIM);
-  const int64_t dim = q.size(2);
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
   if (q.scalar_type() == at::kFloat) {
-    (dim == 64 ? decode_attention<float, 64> : dim == 128 ? decode_attention<float, 128> : decode_attention<float, 0>)(
+    (fp8 ? dispatch_dim<float, c10::Float8_e4m3fn>(q.size(2)) : dispatch_dim<float, float>(q.size(2)))(
         out, q, k_cache, v_cache, block_tables, context_lens, scale, window, softcap);
   } else if (q.scalar_type() == at::kBFloat16) {
-    (dim == 64    ? decode_attention<c10::BFloat16, 64>
-     : dim == 128 ? decode_attention<c10::BFloat16, 128>
-                  : decode_attention<c10::BFloat16, 0>)(out, q, k_cache, v_cache, block_tables, context_lens, scale,
-                                                        window, softcap);
+    (fp8 ? dispatch_dim<c10::BFloat16, c10::Float8_e4m3fn>(q.size(2))
+         : dispatch_dim<c10::BFloat16, c10::BFloat16>(q.size(2)))(out, q, k_cache, v_cache, block_tables, context_lens,
+                                                                 scale, window, softcap);
   } else {
     TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only");
   }
