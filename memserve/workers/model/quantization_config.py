@@ -98,7 +98,8 @@ def _compressed_tensors_scheme(config: dict[str, Any]) -> Scheme:
     if config.get("format") != "float-quantized":
         raise ValueError(f"format {config.get('format')!r} is not supported (memserve runs float-quantized FP8)")
     if config.get("kv_cache_scheme"):
-        raise ValueError("kv_cache_scheme is not supported (memserve has no FP8 KV cache)")
+        raise ValueError("kv_cache_scheme is not supported: its calibrated KV scales are not read "
+                         "(--kv-cache-dtype fp8 stores KV in e4m3 with scale 1.0)")
     blocks: set[tuple[int, int] | None] = set()
     for name, group in (config.get("config_groups") or {}).items():
         weights = group.get("weights") or {}
