@@ -176,18 +176,21 @@ class KVPools:
         dst.index_copy_(dim, dst_idx, moved)
 
     def read_blocks(self, tier: Tier, blocks: list[int]) -> list[Buffer]:
-        """One host buffer per contiguous run of blocks (zero-copy on CPU, aggregated)."""
+        """One host buffer per contiguous run of blocks, block after block (each block's
+        bytes whole, whatever the layout: the disk tier cuts a run into one file per
+        block); zero-copy on CPU in the aggregated layout."""
         pool = self.pools[tier]
         out: list[Buffer] = []
         for start, length in contiguous_runs(blocks):
-            t = self._blocks(pool, start, length).contiguous().cpu()
+            t = self._blocks(pool, start, length).movedim(self.block_dim, 0).contiguous().cpu()
             out.append(t.view(torch.uint8).numpy().data.cast("B"))
         return out
 
     def write_blocks(self, tier: Tier, blocks: list[int], buffers: Sequence[Buffer]) -> None:
+        """Store buffers laid out as ``read_blocks`` gives them."""
         pool = self.pools[tier]
         for (start, length), buf in zip(contiguous_runs(blocks), buffers, strict=True):
-            dst = self._blocks(pool, start, length)
+            dst = self._blocks(pool, start, length).movedim(self.block_dim, 0)
             src = torch.frombuffer(bytearray(buf) if isinstance(buf, bytes) else buf, dtype=pool.dtype)
             dst.copy_(src.view(dst.shape).to(dst.device))
 

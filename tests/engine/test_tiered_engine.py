@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,18 @@ def test_tiers_give_the_same_tokens_as_no_cache_under_pressure(tiered, tokenizer
     assert any(cached for turn in got[1:] for _, cached in turn.values())
     assert engine.stats()["num_swapped_in"] > 0
     assert_nothing_held(engine)
+
+
+def test_layer_major_pools_go_to_disk_and_back_block_by_block(model_dir, tokenizer, convs, baseline, tmp_path):
+    """In the layer-major layout a run of blocks is not one stretch of bytes: each block's
+    bytes are gathered whole before the disk tier cuts the run into one file per block,
+    and put back where they belong (the same tokens as without a cache)."""
+    engine = build_engine(replace(tiered_config(tmp_path), kv_layout="layer-major"), model_dir)
+    got = replay(engine, tokenizer, convs, TURNS, "layer-major")
+    assert tokens_of(got) == baseline
+    assert engine.mempool.stats()["tier_io"]["disk"]["hits"] > 0
+    assert_nothing_held(engine)
+    engine.close()
 
 
 def test_damaged_disk_files_are_misses_with_the_same_tokens(tiered, tokenizer, convs, baseline):
