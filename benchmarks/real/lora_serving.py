@@ -3,10 +3,11 @@ base model alone: throughput, TBT and TTFT, and the ratios adapters / base.
 
 One `memserve up` serves the embedded SmolLM2 (float32) with ``--adapters`` rank-``--rank``
 adapters (every projection targeted, random weights made with ``peft``) in as many slots.
-The same replay (``memserve bench``, same seed, so the same conversations and arrival
-times) then runs in alternating rounds: every conversation on the base model, and each
-conversation on one of the adapters (``--lora-modules``: spread evenly by session, all
-its turns on one). Prints each round, the medians and the ratios.
+Each round replays (``memserve bench``, the round's seed: the same conversations and
+arrival times) twice: every conversation on the base model, then each conversation on
+one of the adapters (``--lora-modules``: spread evenly by session, all its turns on one;
+its KV is the adapter's, so it finds nothing the base run cached). Prints each round,
+the medians and the ratios.
 
     python benchmarks/real/lora_serving.py [--sessions 16] [--rate 2] [--rounds 2] [-- extra memserve up flags]
 """
@@ -34,10 +35,10 @@ def figure(results: dict, path: tuple[str, str]) -> float:
     return float(results[path[0]][path[1]])
 
 
-def replay(base_url: str, args: argparse.Namespace, out: Path, adapters: list[str]) -> dict:
+def replay(base_url: str, args: argparse.Namespace, out: Path, adapters: list[str], seed: int) -> dict:
     cmd = [sys.executable, "-m", "memserve.cli", "bench", "--base-url", base_url, "--num-sessions",
            str(args.sessions), "--max-turns", str(args.turns), "--max-tokens", str(args.max_tokens),
-           "--rate", str(args.rate), "--seed", "0", "--no-progress", "--output", str(out)]
+           "--rate", str(args.rate), "--seed", str(seed), "--no-progress", "--output", str(out)]
     if adapters:
         cmd += ["--lora-modules", *adapters]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -67,10 +68,12 @@ def main() -> int:
         rounds: dict[str, list[dict]] = {"base": [], "adapters": []}
         try:
             replay(server.base_url, argparse.Namespace(**{**vars(args), "sessions": 2}), tmp / "warm.json",
-                   list(folders))
+                   list(folders), 1000)
             for r in range(args.rounds):
                 for kind, names in (("base", []), ("adapters", list(folders))):
-                    rounds[kind].append(replay(server.base_url, args, tmp / f"{kind}-{r}.json", names))
+                    # The same conversations for both kinds within a round (under the
+                    # adapters their KV is their own), other ones in each round.
+                    rounds[kind].append(replay(server.base_url, args, tmp / f"{kind}-{r}.json", names, r))
                     print(json.dumps({"round": r, "kind": kind, **rounds[kind][-1]}), flush=True)
         finally:
             stop_server(server)
