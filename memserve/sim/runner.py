@@ -27,7 +27,7 @@ from memserve.kvcache.address import Tier
 from memserve.kvcache.disk_store import DiskStore
 from memserve.kvcache.mover import BlockMover, Buffer
 from memserve.kvcache.saver import Saver, SaveJob
-from memserve.sim.adapters import AdapterSlots
+from memserve.sim.adapters import AdapterReads
 from memserve.sim.saver import TimedSaver
 from memserve.workers.engine.layer_hooks import LayerHooks
 from memserve.workers.engine.step_plan import KVLoad, StepPlan, StepResult
@@ -77,7 +77,7 @@ class NullMover:
 class SimulatedRunner:
     def __init__(self, cost: CostModel, num_blocks: int, block_size: int, max_model_len: int,
                  clock: Callable[[], float], num_disk_blocks: int = 0, async_saves: bool = False,
-                 save_bytes_s: float | None = None, adapters: AdapterSlots | None = None) -> None:
+                 save_bytes_s: float | None = None, adapters: AdapterReads | None = None) -> None:
         self.cost = cost
         self.num_blocks = num_blocks
         self.num_disk_blocks = num_disk_blocks

@@ -72,7 +72,7 @@ from memserve.kvcache.blocks import OutOfBlocks
 from memserve.kvcache.events import KVEvents
 from memserve.kvcache.hashing import adapter_salt
 from memserve.kvcache.mirror import PromptTreeMirror
-from memserve.sim.adapters import AdapterSlots
+from memserve.sim.adapters import AdapterReads
 from memserve.sim.instance import InFlight, SimInstance
 from memserve.sim.node_loss import NodeLoss
 from memserve.sim.pd_flow import SimPDFlow
@@ -143,7 +143,7 @@ class Simulation:
             runner = SimulatedRunner(cost, engine_cfg.num_blocks, engine_cfg.block_size,
                                      engine_cfg.max_model_len or 1 << 30, self.clock, num_disk_blocks,
                                      async_saves, save_bytes_s,
-                                     AdapterSlots(*lora_slots) if lora_slots is not None else None)
+                                     AdapterReads(*lora_slots) if lora_slots is not None else None)
             caching = engine_cfg.enable_prefix_caching and role_caches(role, pd_mode)
             engine = Engine(replace(engine_cfg, enable_prefix_caching=caching), runner, set(), i, self.clock)
             self.instances.append(SimInstance(engine, runner, PromptTreeMirror(i, engine_cfg.block_size), role))

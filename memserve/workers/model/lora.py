@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections import OrderedDict
 from collections.abc import Collection
 from pathlib import Path
 
@@ -39,6 +38,7 @@ from safetensors import safe_open
 from torch import nn
 
 from memserve.model_files.adapter_digest import adapter_digest
+from memserve.workers.engine.adapter_slots import AdapterSlots
 from memserve.workers.model.fused_names import FUSED
 from memserve.workers.model.linear import ColumnParallelLinear, LoRABatch, ParallelLinear
 
@@ -132,14 +132,13 @@ class LoRAAdapters:
 
     def __init__(self, model: nn.Module, modules: dict[str, str], max_rank: int, capacity: int,
                  dtype: torch.dtype) -> None:
-        self.max_rank, self.capacity, self.dtype = max_rank, max(1, capacity), dtype
+        self.max_rank, self.dtype = max_rank, dtype
         self.layers = {name: m for name, m in model.named_modules() if isinstance(m, ParallelLinear)}
         self.batch = LoRABatch()
         for layer in self.layers.values():
             layer.lora_batch = self.batch
         self.served: dict[str, tuple[str, str]] = {}  # name -> (folder, digest)
-        self.slots: OrderedDict[AdapterKey, int] = OrderedDict()  # least recently used first
-        self._free = list(range(self.capacity))[::-1]
+        self.slots: AdapterSlots[AdapterKey] = AdapterSlots(capacity)
         self.loads = 0
         self._load_s = 0.0  # reading adapters in and setting them on the layers, in all
         for name, folder in modules.items():  # refused at start, naming why, rather than at a request
@@ -158,7 +157,7 @@ class LoRAAdapters:
         except FileNotFoundError as exc:
             raise AdapterError(str(exc)) from None
         self.served[name] = (folder, digest)
-        if self._free and (name, digest) not in self.slots:
+        if self.slots.has_free and (name, digest) not in self.slots:
             self._install((name, digest), weights, started)
 
     def stop(self, name: str) -> None:
@@ -177,23 +176,16 @@ class LoRAAdapters:
     def slot(self, key: AdapterKey, keep: Collection[AdapterKey] = ()) -> int:
         """The adapter's slot, reading it in (in place of the least recently used adapter
         not in ``keep``) if needed."""
-        if key in self.slots:
-            self.slots.move_to_end(key)
-            return self.slots[key]
+        held = self.slots.use(key)
+        if held is not None:
+            return held
         name, digest = key
         folder, served_digest = self.served.get(name, ("", ""))
         if served_digest != digest:
             raise AdapterError(f"LoRA adapter {name!r} was unloaded" if not folder else
                                f"LoRA adapter {name!r} was replaced by other weights")
-        if not self._free:
-            idle = next((k for k in self.slots if k not in keep), None)
-            if idle is None:  # every slot is needed: one more
-                self._free.append(self.capacity)
-                self.capacity += 1
-            else:
-                self._evict(idle)
         started = time.perf_counter()
-        return self._install(key, read_adapter(Path(folder), self.layers, self.max_rank, self.dtype), started)
+        return self._install(key, read_adapter(Path(folder), self.layers, self.max_rank, self.dtype), started, keep)
 
     @property
     def mean_load_s(self) -> float:
@@ -203,42 +195,43 @@ class LoRAAdapters:
 
     def ready(self) -> list[str]:
         """The served adapters held in a slot: a request on one starts without reading it."""
-        return sorted(name for name, digest in self.slots if self._is_served((name, digest)))
+        return sorted(name for name, digest in self.slots.keys() if self._is_served((name, digest)))
 
     def _is_served(self, key: AdapterKey) -> bool:
         return self.served.get(key[0], ("", ""))[1] == key[1]
 
     def _install(self, key: AdapterKey, weights: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                 started: float) -> int:
-        """Put ``weights`` (read since ``started``) on the layers in a free slot."""
-        slot = self._free.pop()
+                 started: float, keep: Collection[AdapterKey] = ()) -> int:
+        """Put ``weights`` (read since ``started``) on the layers in a slot of their own."""
+        slot, evicted = self.slots.place(key, keep)
+        if evicted is not None:
+            self._clear(slot)
         for layer_name, (a, b) in weights.items():
             layer = self.layers[layer_name]
             layer.set_lora(slot, layer.shard_lora(a.to(layer_device(layer)), b.to(layer_device(layer))))
-        self.slots[key] = slot
         self.loads += 1
         self._load_s += time.perf_counter() - started
         return slot
 
-    def _evict(self, key: AdapterKey) -> None:
-        slot = self.slots.pop(key)
+    def _clear(self, slot: int) -> None:
+        """Take the adapter in ``slot`` off every layer."""
         for layer in self.layers.values():
             if slot in layer.loras:
                 layer.set_lora(slot, None)
-        self._free.append(slot)
 
     def set_rows(self, rows_by_adapter: dict[AdapterKey, list[int]], num_rows: int, device: torch.device,
                  running: Collection[AdapterKey] = ()) -> None:
         """The step's rows of each adapter. ``running``: the adapters of every request the
         runner knows; an adapter no longer served keeps its slot while one of them runs on
         it (it cannot be read again), and is dropped once none does."""
-        unserved = {k for k in self.slots if not self._is_served(k)}
-        for key in unserved - set(running):
-            self._evict(key)
+        running = set(running)
+        unserved = {k for k in self.slots.keys() if not self._is_served(k)}
+        for key in unserved - running:
+            self._clear(self.slots.drop(key))
         if not rows_by_adapter:
             self.batch.set(None)
             return
-        keep = set(rows_by_adapter) | (unserved & set(running))
+        keep = set(rows_by_adapter) | (unserved & running)
         row_slots = [-1] * num_rows
         for key, rows in rows_by_adapter.items():
             slot = self.slot(key, keep)
