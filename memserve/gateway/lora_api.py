@@ -6,9 +6,9 @@
   already served, or a worker refuses the adapter (not an adapter, another base model's,
   a rank over ``--max-lora-rank``: the worker's reason is the message).
 - ``POST /v1/unload_lora_adapter`` ``{"lora_name"}``: new requests naming it get 404 at
-  once; requests already running on it finish through it (the workers keep it until
-  they end); a request a worker had queued but not started fails with an error naming
-  it. 404 for a name not served.
+  once; requests a worker received before finish through it (it keeps the weights while
+  a request it knows runs on them); once none does they are dropped, and a request that
+  still names them fails with an error naming the adapter. 404 for a name not served.
 """
 
 from __future__ import annotations

@@ -15,7 +15,6 @@ block (about 130 ns a block).
 from __future__ import annotations
 
 import json
-
 import sys
 from array import array
 from collections.abc import Sequence
@@ -28,6 +27,7 @@ _SALT_DOMAIN = b"memserve.cache_salt\0"
 
 _TYPECODE = next(code for code in "IL" if array(code).itemsize == 4)
 _hash = xxhash.xxh3_64_intdigest
+_ADAPTER_PREFIX = '["lora", '  # how every ``adapter_salt`` of an adapter begins
 
 
 def pack_tokens(tokens: Sequence[int]) -> bytes:
@@ -63,9 +63,6 @@ def adapter_salt(salt: str | None, lora_name: str | None, lora_digest: str = "")
     if salt is not None and salt.startswith(_ADAPTER_PREFIX):
         return json.dumps(["base", salt])
     return salt
-
-
-_ADAPTER_PREFIX = '["lora", '
 
 
 
