@@ -203,13 +203,14 @@ def _load(folder: Path, dtype: torch.dtype, device: str | torch.device, cpu_gemm
         model.lm_head.weight = model.model.embed_tokens.weight
     if scheme is not None:
         log.info("%s: %s", folder.name, set_kernels(model, quantized_weights, scheme, dtype))
+    pack = cpu_gemm == "onednn" and packing_supported(dtype, torch.device(device))
     if gguf is not None:
         blocks, types = fused_blocks(*read_blocks(folder))
-        keep_wide = gguf == "auto" and cpu_gemm == "onednn" and packing_supported(dtype, torch.device(device))
+        keep_wide = gguf == "auto" and pack
         log.info("%s: %d linear layers run GGUF-quantized %s%s", folder.name,
                  quantize_linears(model, blocks, types, dtype, keep_wide), describe(types),
                  ", their weights also widened for chunks of many rows" if keep_wide else "")
-    if cpu_gemm == "onednn" and packing_supported(dtype, torch.device(device)):
+    if pack:
         pack_linears(model)
     use_fused_pointwise(model)
     return model.eval()
