@@ -70,16 +70,17 @@ async def decode_failures(transfer_mode: str, transport: str = "shm") -> None:
         assert client.pd.counts["decode_lost"] == 1
 
         # Decode instance 2 caches the prompt now (the killed request finished there), so
-        # it takes the next one (pd-caching-2 follows the prefix) and stops answering as
-        # the handoff starts: once its heartbeats are late the handoff is given up and the
+        # it takes the next one (pd-caching-2 follows the prefix), but it stops answering
+        # before the request is sent (frozen at the first token, a fast handoff could have
+        # finished already): once its heartbeats are late the handoff is given up and the
         # request goes to 1, back by then.
         await wait_ready(client, 1)
         frozen = client.cluster.workers[2].process.pid
         try:
             tokens = []
+            os.kill(frozen, signal.SIGSTOP)
             async for out in client.generate("frozen-decode", prompt, long_answer(40)):
                 if not tokens:
-                    os.kill(frozen, signal.SIGSTOP)
                     first_at = time.monotonic()
                 elif len(tokens) == 1:
                     resumed_after = time.monotonic() - first_at
@@ -89,8 +90,9 @@ async def decode_failures(transfer_mode: str, transport: str = "shm") -> None:
             assert resumed_after < 5 * HANDOFF_TIMEOUT_S + 10  # heartbeat checks, then D2's recompute
             if transfer_mode == "by-layer":  # the KV may have reached D before it froze: D is lost decoding
                 assert client.pd.counts["handoff_failed"] + client.pd.counts["decode_lost"] == 2
-            else:
-                assert client.pd.counts["handoff_failed"] == 1
+            else:  # D2's silence fails the handoff, or fails the naming and the handoff goes to 1
+                counts = client.pd.counts
+                assert (counts["handoff_failed"], counts["handoffs"]) in ((1, 1), (0, 2)), dict(counts)
         finally:
             with contextlib.suppress(ProcessLookupError):  # the watcher may have declared it dead already
                 os.kill(frozen, signal.SIGKILL)
