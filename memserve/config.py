@@ -241,11 +241,8 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1:
-            # The disk tier's files are named by the MemPool on rank 0 and by-layer sends read
-            # one rank's pool: neither is split across ranks yet (docs/parallelism.md).
-            if self.disk_cache_dir:
-                raise ValueError("--disk-cache-dir does not go with --tensor-parallel-size > 1 yet: "
-                                 "the host tier (--num-host-blocks) does")
+            # By-layer sends read one rank's pool: they are not split across ranks yet
+            # (docs/parallelism.md).
             if self.transfer_mode == "by-layer":
                 raise ValueError("--transfer-mode by-layer does not go with --tensor-parallel-size > 1 yet: "
                                  "by-request transfers do")

@@ -10,12 +10,16 @@ name and renamed, so a reader (or a restart after a crash mid-save) sees a whole
 none; a missing, short or corrupt file reads as a miss (``read`` returns None and records
 the slot in ``failed``), never as wrong bytes.
 
+A tensor-parallel worker keeps one store per rank, each holding its heads' part of every
+block (``i<instance>r<rank>``, ``part``): rank 0's MemPool names the slots and the others
+follow its names (``workers/tensor_parallel_disk.py``).
+
 The MemPool sees the disk as a tier of ``num_blocks`` slots (``--disk-cache-gb``): it
 ``name``s a slot before a save writes it; each slot keeps at most one file, so the
 directory stays within its budget. ``scan`` re-indexes the directory an earlier run of
 the same instance left: checksums verified, chains whose parent is missing dropped.
 
-Threads: ``name``, ``failed`` and ``scan`` run on the MemPool's thread; ``write`` on
+Threads: ``name``, ``failed``, ``scan`` (``verified`` and ``adopt``) run on the MemPool's thread; ``write`` on
 the saver thread only; ``read`` on the loading thread (or the saver, disk -> host).
 """
 
@@ -49,9 +53,11 @@ def fingerprint(*parts: bytes | str) -> int:
 
 
 class DiskStore:
-    def __init__(self, root: str | Path, capacity_bytes: int, block_nbytes: int, fingerprint: int) -> None:
+    def __init__(self, root: str | Path, capacity_bytes: int, block_nbytes: int, fingerprint: int,
+                 part: str = "") -> None:
         self.block_nbytes = block_nbytes
         self.fingerprint = fingerprint
+        self.part = part  # names the rank's directory of a tensor-parallel worker ("" alone)
         self.root = Path(root) / f"{fingerprint:016x}"
         self.dir = self.root  # set by ``scan``: one directory per instance
         self.num_blocks = capacity_bytes // (HEADER_NBYTES + block_nbytes)
@@ -72,19 +78,33 @@ class DiskStore:
         with self._lock:
             self._failed.discard(slot)
 
+    def names(self, slots: Iterable[int]) -> list[tuple[int, int | None] | None]:
+        """What each of ``slots`` is named (for another rank's store to follow)."""
+        return [self._names[slot] for slot in slots]
+
     def failed(self, slots: Iterable[int]) -> set[int]:
         """Those of ``slots`` whose file a read found missing or bad. A slot stays failed
         until it is named again: every load that read it skipped it."""
         with self._lock:
             return self._failed.intersection(slots)
 
+    def mark_failed(self, slots: Iterable[int]) -> None:
+        """Record ``slots`` as failed reads (another rank's part of them was missing or bad)."""
+        with self._lock:
+            self._failed.update(slots)
+
     def scan(self, instance_id: int) -> list[tuple[int, int | None]]:
         """Use instance ``instance_id``'s directory: verify the files an earlier run left
         there and adopt the valid ones whose parent chain reaches a prompt's start,
         parents first, up to ``num_blocks``: entry i becomes slot i. Every other file
         (temporary ones of a save cut short included) is deleted."""
+        return self.adopt(self.verified(instance_id))
+
+    def verified(self, instance_id: int) -> dict[int, int | None]:
+        """Use instance ``instance_id``'s directory; its valid block files, hash -> parent
+        hash (every other file is deleted)."""
         self._reset()
-        self.dir = self.root / f"i{instance_id}"
+        self.dir = self.root / f"i{instance_id}{self.part}"
         found: dict[int, int | None] = {}
         for path in self.dir.iterdir() if self.dir.is_dir() else ():
             block_hash = _hash_of(path.name)
@@ -93,6 +113,11 @@ class DiskStore:
                 _unlink(path)
             else:
                 found[block_hash] = loaded[0]
+        return found
+
+    def adopt(self, found: dict[int, int | None]) -> list[tuple[int, int | None]]:
+        """Of the ``verified`` files ``found``, those whose parent chain reaches a prompt's
+        start, parents first, up to ``num_blocks``: entry i becomes slot i (``adopt_order``)."""
         children: dict[int | None, list[int]] = {}
         for h, parent in found.items():
             children.setdefault(parent, []).append(h)
@@ -105,14 +130,20 @@ class DiskStore:
             for child in sorted(children.get(h, []), reverse=True):
                 parents[child] = h
                 stack.append(child)
+        self.adopt_order(order)
+        return order
+
+    def adopt_order(self, order: list[tuple[int, int | None]]) -> None:
+        """Entry i of ``order`` (hash, parent) becomes slot i; every other block file in
+        the directory is deleted."""
         kept = {h for h, _ in order}
-        for h in found.keys() - kept:
-            _unlink(self._path(h))
+        for path in self.dir.iterdir() if self.dir.is_dir() else ():
+            if _hash_of(path.name) not in kept:
+                _unlink(path)
         for slot, (h, parent) in enumerate(order):
             self._names[slot] = (h, parent)
             self._file_of[slot] = h
             self._slot_of_file[h] = slot
-        return order
 
     def forget(self, block_hash: int) -> None:
         """Delete the block's file now, wherever it is (an expired conversation must not

@@ -13,6 +13,7 @@ import torch
 
 from memserve.config import EngineConfig
 from memserve.kvcache.disk_store import DiskStore, fingerprint
+from memserve.workers.tensor_parallel_disk import GroupDiskStore, RankCalls
 
 _SAMPLE_BYTES = 1 << 20  # of each weights file's head and tail, to tell fine-tunes apart
 
@@ -31,11 +32,19 @@ def weights_identity(model_dir: Path) -> list[bytes]:
 
 
 def open_disk_store(cfg: EngineConfig, model_dir: Path, dtype: torch.dtype, kv_dtype: torch.dtype,
-                    block_nbytes: int) -> DiskStore:
-    """The disk tier of a model computing in ``dtype`` whose pools hold ``kv_dtype``."""
+                    block_nbytes: int, rank: int = 0, followers: RankCalls | None = None) -> DiskStore:
+    """The disk tier of a model computing in ``dtype`` whose pools hold ``kv_dtype``
+    (``block_nbytes``: a block's bytes on this rank). The ranks of a tensor-parallel worker
+    share ``--disk-cache-gb`` and the fingerprint, each rank has a directory of its own;
+    rank 0 is given the others (``followers``) and keeps them in step."""
     if cfg.disk_cache_dir is None:
         raise ValueError("no disk tier configured (--disk-cache-dir)")
     kv_cache = [str(kv_dtype)] if kv_dtype != dtype else []
+    ranks = cfg.tensor_parallel_size
+    split = [f"tensor-parallel {ranks}"] if ranks > 1 else []
     key = fingerprint(*weights_identity(model_dir), str(dtype), *kv_cache, cfg.kv_layout, str(cfg.block_size),
-                      str(block_nbytes))
-    return DiskStore(cfg.disk_cache_dir, int(cfg.disk_cache_gb * 2**30), block_nbytes, key)
+                      str(block_nbytes), *split)
+    capacity, part = int(cfg.disk_cache_gb * 2**30) // ranks, f"r{rank}" if ranks > 1 else ""
+    if followers is not None:
+        return GroupDiskStore(followers, cfg.disk_cache_dir, capacity, block_nbytes, key, part)
+    return DiskStore(cfg.disk_cache_dir, capacity, block_nbytes, key, part)

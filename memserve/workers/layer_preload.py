@@ -128,12 +128,16 @@ class LayerwisePreloader:
 
     def __init__(self, num_layers: int, copy_layer: Callable[[Tier, list[int], list[int], int], CopyDone | None],
                  copy_whole: Callable[[Tier, list[int], list[int]], None], disk_misses: Callable[[list[int]], bool],
-                 layerwise: bool = True, ahead: int = AUTO, clock: Callable[[], float] = time.perf_counter) -> None:
+                 layerwise: bool = True, ahead: int = AUTO, clock: Callable[[], float] = time.perf_counter,
+                 stream_disk: bool = True) -> None:
         self.num_layers = num_layers
         self._copy_layer = copy_layer  # (source tier, source blocks, device blocks, layer); None: copied
         self._copy_whole = copy_whole  # every layer of the blocks, into the device tier
         self._disk_misses = disk_misses  # whether reading these disk slots lost a block
         self.layerwise = layerwise
+        # False: a load that reads disk files is never streamed (a tensor-parallel worker's
+        # ranks must all have read theirs whole before any step uses them).
+        self.stream_disk = stream_disk
         self.ahead = ahead
         self.clock = clock
         self.rates = _Rates()
@@ -205,6 +209,12 @@ class LayerwisePreloader:
         return ([ld.request_id for ld in done if ld.error is None],
                 {ld.request_id: ld.error for ld in done if ld.error is not None})
 
+    def done(self, request_ids: list[str]) -> list[str]:
+        """Those of ``request_ids`` whose loads are done (copied or failed; a load already
+        reported by ``finished`` is done)."""
+        with self._cond:
+            return [rid for rid in request_ids if (ld := self._loads.get(rid)) is None or ld.done]
+
     def release(self, request_ids: list[str]) -> None:
         """These requests left or were preempted: no step waits for their loads now."""
         if not request_ids:
@@ -223,7 +233,7 @@ class LayerwisePreloader:
                 self._copy_whole(Tier.DISK, src, dst)
             intact = not any(self._disk_misses(src) for src, _ in ld.disk)
             with self._cond:
-                ld.streamable = intact and ld.layerwise
+                ld.streamable = intact and ld.layerwise and (self.stream_disk or not ld.disk)
                 if not ld.streamable:
                     ld.released = True  # it runs only once copied whole
                 self._cond.notify_all()

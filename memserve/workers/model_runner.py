@@ -64,6 +64,7 @@ from memserve.workers.model.penalties import TokenHistories
 from memserve.workers.model.prefill_probe import resolve_cpu_prefill
 from memserve.workers.model.sampler import Sampler, position_uniform
 from memserve.workers.model.tensor_parallel import SINGLE, TensorParallel
+from memserve.workers.tensor_parallel_disk import GroupDiskStore, HeldLoads
 from memserve.workers.tensor_parallel_group import Followers, GroupMover
 
 log = logging.getLogger(__name__)
@@ -102,10 +103,11 @@ class ModelRunner:
         self.disk: DiskStore | None = None
         self.num_disk_blocks = 0  # the disk tier, when there is one, is ``disk``'s
         if cfg.disk_cache_dir:
-            self.disk = open_disk_store(cfg, model_dir, self.dtype, self.pools.dtype, self.pools.block_nbytes)
+            self.disk = open_disk_store(cfg, model_dir, self.dtype, self.pools.dtype, self.pools.block_nbytes,
+                                        tp.rank, followers)
             local = TieredMover(self.pools, self.disk)
         # The MemPool's moves go to every rank; this rank's own loads copy only its share.
-        self.mover: BlockMover = GroupMover(local, followers) if followers is not None else local
+        self.mover: BlockMover = GroupMover(local, followers, self.disk) if followers is not None else local
         # Saves down the tiers run on their own thread, like loads, unless asked inline; on
         # CUDA that thread copies on a stream of its own.
         save_mover = StreamMover(self.mover, CopyStream(self.device)) if self.device.type == "cuda" else self.mover
@@ -134,7 +136,9 @@ class ModelRunner:
                                                     after_compute=layer == 0),
             lambda tier, src, dst: loads.run_sync(lambda: local.copy_blocks(tier, src, Tier.DEVICE, dst)),
             (lambda slots: bool(disk.failed(slots))) if disk is not None else (lambda slots: False),
-            layerwise=cfg.layerwise_preload, ahead=cfg.preload_buffer_layers)
+            layerwise=cfg.layerwise_preload, ahead=cfg.preload_buffer_layers,
+            stream_disk=cfg.tensor_parallel_size == 1)
+        self._held_loads = HeldLoads(self.disk) if isinstance(self.disk, GroupDiskStore) else None
         self.add_step_hooks(self.preloader.hooks_for)
         self._failed_loads: dict[str, BaseException] = {}
         self.graphs: DecodeGraphs | None = None
@@ -302,10 +306,14 @@ class ModelRunner:
     # ------------------------------------------------------------------ loads
     def start_loads(self, loads: list[KVLoad]) -> None:
         for load in loads:
+            if self._held_loads is not None:
+                self._held_loads.started(load)
             self.preloader.start(load)
 
     def finished_loads(self) -> list[str]:
         done, failed = self.preloader.finished()
+        if self._held_loads is not None:  # loads from disk: done once every rank's is
+            done, failed = self._held_loads.settle(done, failed)
         self._failed_loads.update(failed)
         return done
 

@@ -16,7 +16,8 @@ rank does it to its own shard:
   start inside it, so each rank copies its own share (and waits for its own copy before
   a layer reads it).
 - the ``BlockMover`` calls of the MemPool (tier saves and loads, transfers) through
-  ``GroupMover``, and ``shift_blocks``: each waits until every rank has done it, since
+  ``GroupMover``, the disk tier's bookkeeping (``tensor_parallel_disk.py``), and
+  ``shift_blocks``: each waits until every rank has done it, since
   the caller may reuse the source next. On the wire a block is every rank's part of it,
   rank by rank, block by block, so a peer of the same tensor-parallel size cuts it back
   the same way however its runs of block ids fall.
@@ -49,9 +50,11 @@ import torch.distributed as dist
 
 from memserve.config import EngineConfig
 from memserve.kvcache.address import Tier
-from memserve.kvcache.blocks import contiguous_runs
+from memserve.kvcache.blocks import MemPoolError, contiguous_runs
+from memserve.kvcache.disk_store import DiskStore
 from memserve.kvcache.mover import BlockMover, Buffer, recut
 from memserve.workers.model.tensor_parallel import TensorParallel
+from memserve.workers.tensor_parallel_disk import GroupDiskStore
 
 log = logging.getLogger("memserve.worker")
 
@@ -137,12 +140,15 @@ class Followers:
         with self._call(method, *args):
             self._check(_attempt(mine))
 
-    def read(self, tier: Tier, blocks: list[int]) -> list[list[bytes]]:
-        """Every other rank's ``read_blocks(tier, blocks)``."""
-        gathered: list[Any] = [None] * self.size
-        with self._call("read_blocks", tier, blocks):
-            dist.gather_object(None, gathered, dst=0, group=self.control)
-        return gathered[1:]
+    def gather(self, method: str, *args: Any) -> list[Any]:
+        """Every other rank's answer to ``method(*args)``, rank by rank; raises if one failed."""
+        replies: list[Any] = [None] * self.size
+        with self._call(method, *args):
+            dist.gather_object((None, None), replies, dst=0, group=self.control)
+        failed = [f"rank {r}: {error}" for r, (_, error) in enumerate(replies[1:], start=1) if error]
+        if failed:
+            raise RuntimeError("; ".join(failed))
+        return [answer for answer, _ in replies[1:]]
 
     def write(self, tier: Tier, blocks: list[int], pieces: list[list[Buffer]], mine: Any) -> None:
         """``write_blocks(tier, blocks, pieces[rank])`` on every rank."""
@@ -169,28 +175,42 @@ def _attempt(fn: Any) -> str | None:
 
 
 class GroupMover:
-    """The MemPool's ``BlockMover`` over every rank's pools: a block is every rank's part."""
+    """The MemPool's ``BlockMover`` over every rank's pools: a block is every rank's part.
+    With a disk tier (``disk``, rank 0's store) the other ranks' stores follow its names
+    and their failed reads count as its own (``tensor_parallel_disk.py``)."""
 
-    def __init__(self, local: BlockMover, followers: Followers) -> None:
+    def __init__(self, local: BlockMover, followers: Followers, disk: DiskStore | None = None) -> None:
         self.local, self.followers = local, followers
+        self.disk = disk if isinstance(disk, GroupDiskStore) else None
         self.rank_nbytes = local.block_nbytes
         self.block_nbytes = local.block_nbytes * followers.size
 
     def copy_blocks(self, src_tier: Tier, src_blocks: list[int], dst_tier: Tier, dst_blocks: list[int]) -> None:
+        if dst_tier == Tier.DISK and self.disk is not None:
+            self.disk.name_followers(dst_blocks)
         self.followers.run("copy_blocks", src_tier, src_blocks, dst_tier, dst_blocks,
                            mine=lambda: self.local.copy_blocks(src_tier, src_blocks, dst_tier, dst_blocks))
+        if src_tier == Tier.DISK and self.disk is not None:
+            self.disk.merge_failed(src_blocks)
 
     def read_blocks(self, tier: Tier, blocks: list[int]) -> list[Buffer]:
         """Per run of blocks, each block as every rank's part of it, rank by rank: the cut
         by blocks does not depend on how the runs fall (a peer's runs may fall otherwise)."""
         mine = self.local.read_blocks(tier, blocks)
-        ranks = [[memoryview(run).cast("B") for run in mine],
-                 *([memoryview(run) for run in theirs] for theirs in self.followers.read(tier, blocks))]
+        try:
+            theirs = self.followers.gather("read_blocks", tier, blocks)
+        except RuntimeError as exc:  # a rank's disk file was missing or bad
+            if tier == Tier.DISK and self.disk is not None:
+                self.disk.merge_failed(blocks)
+            raise MemPoolError(str(exc)) from exc
+        ranks = [[memoryview(run).cast("B") for run in mine], *([memoryview(run) for run in rank] for rank in theirs)]
         step = self.rank_nbytes
         return [b"".join(rank[i][b * step : (b + 1) * step] for b in range(len(run) // step) for rank in ranks)
                 for i, run in enumerate(ranks[0])]
 
     def write_blocks(self, tier: Tier, blocks: list[int], buffers: Sequence[Buffer]) -> None:
+        if tier == Tier.DISK and self.disk is not None:
+            self.disk.name_followers(blocks)
         size, step = self.followers.size, self.rank_nbytes
         parts = recut(buffers, [step] * (len(blocks) * size))  # block by block, rank by rank
         by_rank: list[list[Buffer]] = [[] for _ in range(size)]

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from memserve.config import EngineConfig
 from memserve.workers.cpu_threads import pin_compute_threads, rank_cpus, rank_threads
 from memserve.workers.parent_death import die_with_parent
+from memserve.workers.tensor_parallel_disk import ANSWERED, REPORTED, follow
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -46,8 +47,11 @@ def serve(runner: ModelRunner, control: dist.ProcessGroup) -> None:
             runner.finished_loads()  # the engine on rank 0 tracks loads; this rank only copies its share
             runner.failed_loads()
         elif method == "read_blocks":
-            buffers = [bytes(b) for b in runner.mover.read_blocks(*args)]
-            dist.gather_object(buffers, None, dst=0, group=control)
+            _answer(lambda: [bytes(b) for b in runner.mover.read_blocks(*args)], control)
+        elif method in ANSWERED:
+            _answer(lambda: follow(runner.disk, runner.preloader, method, args), control)
+        elif method in REPORTED:
+            _report(lambda: follow(runner.disk, runner.preloader, method, args), control)
         elif method == "write_blocks":
             pieces: list[Any] = [None]
             dist.scatter_object_list(pieces, None, src=0, group=control)
@@ -61,6 +65,18 @@ def serve(runner: ModelRunner, control: dist.ProcessGroup) -> None:
             _report(lambda: runner.set_adapter(*args), control)
         else:
             raise ValueError(f"unknown call {method!r} from rank 0")
+
+
+def _answer(fn: Any, control: dist.ProcessGroup) -> None:
+    """Send rank 0 ``(fn(), None)``, or ``(None, error)`` if it raised."""
+    import torch.distributed as dist
+
+    reply: tuple[Any, str | None]
+    try:
+        reply = (fn(), None)
+    except Exception as exc:  # noqa: BLE001 - rank 0 raises it
+        reply = (None, repr(exc))
+    dist.gather_object(reply, None, dst=0, group=control)
 
 
 def _report(fn: Any, control: dist.ProcessGroup) -> None:
