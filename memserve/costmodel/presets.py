@@ -9,12 +9,18 @@ an achievable-efficiency factor. Load them with ``store.load_cost_model(name)``.
 DGX H800 (H800-SXM5-80GB, NVLink 400 GB/s).
 ``opt-13b-a100``: CacheOpt's setup (§2): OPT-13B, FP16, one A100-SXM4-80GB of a
 p4d.24xlarge (NVSwitch 600 GB/s).
+``llama3-70b-h100-tp8``: Meta-Llama-3-70B, BF16, tensor parallel 8 on 8 H100-SXM5-80GB
+(NVLink 4): the setup of a published vLLM run that
+``benchmarks/simulated/llama70b_tp8_on_paper.py`` sets these figures against.
 
 Published figures
   H800-SXM5:  989.5 TFLOP/s dense FP16 (1979 with sparsity), HBM3 3.35 TB/s, NVLink
               400 GB/s (bidirectional: 200 GB/s each way), PCIe Gen5 x16 (64 GB/s each way).
   A100-SXM4:  312 TFLOP/s dense FP16, HBM2e 2.039 TB/s (80 GB), NVLink/NVSwitch 600 GB/s
               (300 GB/s each way), PCIe Gen4 x16: about 26 GB/s effective (AttentionStore §2.3).
+  H100-SXM5:  989.4 TFLOP/s dense BF16/FP16 (1979 with sparsity), HBM3 3.35 TB/s (80 GB),
+              NVLink 4 900 GB/s (bidirectional: 450 GB/s each way), PCIe Gen5 x16 (64 GB/s
+              each way; 0.8 of it effective, as for the H800).
 
 Architectures (FP16, 2 bytes a value; L layers, d hidden, I FFN width)
   Llama-2-13B: L=40, d=5120, I=13824 (SwiGLU: 3 matrices), 40 heads x 128 (no GQA),
@@ -24,14 +30,20 @@ Architectures (FP16, 2 bytes a value; L layers, d hidden, I FFN width)
     learned positions (2050 rows). Parameters 40*314,639,360 (with biases and 2 LayerNorms)
     + 50272*d + 2050*d + 2d = 12.853e9. GEMM FLOPs/token 2*40*(4d² + 2dI) = 25.17e9.
   KV bytes/token, both: 2 (K, V) * 40 layers * 5120 * 2 B = 819,200 B.
+  Meta-Llama-3-70B (BF16: 2 bytes a value, the same peak as FP16 on H100): L=80, d=8192,
+    I=28672 (SwiGLU), 64 query heads x 128 over 8 KV heads (GQA: K and V are 1024 wide),
+    vocab 128256, untied head. Parameters 80*(2d² + 2*d*1024 + 3dI + 2d) + 2*128256*d + d
+    = 80*855,654,400 + 2,101,346,304 + 8192 = 70.554e9. GEMM FLOPs/token
+    2*80*(2d² + 2*d*1024 + 3dI) = 136.90e9 (the LM head is left out, as for the 13B
+    models). KV bytes/token 2 * 80 * 1024 * 2 B = 327,680 B.
 
 Efficiency factors (assumptions, stated once here)
-  GEMMs 0.6 of peak on H800 (TP-sharded shapes, cuBLAS reaches 60-75% on H100-class
-  parts) and 0.7 on A100 (cuBLAS reaches 70-85% on large FP16 GEMMs); attention 0.35 on
-  H800 and 0.5 on A100 (FlashAttention-2 forward: about 335 of 989 TFLOP/s on H100 and up
-  to 73% of peak on A100 for long sequences; shorter prompts do worse); HBM 0.8 of peak;
-  GPU links 0.8 of peak. Engine overhead per step (scheduling, input preparation): 2 ms,
-  an estimate for a vLLM-like engine, not a published figure.
+  GEMMs 0.6 of peak on H800 and H100 (TP-sharded shapes, cuBLAS reaches 60-75% on
+  H100-class parts) and 0.7 on A100 (cuBLAS reaches 70-85% on large FP16 GEMMs); attention
+  0.35 on H800 and H100 and 0.5 on A100 (FlashAttention-2 forward: about 335 of 989 TFLOP/s
+  on H100 and up to 73% of peak on A100 for long sequences; shorter prompts do worse); HBM
+  0.8 of peak; GPU links 0.8 of peak. Engine overhead per step (scheduling, input
+  preparation): 2 ms, an estimate for a vLLM-like engine, not a published figure.
 
 Terms, with TP = t (each rank holds 1/t of every GEMM and of the heads)
   linear (compute-bound GEMMs): per_token = FLOPs/token / (t * peak * eff_gemm);
@@ -64,6 +76,12 @@ Resulting numbers
   opt-13b-a100: linear 115.2 us/token + 15.76 ms/step, elementwise 4.52 us/token,
     attention b = 2.63e-9, c = 5.02e-7; prefill_s(2048, 0) = 275 ms; decode step
     17.76 ms + 115 us/seq + 0.502 us/context token; copy 26 GB/s; transfer 240 GB/s.
+  llama3-70b-h100-tp8: linear 28.83 us/token + 6.58 ms/step (the weight floor: 141.1 GB
+    over 8 x 2.68 TB/s), elementwise 5.53 us/token, allreduce 12.74 us/token + 1.6 ms/step,
+    attention b = 4.73e-10, c = 1.53e-8; prefill_s(2048, 0) = 109 ms, prefill_s(2048, 0.75)
+    = 35 ms; decode step 10.18 ms + 41.6 us/seq + 0.0153 us/context token (B=1 at 512
+    tokens: 10.2 ms; B=32 at 2048 tokens: 12.5 ms); copy 51.2 GB/s; transfer 2.88 TB/s
+    (2048 tokens = 0.67 GB: 0.28 ms).
 """
 
 from __future__ import annotations
@@ -129,12 +147,16 @@ class Efficiency:
 
 LLAMA2_13B = Architecture("Llama-2-13b", 40, 5120, 13824, 3, 3, 5120, 13_015_864_320)
 OPT_13B = Architecture("opt-13b", 40, 5120, 20480, 2, 2, 5120, 12_853_473_280)
+LLAMA3_70B = Architecture("Meta-Llama-3-70B", 80, 8192, 28672, 3, 3, 1024, 70_553_706_496)
 H800 = Accelerator("nvidia-h800-sxm5-80gb", 989.5e12, 3.35e12, 200e9, 64e9 * 0.8)
 A100 = Accelerator("nvidia-a100-sxm4-80gb", 312e12, 2.039e12, 300e9, 26e9)
+H100 = Accelerator("nvidia-h100-sxm5-80gb", 989.4e12, 3.35e12, 450e9, 64e9 * 0.8)
 
 
-def derive(preset: str, arch: Architecture, acc: Accelerator, tp: int, eff: Efficiency) -> CostModel:
-    """The cost model of ``arch`` on ``tp`` x ``acc`` (see the module docstring)."""
+def derive(preset: str, arch: Architecture, acc: Accelerator, tp: int, eff: Efficiency,
+           dtype: str = "float16") -> CostModel:
+    """The cost model of ``arch`` on ``tp`` x ``acc`` (see the module docstring); ``dtype``
+    names the 2-byte type the setup ran in (its key), the figures are the same for both."""
     L, d = arch.num_layers, arch.hidden
     flops = tp * acc.peak_flops
     hbm = tp * acc.hbm_bytes_per_s * eff.memory  # t ranks read their shards in parallel
@@ -157,7 +179,7 @@ def derive(preset: str, arch: Architecture, acc: Accelerator, tp: int, eff: Effi
                                         kind="communication")
     b = 2.0 * L * d / (flops * eff.attention)
     return CostModel(
-        key=CostKey(arch.name, "float16", f"{acc.name}-tp{tp}"),
+        key=CostKey(arch.name, dtype, f"{acc.name}-tp{tp}"),
         block_size=BLOCK_SIZE,
         kv_bytes_per_token=arch.kv_bytes_per_token,
         operators=ops,
@@ -179,4 +201,6 @@ PRESETS: dict[str, Callable[[], CostModel]] = {
     "llama2-13b-h800": lambda: derive("llama2-13b-h800", LLAMA2_13B, H800, tp=2,
                                       eff=Efficiency(gemm=0.6, attention=0.35)),
     "opt-13b-a100": lambda: derive("opt-13b-a100", OPT_13B, A100, tp=1, eff=Efficiency(gemm=0.7, attention=0.5)),
+    "llama3-70b-h100-tp8": lambda: derive("llama3-70b-h100-tp8", LLAMA3_70B, H100, tp=8,
+                                          eff=Efficiency(gemm=0.6, attention=0.35), dtype="bfloat16"),
 }

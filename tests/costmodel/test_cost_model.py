@@ -117,7 +117,7 @@ def test_save_load_round_trip_and_default_location(toy: CostModel, tmp_path: Pat
 
 def test_presets_have_the_magnitudes_of_their_hardware():
     llama, opt = load_cost_model("llama2-13b-h800"), load_cost_model("opt-13b-a100")
-    assert set(PRESETS) == {"llama2-13b-h800", "opt-13b-a100"}
+    assert set(PRESETS) == {"llama2-13b-h800", "opt-13b-a100", "llama3-70b-h100-tp8"}
     # K and V of 40 layers x 5120 values in FP16, per token.
     assert llama.kv_bytes_per_token == opt.kv_bytes_per_token == 2 * 40 * 5120 * 2
     # 2048 tokens x ~25.4 GFLOP = 52 TFLOP: 26 ms on two H800s at 100% of 989.5 TFLOP/s;
