@@ -30,6 +30,7 @@ from memserve.text.truncation import DEFAULT_TRUNCATION, TRUNCATION_MODES
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
 KV_CACHE_DTYPES = ["auto", "fp8", "fp8_e4m3"]  # fp8 and fp8_e4m3: float8_e4m3fn
+ATTENTION_BACKENDS = ["auto", "sdpa", "xformers", "triton"]  # workers/model/attention_backend.py
 ON_OFF = {"on": True, "off": False}
 
 
@@ -49,6 +50,13 @@ def lora_module(text: str) -> list[str]:
     if not sep or not name or not path:
         raise argparse.ArgumentTypeError(f"expected name=path, got {text!r}")
     return [name, path]
+
+
+def attention_backend_name(text: str) -> str:
+    """``--attention-backend``: lower-cased, vLLM's TRITON_ATTN and TORCH_SDPA read as triton
+    and sdpa (its XFORMERS is ours lower-cased), so that a vLLM command line works as is."""
+    name = text.strip().lower()
+    return {"triton_attn": "triton", "torch_sdpa": "sdpa"}.get(name, name)
 
 
 def _gpu_ids(text: str) -> list[int] | None:
@@ -88,6 +96,15 @@ class EngineConfig:
         "auto", choices=["auto", "blocked", "sdpa"],
         help="CPU prefill attention: oneDNN products over query blocks in float32, torch's SDPA, or "
              "auto (default): whichever a short probe at start-up measures faster on this CPU")
+    # sdpa | xformers | triton (workers/model/attention_backend.py); auto: the first that loads here
+    attention_backend: str = option(
+        "auto", type=attention_backend_name, choices=ATTENTION_BACKENDS,
+        help="attention over the paged KV cache (vLLM's flag; its TRITON_ATTN, XFORMERS, TORCH_SDPA are read "
+             "too): triton (a Triton kernel reading the KV blocks in place: Ampere or newer GPUs; on the CPU "
+             "only under Triton's interpreter, TRITON_INTERPRET=1, for tests), xformers (one call over "
+             "gathered blocks, CUDA), sdpa (torch's SDPA over gathered blocks; on the CPU the paths of "
+             "--cpu-attention and --cpu-prefill-attention); auto (default): on a GPU the first of triton, "
+             "xformers, sdpa that loads, on the CPU sdpa (docs/architecture.md)")
     # GGUF weights (workers/model/gguf_linear.py) and Hugging Face quantized checkpoints
     # (workers/model/quantization_config.py) run quantized
     quantization: str = option(

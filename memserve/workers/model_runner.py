@@ -49,6 +49,7 @@ from memserve.workers.kv_pools import KVPools
 from memserve.workers.layer_preload import LayerwisePreloader
 from memserve.workers.model import cpu_kernels
 from memserve.workers.model.attention import CPU_ATTENTIONS, AttentionMetadata
+from memserve.workers.model.attention_backend import resolve_attention_backend
 from memserve.workers.model.decode_graphs import DecodeGraphs
 from memserve.workers.model.dtype import resolve_dtype
 from memserve.workers.model.grammar import GrammarMatchers
@@ -94,6 +95,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             log.info("CPU prefill attention: %s (--cpu-prefill-attention %s)", self.cpu_prefill,
                      cfg.cpu_prefill_attention)
+        self.attention_backend = resolve_attention_backend(cfg, self.device, self.model_config.head_dim, self.dtype)
         self.num_layers = self.model_config.num_layers
         # A captured graph would replay the step's LoRA rows of capture time: adapters run eagerly.
         use_graphs = (self.device.type == "cuda" and not cfg.enforce_eager and self.model.capturable
@@ -147,7 +149,8 @@ class ModelRunner:
             max_len = min(cfg.max_model_len or self.max_position_embeddings, self.max_position_embeddings,
                           self.num_blocks * self.block_size)
             self.graphs = DecodeGraphs(self.model, self.pools.device, self.layout, self.block_size,
-                                       self.pools.scratch_block, cfg.max_num_seqs, -(-max_len // self.block_size))
+                                       self.pools.scratch_block, cfg.max_num_seqs, -(-max_len // self.block_size),
+                                       self.attention_backend)
             self.graphs.capture()
 
     @property
@@ -227,7 +230,7 @@ class ModelRunner:
                 block_size=bs,
                 layout=self.layout,
                 cpu_attention=self.cpu_attention,
-                cpu_prefill=self.cpu_prefill,
+                cpu_prefill=self.cpu_prefill, attention_backend=self.attention_backend,
             )
             hidden = self.model(
                 torch.tensor(input_ids, dtype=torch.long, device=self.device),

@@ -4,10 +4,13 @@ embedded SmolLM2 when it is installed and for tiny random Llama, Qwen2 and Qwen3
 in bfloat16 the first 16 tokens agree on at least 90% of 32 ShareGPT prompts; a prefix
 hit and a round trip through the host tier (layer-wise preloading on and off) give the
 tokens computed without a cache; decode steps replayed from CUDA graphs give the eager
-steps' tokens."""
+steps' tokens. The engines attend with --attention-backend auto (triton where it loads),
+or with the backend MEMSERVE_TEST_ATTENTION_BACKEND names (scripts/gpu_check runs the
+float32 and graph tests again with sdpa and xformers)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -29,6 +32,7 @@ NEW_TOKENS = 24
 BF16_PROMPTS = 32
 BF16_TOKENS = 16
 BF16_AGREEMENT = 0.9
+ATTENTION_BACKEND = os.environ.get("MEMSERVE_TEST_ATTENTION_BACKEND", "auto")
 SMOLLM2_PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -53,7 +57,7 @@ def model(request, tmp_path_factory) -> tuple[str, Path]:
 
 def engine_for(folder: Path, dtype: str = "float32", **options) -> Engine:
     cfg = EngineConfig(model=str(folder), dtype=dtype, device="cuda", num_blocks=512, max_num_seqs=32,
-                       max_num_batched_tokens=1024, **options)
+                       max_num_batched_tokens=1024, **{"attention_backend": ATTENTION_BACKEND, **options})
     return build_engine(cfg, folder)
 
 

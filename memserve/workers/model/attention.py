@@ -58,22 +58,37 @@ Reading blocks strictly in place measured slower everywhere: a one-block-column 
 the cache as one long key sequence costs time that grows with the pool (0.01-0.05x over
 4k blocks), compiles for tens of seconds per batch size, and does not compile at batch 1.
 
-On CUDA with xformers installed, the whole batch instead goes through one
-memory-efficient-attention call with a block-diagonal, bottom-right-causal mask over
-per-sequence padded keys. That path cannot run in the CPU test suite; the SDPA path is the
-tested reference.
+On CUDA with ``--attention-backend xformers`` (what ``auto`` resolves to where the Triton
+kernel cannot run and xformers imports: attention_backend.py), the whole batch instead goes
+through one memory-efficient-attention call with a block-diagonal, bottom-right-causal
+mask over per-sequence padded keys. That path cannot run in the CPU test suite; the SDPA
+path is the tested reference.
+
+With ``--attention-backend triton`` a plan holds only the kernel's arguments
+(``TritonBatch``, triton_batch.py: where each sequence's rows start, its context length
+and block table, int32 on the device, made once per step and shared by every layer and
+window), and each layer is one launch of the Triton kernel (triton_attention.py) over all
+the step's rows, prefill chunks, decode rows and speculative verify rows alike: K/V are
+read in place through the block tables, the kernel applies GQA, windows and soft-caps
+itself, and nothing is gathered, padded or masked here. A chunk with nothing cached
+before it attends its K/V as the cache holds them (an FP8 cache's rounded values), not as
+computed. On the CPU the kernel runs only under Triton's interpreter, which is how the
+tests check this path.
 
 A decode batch replayed from a CUDA graph (``decode_graphs.py``) has a plan of its own,
 ``AttentionPlan.static``: built from device tensors by device ops alone (a graph cannot
 read host data), every row attends its whole fixed-width block table, masked past its
-context length. The CPU tests run it eagerly against the other paths.
+context length; with the triton backend it holds the kernel's arguments instead
+(``TritonBatch.static``), and the graph captures the kernel's launches. The CPU tests run
+it eagerly against the other paths.
 
 A sliding window W (Mistral's ``sliding_window``; ``AttentionPlan.window``) limits each
 query at position p to the keys at positions p - W < j <= p: the kernel starts each row
 at its window, the SDPA paths mask keys before it (decode groups are then attended in one
-call, not chunked) and the blocked prefill skips and masks them; xformers and the static
-plan know no window, so a windowed batch takes the SDPA path on CUDA and a windowed model
-is not captured in CUDA graphs. The cache still holds every token (prefix reuse is by
+call, not chunked), the blocked prefill skips and masks them and the Triton kernel starts
+each row's keys at its window too; xformers and the static plan know no window, so with
+xformers a windowed batch takes the SDPA path on CUDA, and a windowed model is not
+captured in CUDA graphs. The cache still holds every token (prefix reuse is by
 position, as without a window). A model whose layers have different windows (Gemma's
 sliding and global layers) builds one plan per window.
 
@@ -81,9 +96,9 @@ Soft-capped attention (Gemma 2's ``attn_logit_softcapping``; ``AttentionPlan.sof
 turns each scaled score s into cap * tanh(s / cap) before the softmax. SDPA and torch's
 flash kernel cannot do that, so where it is set the SDPA paths compute the scores
 explicitly (``_softcapped_attention``; decode groups are then attended in one call, not
-chunked), the blocked prefill and the CPU kernel cap their scores themselves, and
-xformers, which cannot cap them either, gives way to the SDPA path on CUDA; a
-soft-capped model is not captured in CUDA graphs.
+chunked), the blocked prefill, the CPU kernel and the Triton kernel cap their scores
+themselves, and xformers, which cannot cap them either, gives way to the SDPA path on
+CUDA; a soft-capped model is not captured in CUDA graphs.
 
 An FP8 KV cache (``--kv-cache-dtype fp8``: pools of float8_e4m3fn, per-tensor scale 1.0)
 holds K and V clamped to e4m3's range and rounded as ``write_kv`` stores them
@@ -95,18 +110,27 @@ own K and V as computed, before rounding (as vLLM does).
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from memserve.workers.model import cpu_kernels
+from memserve.workers.model.triton_batch import TritonBatch, triton_paged_attention
 
 try:  # xformers is optional and CUDA-only; the SDPA path below is the reference.
     from xformers.ops import memory_efficient_attention_forward as _xformers_attention
     from xformers.ops.fmha.attn_bias import BlockDiagonalCausalWithOffsetPaddedKeysMask
 except ImportError:  # pragma: no cover - depends on the installation
     _xformers_attention = None
+
+
+def xformers_available() -> bool:
+    """Whether xformers' attention imported (installed, and built for this torch)."""
+    return _xformers_attention is not None
+
 
 KV_LAYOUTS = ("aggregated", "layer-major")
 CPU_ATTENTIONS = ("kernel", "torch")
@@ -139,6 +163,9 @@ class AttentionMetadata:
     layout: str = "aggregated"
     cpu_attention: str = "kernel"  # kernel: CPU decode rows through cpu_kernels where it builds; torch: SDPA
     cpu_prefill: str = "blocked"  # blocked: CPU prefill chunks through _blocked_prefill (needs oneDNN); sdpa: SDPA
+    # sdpa: the gathered torch paths; xformers: one xformers call on CUDA where a plan has no
+    # window or soft-cap; triton: the Triton kernel (attention_backend.py resolves --attention-backend)
+    attention_backend: str = "sdpa"
 
 
 def kv_cache_shape(
@@ -246,13 +273,18 @@ class AttentionPlan:
     static_decode: StaticDecode | None = None  # the whole batch, when the plan is ``static``
     window: int = 0  # sliding window: each query sees its last ``window`` keys; 0: all of them
     softcap: float = 0.0  # scores soft-capped at this value (Gemma 2); 0: not capped
+    triton: TritonBatch | None = None  # the whole batch through the Triton kernel (then nothing else is planned)
     _buffers: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @classmethod
     def static(cls, slots: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-               layout: str) -> AttentionPlan:
+               layout: str, backend: str = "sdpa") -> AttentionPlan:
         """The plan of a decode batch held in device tensors (slots and context_lens [B],
-        block_tables [B, W]), built by device ops alone so that a CUDA graph captures it."""
+        block_tables [B, W]), built by device ops alone so that a CUDA graph captures it:
+        the Triton kernel's arguments with ``backend`` triton, else a gathered SDPA plan."""
+        if backend == "triton":
+            return cls(layout, slots // block_size, slots % block_size, [], [], None,
+                       triton=TritonBatch.static(context_lens, block_tables))
         key_pos = torch.arange(block_tables.shape[1] * block_size, device=slots.device)
         key_mask = (key_pos[None, :] < context_lens[:, None])[:, None, None, :]
         return cls(layout, slots // block_size, slots % block_size, [], [], None,
@@ -267,9 +299,14 @@ class AttentionPlan:
         slots = meta.slot_mapping.to(device, non_blocking=True)
         block_tables = meta.block_tables.to(device, non_blocking=True)
         starts, ctx = meta.query_start_loc, meta.context_lens
+        if meta.attention_backend == "triton":
+            triton = TritonBatch.build(starts, ctx, block_tables, device)
+            return cls(meta.layout, slots // bs, slots % bs, [], [], None, window=window, softcap=softcap,
+                       triton=triton)
         query_lens = [starts[i + 1] - starts[i] for i in range(len(ctx))]
         # xformers applies neither a window nor a soft-cap: such plans take the SDPA path.
-        if device.type == "cuda" and _xformers_attention is not None and not window and not softcap:
+        if (meta.attention_backend == "xformers" and device.type == "cuda" and _xformers_attention is not None
+                and not window and not softcap):
             max_blocks = _blocks_for(max(ctx), bs)
             bias = BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens(
                 q_seqlen=query_lens, kv_padding=max_blocks * bs, kv_seqlen=ctx, device=device
@@ -301,6 +338,18 @@ class AttentionPlan:
                    for group in decode_groups(decode_seqs, ctx)]
         return cls(meta.layout, slots // bs, slots % bs, decodes, prefills, None, blocked, window=window,
                    softcap=softcap)
+
+    @classmethod
+    def build_windows(cls, meta: AttentionMetadata, device: torch.device, windows: Iterable[int],
+                      softcap: float = 0.0) -> dict[int, AttentionPlan]:
+        """One plan per distinct window of a model's layers (Gemma's sliding and global
+        layers). Triton plans differ by their window alone: they share one TritonBatch, so
+        the step's device tensors are made once, whatever the windows."""
+        first, *rest = dict.fromkeys(windows)
+        plan = cls.build(meta, device, first, softcap)
+        if plan.triton is not None:
+            return {first: plan, **{w: dataclasses.replace(plan, window=w, _buffers={}) for w in rest}}
+        return {first: plan, **{w: cls.build(meta, device, w, softcap) for w in rest}}
 
     def gather(self, cache: torch.Tensor, block_tables: torch.Tensor, buffer: str,
                dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -445,6 +494,8 @@ def paged_attention(
     """Write k/v [T, kv_heads, dim] into the cache, then attend q [T, heads, dim] to each
     sequence's context. Returns [T, heads, dim]."""
     write_kv(k_cache, v_cache, k, v, plan)
+    if plan.triton is not None:
+        return triton_paged_attention(q, k_cache, v_cache, plan.triton, scale, plan.window, plan.softcap)
     if plan.static_decode is not None:
         return _static_decode_attention(q, k_cache, v_cache, plan, plan.static_decode, scale)
     if plan.xformers is not None:

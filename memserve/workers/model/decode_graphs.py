@@ -103,8 +103,9 @@ class DecodeGraphs:
     """The decode graphs of one model over one KV pool."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, layout: str, block_size: int,
-                 scratch_block: int, max_batch: int, max_blocks: int) -> None:
+                 scratch_block: int, max_batch: int, max_blocks: int, attention_backend: str = "sdpa") -> None:
         self.model = model
+        self.attention_backend = attention_backend  # triton: the graphs capture the Triton kernel's launches
         self.kv_cache = kv_cache
         self.layout = layout
         self.block_size = block_size
@@ -129,7 +130,8 @@ class DecodeGraphs:
 
     def _forward(self, inputs: torch.Tensor) -> torch.Tensor:
         ids, positions, slots, context_lens = (inputs[:, i] for i in range(INPUT_COLUMNS))
-        plan = AttentionPlan.static(slots, inputs[:, INPUT_COLUMNS:], context_lens, self.block_size, self.layout)
+        plan = AttentionPlan.static(slots, inputs[:, INPUT_COLUMNS:], context_lens, self.block_size, self.layout,
+                                    self.attention_backend)
         with sdpa_kernel(CAPTURED_ATTENTION):
             # Every layer attends the whole context: a model with windows is not capturable.
             return self.model.forward_planned(ids, positions, self.kv_cache, {0: plan})

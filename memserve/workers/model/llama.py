@@ -222,7 +222,7 @@ class LlamaForCausalLM(nn.Module):
         ``kv_cache``; returns the final-norm hidden states [T, hidden]. ``hooks`` are
         called around every layer (KV loads and saves overlap the compute)."""
         softcap = self.config.attn_logit_softcapping or 0.0
-        plans = {w: AttentionPlan.build(meta, input_ids.device, w, softcap) for w in set(self.layer_windows)}
+        plans = AttentionPlan.build_windows(meta, input_ids.device, self.layer_windows, softcap)
         return self.forward_planned(input_ids, positions, kv_cache, plans, hooks)
 
     @torch.inference_mode()
