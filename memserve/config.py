@@ -257,12 +257,6 @@ class EngineConfig:
             raise ValueError("--lora-modules names an adapter twice")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1:
-            # By-layer sends read one rank's pool: they are not split across ranks yet
-            # (docs/parallelism.md).
-            if self.transfer_mode == "by-layer":
-                raise ValueError("--transfer-mode by-layer does not go with --tensor-parallel-size > 1 yet: "
-                                 "by-request transfers do")
 
 
 @dataclass

@@ -25,7 +25,7 @@ import os
 import secrets
 import weakref
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -195,14 +195,17 @@ class KVPools:
             dst.copy_(src.view(dst.shape).to(dst.device))
 
     # ------------------------------------------------------- by-layer transfer
-    def read_layer(self, blocks: list[int], layer: int) -> memoryview:
+    def read_layer(self, blocks: list[int], layer: int,
+                   gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> memoryview:
         """A host copy of layer ``layer``'s K and V of device ``blocks``, as
         ``[len(blocks), 2, block_size, kv_heads, head_dim]`` in either layout (by-layer
-        transfer: a copy, so the step may reuse the blocks before it is sent), as bytes."""
+        transfer: a copy, so the step may reuse the blocks before it is sent), as bytes.
+        ``gather``: what makes of these bytes (flat, on the device) the ones sent (every
+        rank's part, rank by rank, in a tensor-parallel worker)."""
         k, v = layer_kv(self.device.view(torch.uint8), layer, self.layout)
         idx = torch.tensor(blocks, device=self.device.device)
-        t = torch.stack((k.index_select(0, idx), v.index_select(0, idx)), dim=1).cpu()
-        return t.numpy().data.cast("B")
+        t = torch.stack((k.index_select(0, idx), v.index_select(0, idx)), dim=1).reshape(-1)
+        return (gather(t) if gather is not None else t).cpu().numpy().data.cast("B")
 
     def write_layer(self, tier: Tier, blocks: list[int], layer: int, buf: bytes | memoryview) -> None:
         """Store what ``read_layer`` produced into ``blocks`` of ``tier``, as bytes

@@ -66,7 +66,7 @@ from memserve.workers.model.prefill_probe import resolve_cpu_prefill
 from memserve.workers.model.sampler import Sampler, position_uniform
 from memserve.workers.model.tensor_parallel import SINGLE, TensorParallel
 from memserve.workers.tensor_parallel_disk import GroupDiskStore, HeldLoads
-from memserve.workers.tensor_parallel_group import Followers, GroupMover
+from memserve.workers.tensor_parallel_group import Followers, GroupMover, LayerReads
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,6 @@ class ModelRunner:
             layerwise=cfg.layerwise_preload, ahead=cfg.preload_buffer_layers,
             stream_disk=cfg.tensor_parallel_size == 1)
         self._held_loads = HeldLoads(self.disk) if isinstance(self.disk, GroupDiskStore) else None
-        self.add_step_hooks(self.preloader.hooks_for)
         self._failed_loads: dict[str, BaseException] = {}
         self.graphs: DecodeGraphs | None = None
         if use_graphs:
@@ -166,16 +165,18 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         """Run the planned tokens; return the sampled token of each request that has one."""
+        # Before the plan goes to the other ranks: the hooks name the layers they read.
+        hooks = [h for make in self._step_hooks if (h := make(plan)) is not None]
         if self.followers is None:
-            return self._execute(plan)
+            return self._execute(plan, hooks)
         self.followers.send("execute", plan)
         try:
-            return self._execute(plan)
+            return self._execute(plan, hooks)
         except Exception:
             self.followers.exit_if_one_died()  # a collective failed because a rank is gone: not the requests' fault
             raise
 
-    def _execute(self, plan: StepPlan) -> StepResult:
+    def _execute(self, plan: StepPlan, extra: list[LayerHooks]) -> StepResult:
         for rid in plan.finished_ids:
             self._params.pop(rid, None)
             self._seeds.pop(rid, None)
@@ -215,7 +216,7 @@ class ModelRunner:
                 sample_positions += range(end - chunk.num_drafts, end + 1)
         if self.loras is not None:
             self._set_lora_rows(plan, query_start_loc)
-        hooks = self._hooks_for(plan)
+        hooks = self._layer_hooks(plan, extra)
         hidden = None
         if self.graphs is not None and len(input_ids) == len(plan.chunks):  # one new token each: pure decode
             hidden = self.graphs.run(input_ids, positions, slots, context_lens, tables, hooks)
@@ -253,6 +254,15 @@ class ModelRunner:
                             sampled_logprobs(logprob_rows, log_probs, tokens, params, sample_ids), prompt_logprobs)
         accept_drafts(plan.chunks, tokens, result)
         return result
+
+    def _layer_hooks(self, plan: StepPlan, extra: list[LayerHooks]) -> LayerHooks:
+        """The step's layer hooks: the runner's, the preloader's (once the step's loads
+        have started), the step hooks' (``extra``) and, on ranks 1..N-1, the gathers of
+        the layers rank 0 reads (``plan.layer_reads``)."""
+        preload = self.preloader.hooks_for(plan)
+        reads = [LayerReads(self.read_layer, plan.layer_reads)] if self.tp.rank > 0 and plan.layer_reads else []
+        chained = [h for h in (preload, *extra, *reads) if h is not None]
+        return ChainedHooks([self.hooks, *chained]) if chained else self.hooks
 
     def _set_lora_rows(self, plan: StepPlan, query_start_loc: list[int]) -> None:
         """Tell the model which of the step's rows run which adapter."""
@@ -299,12 +309,9 @@ class ModelRunner:
         return uniforms
 
     def add_step_hooks(self, make: Callable[[StepPlan], LayerHooks | None]) -> None:
-        """Have ``make(plan)`` give each step's extra layer hooks, called after ``hooks``."""
+        """Have ``make(plan)`` give each step's extra layer hooks, called after ``hooks``
+        and the preloader's (``make`` runs before the step's loads start)."""
         self._step_hooks.append(make)
-
-    def _hooks_for(self, plan: StepPlan) -> LayerHooks:
-        extra = [h for make in self._step_hooks if (h := make(plan)) is not None]
-        return ChainedHooks([self.hooks, *extra]) if extra else self.hooks
 
     # ------------------------------------------------------------------ loads
     def start_loads(self, loads: list[KVLoad]) -> None:
@@ -332,8 +339,11 @@ class ModelRunner:
 
     # ------------------------------------------------------------ kv-shift
     def read_layer(self, blocks: list[int], layer: int) -> memoryview:
-        """Layer ``layer`` of device blocks ``blocks``, copied out for a by-layer send."""
-        return self.pools.read_layer(blocks, layer)
+        """Layer ``layer`` of device blocks ``blocks``, copied out for a by-layer send. In
+        a tensor-parallel worker every rank calls it in the same step after the same layer
+        (rank 0's sends, the others' ``LayerReads`` of ``plan.layer_reads``), and each gets
+        every rank's part, rank by rank."""
+        return self.pools.read_layer(blocks, layer, self.tp.all_gather if self.tp.size > 1 else None)
 
     def shift_blocks(self, src_blocks: list[int], dst_blocks: list[int], delta_positions: int) -> None:
         """Copy device blocks with their keys moved by ``delta_positions`` (model/kv_shift.py)."""

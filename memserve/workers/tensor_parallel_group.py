@@ -39,7 +39,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -150,12 +150,12 @@ class Followers:
             raise RuntimeError("; ".join(failed))
         return [answer for answer, _ in replies[1:]]
 
-    def write(self, tier: Tier, blocks: list[int], pieces: list[list[Buffer]], mine: Any) -> None:
-        """``write_blocks(tier, blocks, pieces[rank])`` on every rank."""
-        with self._call("write_blocks", tier, blocks):
+    def scatter(self, method: str, *args: Any, pieces: list[Any], mine: Any) -> None:
+        """``method(*args, pieces[rank - 1])`` on every other rank, ``mine()`` here;
+        returns when every rank has done it, raising if one failed."""
+        with self._call(method, *args):
             out: list[Any] = [None]
-            dist.scatter_object_list(out, [[], *([bytes(p) for p in rank] for rank in pieces)], src=0,
-                                     group=self.control)
+            dist.scatter_object_list(out, [None, *pieces], src=0, group=self.control)
             self._check(_attempt(mine))
 
     def _check(self, error: str | None) -> None:
@@ -219,5 +219,34 @@ class GroupMover:
             for r in range(size):
                 by_rank[r].append(b"".join(parts[(first + b) * size + r] for b in range(length)))
             first += length
-        self.followers.write(tier, blocks, by_rank[1:],
-                             mine=lambda: self.local.write_blocks(tier, blocks, by_rank[0]))
+        self.followers.scatter("write_blocks", tier, blocks, pieces=[[bytes(p) for p in rank] for rank in by_rank[1:]],
+                               mine=lambda: self.local.write_blocks(tier, blocks, by_rank[0]))
+
+    def write_layer(self, tier: Tier, blocks: list[int], layer: int, buf: Buffer) -> None:
+        """Store one layer of a by-layer transfer: every rank's part, rank by rank (as the
+        sender's ``read_layer`` gathers them)."""
+        view = memoryview(buf).cast("B")
+        size = self.followers.size
+        if len(view) % size:
+            raise ValueError(f"one layer came as {len(view)} B, not a multiple of {size} ranks' parts")
+        step = len(view) // size
+        parts = [view[r * step : (r + 1) * step] for r in range(size)]
+        local = self.local
+        assert hasattr(local, "write_layer")  # the rank's pools (or its tiers over them)
+        self.followers.scatter("write_layer", tier, blocks, layer, pieces=[bytes(p) for p in parts[1:]],
+                               mine=lambda: local.write_layer(tier, blocks, layer, parts[0]))
+
+
+class LayerReads:
+    """A rank's layer hooks for the layers rank 0 reads in a step (``plan.layer_reads``):
+    after each layer, join each read's gather (``ModelRunner.read_layer``), in rank 0's order."""
+
+    def __init__(self, read_layer: Callable[[list[int], int], object], reads: list[list[int]]) -> None:
+        self.read_layer, self.reads = read_layer, reads
+
+    def before_layer(self, layer: int) -> None:
+        pass
+
+    def after_layer(self, layer: int) -> None:
+        for blocks in self.reads:
+            self.read_layer(blocks, layer)

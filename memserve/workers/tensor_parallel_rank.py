@@ -52,11 +52,11 @@ def serve(runner: ModelRunner, control: dist.ProcessGroup) -> None:
             _answer(lambda: follow(runner.disk, runner.preloader, method, args), control)
         elif method in REPORTED:
             _report(lambda: follow(runner.disk, runner.preloader, method, args), control)
-        elif method == "write_blocks":
-            pieces: list[Any] = [None]
-            dist.scatter_object_list(pieces, None, src=0, group=control)
-            tier, blocks = args
-            _report(lambda: runner.mover.write_blocks(tier, blocks, pieces[0]), control)
+        elif method in ("write_blocks", "write_layer"):
+            piece: list[Any] = [None]
+            dist.scatter_object_list(piece, None, src=0, group=control)
+            write = getattr(runner.mover, method)  # (the rank's pools, or its tiers over them)
+            _report(lambda: write(*args, piece[0]), control)
         elif method == "copy_blocks":
             _report(lambda: runner.mover.copy_blocks(*args), control)
         elif method == "shift_blocks":

@@ -2,7 +2,8 @@
 with its rank processes; the embedded SmolLM2, 9 heads over 3 KV heads, at three ranks):
 
 - disaggregated prefill and decode between two such workers (KV sent by request, every
-  rank's share of each block) gives the tokens of colocated serving at one rank, and
+  rank's share of each block; or by layer, every rank's share of each layer gathered as
+  the prefill step computes it) gives the tokens of colocated serving at one rank, and
   leaves no block held on either side;
 - a rank killed with SIGKILL under load takes its worker down as one: the worker's
   requests complete on the other worker, the worker comes back with new ranks, and no
@@ -29,27 +30,33 @@ def children(pid: int) -> list[int]:
         return [int(c) for c in f.read().split()]
 
 
-async def answers(roles: list[str], tensor_parallel_size: int, prompts: list[list[int]]) -> list[list[int]]:
-    async with pd_cluster(roles, "pd-caching-3", tensor_parallel_size=tensor_parallel_size) as (client, _):
+async def answers(roles: list[str], tensor_parallel_size: int, prompts: list[list[int]],
+                  transfer_mode: str = "by-request-agg") -> list[list[int]]:
+    async with pd_cluster(roles, "pd-caching-3", tensor_parallel_size=tensor_parallel_size,
+                          transfer_mode=transfer_mode) as (client, _):
         out = []
         for i, prompt in enumerate(prompts):
             tokens, _, _, error = await collect(client.generate(f"r{i}", prompt, GREEDY))
             assert error is None
             out.append(tokens)
+        if "prefill" in roles:  # every request's KV went over, none was recomputed
+            assert client.pd.counts["handoffs"] == len(prompts), dict(client.pd.counts)
+            assert not client.pd.counts["resumed_without_kv"] and not client.pd.counts["handoff_failed"]
         assert not any((await settled(client)).values())
         return out
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_pd_between_tensor_parallel_workers_gives_one_ranks_tokens():
+@pytest.mark.parametrize("transfer_mode", ["by-request-agg", "by-layer"])
+def test_pd_between_tensor_parallel_workers_gives_one_ranks_tokens(transfer_mode):
     from memserve.model_files.gguf_convert import ensure_model_dir
     from memserve.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_folder(ensure_model_dir(None))
     prompts = [tok.encode_chat([{"role": "user", "content": users[0]}]) for users in user_turns(3, 1)]
     colocated = asyncio.run(answers(["colocated"], 1, prompts))
-    assert asyncio.run(answers(["prefill", "decode"], RANKS, prompts)) == colocated
+    assert asyncio.run(answers(["prefill", "decode"], RANKS, prompts, transfer_mode)) == colocated
 
 
 @pytest.mark.timeout(300)

@@ -61,10 +61,14 @@ class LayerSender:
 
     def hooks_for(self, plan: StepPlan) -> _StepSends | None:
         """Hooks for the armed requests whose prompt this step completes (each is sent
-        once: a step re-run after a failure does not send again)."""
+        once: a step re-run after a failure does not send again); the blocks they copy
+        out layer by layer join ``plan.layer_reads``."""
         sends = []
         for chunk in plan.chunks:
             if chunk.sample and chunk.request_id in self._armed:
                 stream, first_block = self._armed.pop(chunk.request_id)
-                sends.append((stream, chunk.block_ids[first_block : first_block + stream.num_blocks]))
+                blocks = chunk.block_ids[first_block : first_block + stream.num_blocks]
+                sends.append((stream, blocks))
+                if not stream.in_place:
+                    plan.layer_reads.append(blocks)
         return _StepSends(self.read_layer, sends) if sends else None

@@ -73,6 +73,10 @@ class StepPlan:
     copies: list[BlockCopy] = field(default_factory=list)  # to run before this step computes
     finished_ids: list[str] = field(default_factory=list)  # left since the last plan: forget them
     preempted_ids: list[str] = field(default_factory=list)
+    # Device blocks whose every layer the step's hooks read as it is computed (by-layer
+    # sends, in the order they read), named before the plan goes to a tensor-parallel
+    # worker's other ranks: each read gathers every rank's part, so each rank joins it.
+    layer_reads: list[list[int]] = field(default_factory=list)
 
     def only(self, chunk: ScheduledChunk) -> StepPlan:
         """The same plan restricted to one chunk (to find which request fails a step)."""
