@@ -6,7 +6,8 @@ SPEC: folder, tp, prompts, new_tokens and options (EngineConfig fields). The eng
 generates the prompts cold (``cold``), again from its prefix cache (``hit``), and once more
 after every cached block moved to the host tier (``host``), with the numbers of blocks
 swapped in and free at the end. With ``long_prefill_token_threshold`` among the options
-the prefills run in chunks beside other requests' decodes."""
+the prefills run in chunks beside other requests' decodes; with ``speculative_config``
+the n-gram drafts proposed and accepted are counted (``drafted``, ``accepted``)."""
 
 from __future__ import annotations
 
@@ -36,8 +37,10 @@ def run(spec: dict) -> dict:
     mempool.swap_out(mempool.stats()["device"]["total"])
     out["host"] = generate(engine, prompts, n, tag="host")
     mempool.flush_saves()
-    return {**out, "swapped_in": engine.stats()["num_swapped_in"], "free": mempool.stats()["device"]["free"],
-            "total": mempool.stats()["device"]["total"]}
+    stats = engine.stats()
+    return {**out, "swapped_in": stats["num_swapped_in"], "free": mempool.stats()["device"]["free"],
+            "total": mempool.stats()["device"]["total"], "drafted": stats["spec_draft_tokens_total"],
+            "accepted": stats["spec_accepted_tokens_total"]}
 
 
 if __name__ == "__main__":

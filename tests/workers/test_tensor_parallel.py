@@ -1,8 +1,8 @@
 """Tensor parallelism on the CPU (gloo, float32): tiny random models of every family,
 served by an engine whose model is split over two rank processes, give transformers'
 greedy tokens cold, from the prefix cache, with prefills in chunks beside other
-requests' decodes, and after a round trip of their cached blocks through the host tier,
-and no block stays held. KV heads fewer than, equal to and more than the ranks; a model
+requests' decodes, with n-gram drafts verified, and after a round trip of their cached
+blocks through the host tier, and no block stays held. KV heads fewer than, equal to and more than the ranks; a model
 whose heads do not divide by the ranks is refused naming both numbers; the embedded
 SmolLM2 (9 heads over 3 KV heads) at three ranks gives the tokens of one.
 
@@ -59,6 +59,19 @@ def test_two_ranks_serve_transformers_tokens(family, tmp_path):
     hf = save_tiny_model(tmp_path, family)
     ids = prompts()
     assert_served_like(run_engine(tmp_path, 2, ids, CHUNKED), transformers_greedy(hf, ids, NEW_TOKENS))
+
+
+def test_two_ranks_verify_ngram_drafts(tmp_path):
+    """Prompts that end by repeating themselves and their answer, so the n-gram proposer
+    finds drafts: verified over two ranks, they give transformers' tokens."""
+    hf = save_tiny_model(tmp_path, "llama")
+    ids = prompts()[:2]
+    first = transformers_greedy(hf, ids, NEW_TOKENS)
+    echo = [p + answer + p for p, answer in zip(ids, first)]
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    result = run_engine(tmp_path, 2, echo, {"speculative_config": spec})
+    assert_served_like(result, transformers_greedy(hf, echo, NEW_TOKENS), tuple(len(p) for p in echo))
+    assert result["drafted"] > 0 and result["accepted"] > 0
 
 
 @pytest.mark.parametrize("kv_heads", [1, 4])
