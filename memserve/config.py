@@ -70,7 +70,9 @@ class EngineConfig:
         None, help="HF folder, .gguf file, or a repo id (org/name): from the local Hugging Face cache, "
                    "else downloaded (default: embedded SmolLM2-135M-Instruct)")
     dtype: str = option("auto", choices=DTYPES)
-    device: str = "cpu"  # "cpu" or "cuda:N"
+    # "cpu", or the worker's GPUs as the box numbers them, one per tensor-parallel rank:
+    # "cuda:2" or "cuda:2,3" (``rank_device``).
+    device: str = "cpu"
     cpu_threads: int | None = option(
         None, type=int, help="compute threads per CPU worker (default: one per CPU of --cpu-threads-bind, else all)")
     # CPUs of each CPU worker, "0-1|2-3" (workers/cpu_threads.py)
@@ -241,6 +243,18 @@ class EngineConfig:
         prefill's chunks by."""
         cap = self.long_prefill_token_threshold
         return min(cap, self.max_num_batched_tokens) if cap > 0 else self.max_num_batched_tokens
+
+    def rank_device(self, rank: int = 0) -> str:
+        """The torch device of tensor-parallel rank ``rank``: ``cuda:3`` for rank 1 of
+        ``cuda:2,3``. Every GPU of the box stays visible to a worker (so a peer's KV pool
+        opens on the peer's GPU, workers/kv_share.py); each rank binds to its own."""
+        kind, _, gpus = self.device.partition(":")
+        if kind != "cuda" or not gpus:
+            return self.device
+        ids = gpus.split(",")
+        if rank >= len(ids):
+            raise ValueError(f"device {self.device!r} names {len(ids)} GPUs: none for tensor-parallel rank {rank}")
+        return f"cuda:{ids[rank]}"
 
     @property
     def lora_paths(self) -> dict[str, str]:

@@ -160,10 +160,9 @@ class Cluster:
         self._spare_spawned_at = -math.inf
 
     def _env(self, device: str) -> dict[str, str]:
+        # A GPU worker sees every GPU the gateway sees and binds to its own (its device,
+        # EngineConfig.rank_device): a peer's KV pool opens on the peer's GPU over CUDA IPC.
         env = dict(os.environ)
-        if device.startswith("cuda:"):
-            # Each worker sees only its GPUs (one per rank), as cuda:0, cuda:1, ...
-            env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
         processes = sum(w.config.engine.tensor_parallel_size for w in self.workers.values())
         if device == "cpu" and processes > 1 and "OMP_NUM_THREADS" not in env:
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // processes))
@@ -178,10 +177,7 @@ class Cluster:
         if handle.process is not None:
             log.info("spare worker (pid %d) takes over as worker %d", handle.process.pid, instance_id)
             return
-        config = handle.config
-        if device.startswith("cuda:"):  # the worker sees its GPUs alone (the environment says which), from cuda:0
-            config = replace(config, engine=replace(config.engine, device="cuda:0"))
-        handle.process = self.launch(config, self._env(device))
+        handle.process = self.launch(handle.config, self._env(device))
         log.info("spawned worker %d (pid %s, %s, role %s)", instance_id, handle.process.pid or "not known yet",
                  device, handle.config.role)
 

@@ -29,6 +29,7 @@ import logging
 import signal
 import subprocess
 from collections.abc import Sequence
+from dataclasses import replace
 
 import ray
 from ray.exceptions import GetTimeoutError, RayError
@@ -68,6 +69,15 @@ def connect(address: str) -> str:
     except ConnectionError as exc:
         raise WorkerStartError(f"cannot join the Ray cluster at {address or 'its default address'}: {exc}") from None
     return ray.util.get_node_ip_address()
+
+
+def actor_config(config: WorkerConfig) -> WorkerConfig:
+    """The worker's config as its actor runs it: Ray shows an actor only the GPUs it was
+    given, from cuda:0, so a GPU worker's ranks are cuda:0, cuda:1, ... there."""
+    if not config.engine.device.startswith("cuda"):
+        return config
+    ranks = ",".join(map(str, range(config.engine.tensor_parallel_size)))
+    return replace(config, engine=replace(config.engine, device=f"cuda:{ranks}"))
 
 
 def bundle(engine: EngineConfig) -> dict[str, float]:
@@ -191,7 +201,7 @@ class RayLauncher:
             num_cpus=self.bundles[i].get("CPU", 0), num_gpus=self.bundles[i].get("GPU", 0),
         ).remote()
         forwarded = {k: env[k] for k in FORWARDED_ENV if k in env}
-        return RayWorkerProcess(actor, actor.start.remote(self.worker_args, config.to_dict(), forwarded))
+        return RayWorkerProcess(actor, actor.start.remote(self.worker_args, actor_config(config).to_dict(), forwarded))
 
     def close(self) -> None:
         """Leave the cluster: Ray removes the placement group of a driver that left (and

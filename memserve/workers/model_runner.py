@@ -74,7 +74,9 @@ log = logging.getLogger(__name__)
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, model_dir: Path, hooks: LayerHooks = NO_HOOKS, tp: TensorParallel = SINGLE,
                  followers: Followers | None = None) -> None:
-        self.device = torch.device(cfg.device)
+        self.device = torch.device(cfg.rank_device(tp.rank))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # what allocates on "cuda" without an index, and the current stream
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         torch.manual_seed(cfg.seed)
         self.followers = followers

@@ -91,7 +91,7 @@ class Followers:
                                         str(rank), str(port), str(model_dir), json.dumps(asdict(cfg)),
                                         str(-1 if instance is None else instance)])
                       for rank in range(1, self.size)]
-        self.tp, self.control = join_group(0, self.size, port, torch.device(cfg.device))
+        self.tp, self.control = join_group(0, self.size, port, torch.device(cfg.rank_device(0)))
         self._lock = threading.Lock()  # one call on the control group at a time, in rank 0's order
         self._watcher = threading.Thread(target=self._watch, name="tp-watch", daemon=True)
         self._watcher.start()

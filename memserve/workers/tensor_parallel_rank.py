@@ -100,14 +100,12 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.device == "cpu":  # before torch loads
         cpus = rank_cpus(cfg.cpu_threads_bind, None if instance < 0 else instance, rank, cfg.tensor_parallel_size)
         pin_compute_threads(cpus, rank_threads(cfg.cpu_threads, cpus, cfg.tensor_parallel_size))
-    else:
-        cfg.device = f"cuda:{rank}"  # the worker's GPUs are visible to it, one per rank
     import torch
 
     from memserve.workers.model_runner import ModelRunner
     from memserve.workers.tensor_parallel_group import join_group
 
-    tp, control = join_group(rank, cfg.tensor_parallel_size, int(port), torch.device(cfg.device))
+    tp, control = join_group(rank, cfg.tensor_parallel_size, int(port), torch.device(cfg.rank_device(rank)))
     serve(ModelRunner(cfg, Path(model_dir), tp=tp), control)
 
 

@@ -37,8 +37,8 @@ def _endpoint(model_dir: str, cfg: EngineConfig, instance: int, bind: str) -> KV
     """A transfer endpoint over a MemPool whose mover is a real KV pool of ``cfg``'s size."""
     import torch
 
-    pools = KVPools.create(ModelConfig.from_folder(model_dir), cfg, resolve_dtype(cfg.dtype, cfg.device),
-                           torch.device(cfg.device))
+    device = torch.device(cfg.rank_device(0))
+    pools = KVPools.create(ModelConfig.from_folder(model_dir), cfg, resolve_dtype(cfg.dtype, device), device)
     pools.device.fill_(1)  # fault the pages in: untouched ones all read as one cached zero page
     pool = MemPool(instance, {Tier.DEVICE: pools.num_device_blocks}, cfg.block_size, mover=pools)
     return KVTransferEndpoint(pool, bind=bind, shared=shared_pools(pools, cfg.kv_same_host_transport))

@@ -30,7 +30,7 @@ from ray.util.placement_group import placement_group_table
 
 from memserve.config import EngineConfig
 from memserve.gateway.cluster import plan_workers
-from memserve.gateway.ray_launcher import RayLauncher, bundle
+from memserve.gateway.ray_launcher import RayLauncher, actor_config, bundle
 from memserve.ipc.curve import ENV_VAR, CurveKeys
 
 
@@ -68,6 +68,16 @@ def test_a_tensor_parallel_workers_bundle_holds_every_rank_on_one_node() -> None
     assert bundle(EngineConfig(device="cuda:0,1", tensor_parallel_size=2)) == {"GPU": 2}
     assert bundle(EngineConfig(cpu_threads=2, tensor_parallel_size=3)) == {"CPU": 6}
     assert bundle(EngineConfig()) == {"CPU": 1}
+
+
+def test_an_actor_numbers_its_gpus_from_zero() -> None:
+    """Ray shows an actor only its own GPUs: a worker planned on the box's GPUs 4 and 5
+    runs its ranks on cuda:0 and cuda:1 there; a CPU worker is left as it is."""
+    gpu, cpu = plan_workers(EngineConfig(tensor_parallel_size=2), "tcp://x", 0, [4, 5])[0], \
+        plan_workers(EngineConfig(), "tcp://x", 1, None)[0]
+    assert gpu.engine.device == "cuda:4,5"
+    assert actor_config(gpu).engine.device == "cuda:0,1"
+    assert actor_config(cpu) == cpu
 
 
 def test_an_actor_starts_watches_and_ends_a_worker(ray_node: str, tmp_path: Path) -> None:

@@ -21,8 +21,8 @@ def test_instances_spec():
     assert parse_instances("prefill,decode") == (["prefill", "decode"], None)
     assert parse_instances("prefill:2,prefill:0,decode:1") == (["prefill", "prefill", "decode"], [2, 0, 1])
     assert parse_instances("colocated,colocated") == (["colocated", "colocated"], None)
-    for bad in ("prefill,prefill", "decode", "prefill,decode,colocated", "prefill:0,decode", "prefill:0,decode:0",
-                "prefil,decode"):
+    assert parse_instances("prefill:0,decode:0") == (["prefill", "decode"], [0, 0])  # two on one GPU, when asked
+    for bad in ("prefill,prefill", "decode", "prefill,decode,colocated", "prefill:0,decode", "prefil,decode"):
         with pytest.raises(ValueError):
             parse_instances(bad)
 

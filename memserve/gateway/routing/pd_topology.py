@@ -23,7 +23,9 @@ PD_MODES = ("pd-basic", "pd-caching-1", "pd-caching-2", "pd-caching-3")
 
 def parse_instances(spec: str) -> tuple[list[str], list[int] | None]:
     """``prefill,decode`` -> roles (CPU workers); ``prefill:0,decode:1`` -> roles and GPUs.
-    A disaggregated topology needs a prefill and a decode instance and no colocated one."""
+    A disaggregated topology needs a prefill and a decode instance and no colocated one.
+    Two instances may name one GPU (``prefill:0,decode:0``): each holds its own model and
+    ``--kv-cache-gb`` of KV there, and they exchange KV over CUDA IPC as on two GPUs."""
     roles: list[str] = []
     gpus: list[int] = []
     for item in (part.strip() for part in spec.split(",")):
@@ -35,8 +37,6 @@ def parse_instances(spec: str) -> tuple[list[str], list[int] | None]:
             gpus.append(int(gpu))
     if gpus and len(gpus) != len(roles):
         raise ValueError("--instances: give a GPU to every instance or to none")
-    if len(set(gpus)) != len(gpus):
-        raise ValueError("--instances: one instance per GPU")
     if ("decode" in roles or "prefill" in roles) and (
             "colocated" in roles or "decode" not in roles or "prefill" not in roles):
         raise ValueError("--instances: a disaggregated topology needs prefill and decode instances, "
