@@ -131,17 +131,7 @@ class ModelRunner:
         eos = eos_token_ids(model_dir)
         self._histories = TokenHistories(eos)
         self._grammars = GrammarMatchers(model_dir, self.vocab_size, eos)
-        disk = self.disk
-        loads = CopyStream(self.device)
-        self.preloader = LayerwisePreloader(
-            self.model_config.num_layers,
-            # A load's first layer waits for the steps before it; the rest overlap the compute.
-            lambda tier, src, dst, layer: loads.run(lambda: self.pools.copy_layer(tier, src, Tier.DEVICE, dst, layer),
-                                                    after_compute=layer == 0),
-            lambda tier, src, dst: loads.run_sync(lambda: local.copy_blocks(tier, src, Tier.DEVICE, dst)),
-            (lambda slots: bool(disk.failed(slots))) if disk is not None else (lambda slots: False),
-            layerwise=cfg.layerwise_preload, ahead=cfg.preload_buffer_layers,
-            stream_disk=cfg.tensor_parallel_size == 1)
+        self.preloader = self._preloader(cfg, local)
         self._held_loads = HeldLoads(self.disk) if isinstance(self.disk, GroupDiskStore) else None
         self._failed_loads: dict[str, BaseException] = {}
         self.graphs: DecodeGraphs | None = None
@@ -153,6 +143,20 @@ class ModelRunner:
                                        self.pools.scratch_block, cfg.max_num_seqs, -(-max_len // self.block_size),
                                        self.attention_backend)
             self.graphs.capture()
+
+    def _preloader(self, cfg: EngineConfig, local: BlockMover) -> LayerwisePreloader:
+        """Loads into the device tier, from this rank's own tiers (``local``), on a copy stream."""
+        disk = self.disk
+        loads = CopyStream(self.device)
+        return LayerwisePreloader(
+            self.model_config.num_layers,
+            # A load's first layer waits for the steps before it; the rest overlap the compute.
+            lambda tier, src, dst, layer: loads.run(lambda: self.pools.copy_layer(tier, src, Tier.DEVICE, dst, layer),
+                                                    after_compute=layer == 0),
+            lambda tier, src, dst: loads.run_sync(lambda: local.copy_blocks(tier, src, Tier.DEVICE, dst)),
+            (lambda slots: bool(disk.failed(slots))) if disk is not None else (lambda slots: False),
+            layerwise=cfg.layerwise_preload, ahead=cfg.preload_buffer_layers,
+            stream_disk=cfg.tensor_parallel_size == 1)
 
     @property
     def tp(self) -> TensorParallel:
