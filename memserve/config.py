@@ -115,6 +115,10 @@ class EngineConfig:
              "file's quantized linear weights on the CPU, and a checkpoint's quantization_config (FP8, "
              "AWQ, GPTQ) as it ships; none widens a GGUF file's weights to --dtype; gguf, awq, gptq "
              "insist on that method; fp8 also quantizes a float checkpoint to FP8 at load")
+    load_format: str = option(
+        "auto", choices=["auto", "dummy"],
+        help="auto reads the checkpoint's weights; dummy (vLLM's) gives every weight small random values "
+             "on the device and reads only config.json: for timing a model's shape without its files")
     # Ranks per worker, each holding a shard of every layer (workers/tensor_parallel_group.py)
     tensor_parallel_size: int = option(
         1, flags=["--tensor-parallel-size", "-tp"], type=int,

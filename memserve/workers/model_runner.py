@@ -82,6 +82,7 @@ class ModelRunner:
         self.followers = followers
         # A runner with adapters sets them on its layers: its model is its own.
         self.model = load_model(model_dir, self.dtype, self.device, cfg.cpu_gemm, cfg.quantization, tp,
+                                load_format=cfg.load_format,
                                 shared=not cfg.enable_lora)
         self.model_config = self.model.rank_config  # this rank's heads and widths
         self.vocab_size = self.model_config.vocab_size

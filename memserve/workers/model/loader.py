@@ -131,7 +131,7 @@ def stack_expert_weights(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 def load_model(
     folder: str | Path, dtype: torch.dtype, device: str | torch.device, cpu_gemm: str = "onednn",
-    quantization: str = "auto", tp: TensorParallel = SINGLE, shared: bool = True,
+    quantization: str = "auto", tp: TensorParallel = SINGLE, shared: bool = True, load_format: str = "auto",
 ) -> LlamaForCausalLM:
     """Load the model in ``folder`` onto ``device`` in ``dtype``, ready for inference. On CPU
     its linear layers run through oneDNN-packed weights (``packed_linear.py``) unless
@@ -147,9 +147,16 @@ def load_model(
     inference only reads the weights (every runner keeps its own KV pools), so the engines
     a process builds over one model (the profiler's, a test's) hold one copy of them. It is
     freed with the last runner that uses it. ``shared=False`` loads a copy of its own, for a
-    runner that changes its layers (LoRA adapters set on them)."""
+    runner that changes its layers (LoRA adapters set on them).
+
+    ``load_format`` "dummy" (vLLM's) reads only ``config.json`` and gives every weight small
+    random values on the device, unquantized: a model's shape, timed without its files."""
     if cpu_gemm not in CPU_GEMMS:
         raise ValueError(f"unknown CPU GEMM {cpu_gemm!r}; expected one of {CPU_GEMMS}")
+    if load_format == "dummy":
+        return _dummy(Path(folder), dtype, device, cpu_gemm, tp)
+    if load_format != "auto":
+        raise ValueError(f"unknown --load-format {load_format!r}; expected auto or dummy")
     scheme = read_scheme(Path(folder), quantization)  # refuses what is not built, by name
     # "auto" or "gguf" where a converted GGUF file's blocks run quantized, else None.
     gguf = quantization if scheme is None and use_quantized(quantization, Path(folder), torch.device(device)) else None
@@ -175,6 +182,25 @@ def shard_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], read
             key = f"{prefix}.{name}" if prefix else name
             if key in weights and key not in read_cut:
                 weights[key] = shard(name, weights.pop(key))
+
+
+def _dummy(folder: Path, dtype: torch.dtype, device: str | torch.device, cpu_gemm: str,
+           tp: TensorParallel) -> LlamaForCausalLM:
+    """The model of ``folder``'s config.json with weights drawn uniformly from +-1e-3, as
+    vLLM's dummy format does (small, so activations stay finite through every layer)."""
+    config = ModelConfig.from_folder(folder)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, tp)
+    gen = torch.Generator(device=torch.device(device)).manual_seed(0)
+    weights = {name: torch.empty(t.shape, dtype=dtype, device=device).uniform_(-1e-3, 1e-3, generator=gen)
+               for name, t in model.state_dict().items() if not (config.tie_word_embeddings and name == "lm_head.weight")}
+    model.load_state_dict(weights, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    if cpu_gemm == "onednn" and packing_supported(dtype, torch.device(device)):
+        pack_linears(model)
+    use_fused_pointwise(model)
+    return model.eval()
 
 
 def _load(folder: Path, dtype: torch.dtype, device: str | torch.device, cpu_gemm: str,
