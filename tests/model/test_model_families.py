@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import re
 import secrets
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 from helpers.engine_generate import generate
 from helpers.one_thread import one_intra_op_thread  # noqa: F401 (autouse fixture)
+from helpers.served_endpoint import served
 
 from memserve.config import EngineConfig
 from memserve.ipc.kv_transfer import KVTransferEndpoint
@@ -123,14 +123,6 @@ def test_pd_handoff_matches_transformers(family):
     folder, prompts, reference = family
     prefill, decode = engine_for(folder, 0), engine_for(folder, 1)
     sender, receiver = KVTransferEndpoint(prefill.mempool), KVTransferEndpoint(decode.mempool)
-    serving = threading.Event()
-    serving.set()
-
-    def serve() -> None:  # the decode worker's endpoint, on its own thread as in a worker's loop
-        while serving.is_set():
-            receiver.serve(timeout_ms=2)
-
-    thread = threading.Thread(target=serve, daemon=True)
     try:
         sender.connect(1, receiver.address)
         generate(prefill, prompts, 1)
@@ -138,16 +130,13 @@ def test_pd_handoff_matches_transformers(family):
         tickets = [secrets.token_hex(8) for _ in prompts]
         for ticket, src in zip(tickets, held):
             receiver.expect(ticket, 0, len(src))
-        thread.start()
-        for prompt, src, ticket in zip(prompts, held, tickets):
-            if src:
-                prefill.mempool.transfer_with_insert(1, prompt[:len(src) * BLOCK_SIZE], src, flags=KVFlags.RELEASE,
-                                                     ticket=ticket)
-            prefill.kv_connector.free(src)
+        with served(receiver):  # the decode worker's endpoint, from here on
+            for prompt, src, ticket in zip(prompts, held, tickets):
+                if src:
+                    prefill.mempool.transfer_with_insert(1, prompt[:len(src) * BLOCK_SIZE], src,
+                                                         flags=KVFlags.RELEASE, ticket=ticket)
+                prefill.kv_connector.free(src)
     finally:
-        serving.clear()
-        if thread.is_alive():
-            thread.join(10)
         sender.close()
         receiver.close()
     got = generate(decode, prompts, NEW_TOKENS)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ import torch
 from helpers.engine_generate import generate
 from helpers.kv_pools import MODEL
 from helpers.one_thread import one_intra_op_thread  # noqa: F401 (autouse fixture)
+from helpers.served_endpoint import served
 
 from memserve.config import EngineConfig
 from memserve.gateway.engine_client import worker_entry
@@ -347,31 +347,21 @@ def test_fp8_transfers_to_a_worker_of_another_kv_dtype_are_refused(tiny, caplog)
     prompt = random_prompts(1, 5, [40])[0]
     ends = [KVTransferEndpoint(e.mempool, timeout_s=10, shared=SharedKVPools(e.runner.pools)) for e in (prefill, decode)]
     sender, receiver = ends
-    serving = threading.Event()
-    serving.set()
-
-    def serve() -> None:  # the decode worker's endpoint, on its own thread as in a worker's loop
-        while serving.is_set():
-            receiver.serve(timeout_ms=2)
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
     try:
-        with caplog.at_level(logging.INFO, logger="memserve"):
-            sender.connect(1, receiver.address)
-            assert sender.same_host_tiers(1) == frozenset()
-        assert "--kv-cache-dtype" in caplog.text and "float8_e4m3fn" in caplog.text
-        generate(prefill, [prompt], 1)
-        held = prefill.kv_connector.hold_prefix(prompt)
-        ticket = secrets.token_hex(8)
-        receiver.expect(ticket, 0, len(held))
-        with pytest.raises(Exception, match="--kv-cache-dtype"):
-            prefill.mempool.transfer_with_insert(1, prompt[: len(held) * BLOCK_SIZE], held, flags=KVFlags.RELEASE,
-                                                 ticket=ticket)
-        prefill.kv_connector.free(held)
+        with served(receiver):  # the decode worker's endpoint
+            with caplog.at_level(logging.INFO, logger="memserve"):
+                sender.connect(1, receiver.address)
+                assert sender.same_host_tiers(1) == frozenset()
+            assert "--kv-cache-dtype" in caplog.text and "float8_e4m3fn" in caplog.text
+            generate(prefill, [prompt], 1)
+            held = prefill.kv_connector.hold_prefix(prompt)
+            ticket = secrets.token_hex(8)
+            receiver.expect(ticket, 0, len(held))
+            with pytest.raises(Exception, match="--kv-cache-dtype"):
+                prefill.mempool.transfer_with_insert(1, prompt[: len(held) * BLOCK_SIZE], held,
+                                                     flags=KVFlags.RELEASE, ticket=ticket)
+            prefill.kv_connector.free(held)
     finally:
-        serving.clear()
-        thread.join(10)
         for end in ends:
             end.close()
     fp8, auto = prefill.runner.pools, decode.runner.pools
