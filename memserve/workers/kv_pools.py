@@ -200,12 +200,17 @@ class KVPools:
         """A host copy of layer ``layer``'s K and V of device ``blocks``, as
         ``[len(blocks), 2, block_size, kv_heads, head_dim]`` in either layout (by-layer
         transfer: a copy, so the step may reuse the blocks before it is sent), as bytes.
-        ``gather``: what makes of these bytes (flat, on the device) the ones sent (every
-        rank's part, rank by rank, in a tensor-parallel worker)."""
+        ``gather``: what makes of these bytes (``layer_bytes``) the ones sent (every rank's
+        part, rank by rank, in a tensor-parallel worker)."""
+        t = self.layer_bytes(blocks, layer)
+        return (gather(t) if gather is not None else t).cpu().numpy().data.cast("B")
+
+    def layer_bytes(self, blocks: list[int], layer: int) -> torch.Tensor:
+        """Layer ``layer``'s K and V of device ``blocks`` as ``read_layer`` lays them out,
+        flat uint8 on the device."""
         k, v = layer_kv(self.device.view(torch.uint8), layer, self.layout)
         idx = torch.tensor(blocks, device=self.device.device)
-        t = torch.stack((k.index_select(0, idx), v.index_select(0, idx)), dim=1).reshape(-1)
-        return (gather(t) if gather is not None else t).cpu().numpy().data.cast("B")
+        return torch.stack((k.index_select(0, idx), v.index_select(0, idx)), dim=1).reshape(-1)
 
     def write_layer(self, tier: Tier, blocks: list[int], layer: int, buf: bytes | memoryview) -> None:
         """Store what ``read_layer`` produced into ``blocks`` of ``tier``, as bytes

@@ -267,7 +267,7 @@ class ModelRunner:
         have started), the step hooks' (``extra``) and, on ranks 1..N-1, the gathers of
         the layers rank 0 reads (``plan.layer_reads``)."""
         preload = self.preloader.hooks_for(plan)
-        reads = [LayerReads(self.read_layer, plan.layer_reads)] if self.tp.rank > 0 and plan.layer_reads else []
+        reads = [LayerReads(self.join_layer_read, plan.layer_reads)] if self.tp.rank > 0 and plan.layer_reads else []
         chained = [h for h in (preload, *extra, *reads) if h is not None]
         return ChainedHooks([self.hooks, *chained]) if chained else self.hooks
 
@@ -348,9 +348,13 @@ class ModelRunner:
     def read_layer(self, blocks: list[int], layer: int) -> memoryview:
         """Layer ``layer`` of device blocks ``blocks``, copied out for a by-layer send. In
         a tensor-parallel worker every rank calls it in the same step after the same layer
-        (rank 0's sends, the others' ``LayerReads`` of ``plan.layer_reads``), and each gets
-        every rank's part, rank by rank."""
+        (rank 0's sends; the others join it, ``join_layer_read``), and rank 0 gets every
+        rank's part, rank by rank."""
         return self.pools.read_layer(blocks, layer, self.tp.all_gather if self.tp.size > 1 else None)
+
+    def join_layer_read(self, blocks: list[int], layer: int) -> None:
+        """A rank's part in rank 0's ``read_layer`` (the gather alone: no copy to the host)."""
+        self.tp.all_gather(self.pools.layer_bytes(blocks, layer))
 
     def shift_blocks(self, src_blocks: list[int], dst_blocks: list[int], delta_positions: int) -> None:
         """Copy device blocks with their keys moved by ``delta_positions`` (model/kv_shift.py)."""

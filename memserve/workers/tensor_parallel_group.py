@@ -239,14 +239,14 @@ class GroupMover:
 
 class LayerReads:
     """A rank's layer hooks for the layers rank 0 reads in a step (``plan.layer_reads``):
-    after each layer, join each read's gather (``ModelRunner.read_layer``), in rank 0's order."""
+    after each layer, join each read's gather (``ModelRunner.join_layer_read``), in rank 0's order."""
 
-    def __init__(self, read_layer: Callable[[list[int], int], object], reads: list[list[int]]) -> None:
-        self.read_layer, self.reads = read_layer, reads
+    def __init__(self, join_read: Callable[[list[int], int], None], reads: list[list[int]]) -> None:
+        self.join_read, self.reads = join_read, reads
 
     def before_layer(self, layer: int) -> None:
         pass
 
     def after_layer(self, layer: int) -> None:
         for blocks in self.reads:
-            self.read_layer(blocks, layer)
+            self.join_read(blocks, layer)
