@@ -131,7 +131,8 @@ class EngineConfig:
         None, type=lora_module, nargs="+", metavar="NAME=PATH",
         help="LoRA adapters (PEFT folders) a request names as its model: name=path, or vLLM's JSON form "
              "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; needs --enable-lora")
-    max_loras: int = option(1, type=int, help="LoRA adapters kept ready at once (more in one step widen it)")
+    max_loras: int = option(1, type=int, help="LoRA adapters one step may run, kept ready (vLLM's flag); "
+                                              "requests on another adapter wait")
     max_lora_rank: int = option(16, type=int, help="the highest LoRA rank an adapter may have")
     max_cpu_loras: int | None = option(None, type=int, help="LoRA adapters kept in host memory (vLLM's flag; "
                                                                "on the CPU the same memory as --max-loras)")

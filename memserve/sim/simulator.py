@@ -134,6 +134,8 @@ class Simulation:
         if len(roles) != num_instances:
             raise ValueError(f"{num_instances} instances but {len(roles)} roles")
         self.instances: list[SimInstance] = []
+        if lora_slots is not None:  # the scheduler admits at most the slots' adapters, as a worker's does
+            engine_cfg = replace(engine_cfg, enable_lora=True, max_loras=lora_slots[0])
         if engine_cfg.num_blocks is None:
             raise ValueError("the simulator needs the KV blocks of an instance (num_blocks)")
         self.topology = topology or Topology(num_instances, num_instances, cost.transfer, cost.transfer)

@@ -219,3 +219,27 @@ def test_scheduler_state_is_consistent_after_a_random_workload():
         runner.complete_loads()
         engine.step()
     assert_no_block_held(engine)
+
+
+def test_a_step_runs_at_most_max_loras_adapters():
+    """vLLM's --max-loras: a request on a third adapter waits, while requests behind it on
+    a running adapter or the base model are admitted, until one adapter's requests are
+    done; no step ever runs more than two adapters."""
+    cfg = EngineConfig(block_size=BS, num_blocks=64, max_num_batched_tokens=64, max_num_seqs=8,
+                       enable_lora=True, max_loras=2)
+    runner = ScriptedRunner(64, 0)
+    engine = Engine(cfg, runner, {EOS}, clock=Clock())
+    for i, (rid, adapter, max_tokens) in enumerate([("a", "sql", 2), ("b", "chat", 6), ("c", "legal", 3),
+                                                    ("d", "sql", 3), ("base", None, 3)]):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, lora_name=adapter)
+        assert engine.add_request(AddRequest(rid, [10 * i + 1, 2, 3, 4, 5], params)) is None
+    engine.step()
+    assert set(chunk_sizes(runner.plans[0])) == {"a", "b", "d", "base"}  # "legal" waits
+    outputs = run_to_end(engine)
+    assert {o.request_id for o in outputs if o.finished} == {"a", "b", "c", "d", "base"}
+    adapter_of = {"a": "sql", "b": "chat", "c": "legal", "d": "sql", "base": None}
+    steps_with = [{adapter_of[r] for r in chunk_sizes(plan)} - {None} for plan in runner.plans]
+    assert max(len(adapters) for adapters in steps_with) == 2
+    first_legal = next(i for i, adapters in enumerate(steps_with) if "legal" in adapters)
+    assert "sql" not in steps_with[first_legal]  # admitted once "sql"'s requests were done
+    assert_no_block_held(engine)

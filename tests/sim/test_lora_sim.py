@@ -48,7 +48,7 @@ def simulate(router_name: str, slots: int, load_s: float) -> tuple[int, float]:
 def test_the_cost_router_gathers_an_adapters_requests_where_it_is_ready():
     cost_reads, _ = simulate("cost", 1, 0.5)
     spread_reads, _ = simulate("least-load", 1, 0.5)
-    assert cost_reads <= 0.6 * spread_reads, (cost_reads, spread_reads)  # 8 against 16 when written
+    assert cost_reads <= 0.6 * spread_reads, (cost_reads, spread_reads)  # 21 against 41 when written
 
 
 def test_slots_for_every_adapter_read_each_once_and_reads_cost_time():

@@ -56,8 +56,10 @@ def engine(base: Path, folders: dict[str, Path], **options):
     return build_engine(cfg, base)
 
 
-def run(eng, requests: list[tuple[str, list[int], str | None]]) -> dict[str, list[int]]:
-    """All requests added at once (one batch), greedy, to the end."""
+def run(eng, requests: list[tuple[str, list[int], str | None]],
+        adapters_per_step: list[int] | None = None) -> dict[str, list[int]]:
+    """All requests added at once (one batch), greedy, to the end; ``adapters_per_step``
+    collects how many adapters each step ran."""
     out: dict[str, list[int]] = {rid: [] for rid, _, _ in requests}
     for rid, prompt, lora in requests:
         params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, lora_name=lora)
@@ -65,6 +67,8 @@ def run(eng, requests: list[tuple[str, list[int], str | None]]) -> dict[str, lis
     while eng.has_work:
         for o in eng.step():
             out[o.request_id] += o.new_token_ids
+        if adapters_per_step is not None:
+            adapters_per_step.append(len({seq.params.lora_name for seq in eng.scheduler.running} - {None}))
     return out
 
 
@@ -76,18 +80,24 @@ def test_each_adapter_alone_gives_peft_tokens(served):
         assert [got[f"{name}-{i}"] for i in range(len(prompts))] == reference[name], name
 
 
-def test_adapters_and_base_mixed_in_one_batch(served):
-    """Every prompt under every adapter and the base, all in the same steps, with one
-    ready slot: the step widens it, then the least recently used are read back in later."""
+@pytest.mark.parametrize("max_loras", [3, 1])
+def test_adapters_and_base_mixed_in_one_batch(served, max_loras):
+    """Every prompt under every adapter and the base, sent together: with three slots all
+    adapters run in the same steps; with one, each step runs the base and one adapter
+    (vLLM's --max-loras), the others wait and are read back in as the slot turns over."""
     base, folders, prompts, reference = served
-    eng = engine(base, folders, max_loras=1)
+    eng = engine(base, folders, max_loras=max_loras)
     requests = [(f"{name}-{i}", p, name) for name in (None, *ADAPTERS) for i, p in enumerate(prompts)]
-    got = run(eng, requests)
+    adapters_per_step: list[int] = []
+    got = run(eng, requests, adapters_per_step)
     for name in (None, *ADAPTERS):
         assert [got[f"{name}-{i}"] for i in range(len(prompts))] == reference[name], name
+    assert max(adapters_per_step) == max_loras
     loads = eng.runner.loras.loads
     assert run(eng, [("again", prompts[0], "mlp")])["again"] == reference["mlp"][0]
     assert eng.runner.loras.loads >= loads  # read back if it had been evicted, the same tokens either way
+    if max_loras == 1:  # "mlp" ran before the last adapter took the slot: evicted, read again, the same tokens
+        assert eng.runner.loras.loads > len(ADAPTERS)
 
 
 def test_adapters_that_do_not_fit_are_refused_at_start(served, tmp_path):

@@ -5,8 +5,9 @@ simulator (``sim/adapters.py``, which prices the reads) alike.
 - A held adapter used again becomes the most recently used.
 - One not held takes a free slot, else the slot of the least recently used adapter not
   in ``keep`` (the step's own, and those that could not be read again), which is evicted;
-  when every held adapter is kept the slots widen by one: a step never fails for lack of
-  slots.
+  when every held adapter is kept the slots widen by one. The scheduler admits no more
+  adapters at once than the slots (``--max-loras``), so this is the safety net that keeps
+  a step from failing for lack of slots, not the rule.
 """
 
 from __future__ import annotations

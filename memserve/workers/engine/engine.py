@@ -80,7 +80,8 @@ class Engine:
         """A scheduler over ``mempool`` with this engine's limits (warm-up makes its own)."""
         cfg = self.cfg
         limits = SchedulerConfig(cfg.max_num_seqs, max_num_batched_tokens or cfg.max_num_batched_tokens,
-                                 self.max_model_len, cfg.long_prefill_token_threshold, cfg.hold_shared_prefills)
+                                 self.max_model_len, cfg.long_prefill_token_threshold, cfg.hold_shared_prefills,
+                                 cfg.max_loras if cfg.enable_lora else 0)
         proposer = NgramProposer(NgramConfig.from_dict(cfg.speculative_config)) if cfg.speculative_config else None
         return Scheduler(KVCacheManager(mempool, MemPoolKVConnector(mempool, self.runner), enable_prefix_caching,
                                         self.retention),

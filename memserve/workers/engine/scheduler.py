@@ -17,7 +17,9 @@ before the step so that waiting ones fit (``make_room``), which, unlike a runnin
 going short, still lets the step admit. Waiting requests are admitted in the policy's
 order while budget, request slots and blocks last, except that one sharing a block that a
 running prefill has yet to compute is passed over (and put back at the head) until that
-block is computed and cached (``hold_shared_prefills``); an admitted request skips its cached
+block is computed and cached (``hold_shared_prefills``), and so is one whose LoRA adapter
+would make the running requests' adapters more than ``max_loras`` (vLLM's rule: the
+slots that hold adapters ready bound a step's adapters); an admitted request skips its cached
 prefix, and waits (``WAITING_FOR_KV``) while the slower-tier part of that prefix is copied
 in, or, with layer-wise preloading, only until the runner says the copy may stream under
 its prefill (``stream_loads``).
@@ -60,6 +62,7 @@ class SchedulerConfig:
     max_model_len: int
     long_prefill_token_threshold: int = 0  # a prefill computes at most this many tokens a step; 0: no cap
     hold_shared_prefills: bool = True  # admission passes over requests sharing blocks a running prefill computes
+    max_loras: int = 0  # LoRA adapters the running requests may use at once (vLLM's --max-loras); 0: no cap
 
 
 class Scheduler:
@@ -199,8 +202,10 @@ class Scheduler:
         last. A request whose cached prefix must first be loaded gets the slots of its
         first chunk now too, so it can run as soon as the load is done. A request that
         shares a block with the part of a running prompt not computed yet is passed over
-        this step, and the requests behind it are not (``_blocks_computing``)."""
+        this step, and the requests behind it are not (``_blocks_computing``); so is one
+        whose adapter would pass ``max_loras`` adapters among the requests holding blocks."""
         computing = self._blocks_computing() if self.config.hold_shared_prefills and len(self.policy) else None
+        adapters = self._adapters_running() if self.config.max_loras else None
         passed_over: list[Sequence] = []
         while budget > 0 and len(self.running) + len(self.loading) < self.config.max_num_seqs:
             seq = self.policy.peek()
@@ -210,6 +215,12 @@ class Scheduler:
                 passed_over.append(self.policy.pop())
                 seq.num_held_steps += 1
                 continue
+            adapter = _adapter(seq)
+            if adapters is not None and adapter is not None and adapter not in adapters:
+                if len(adapters) >= self.config.max_loras:
+                    passed_over.append(self.policy.pop())  # until a running adapter's requests are done
+                    continue
+                adapters.add(adapter)
             loading = self.kv.admit(seq, self.kv.get_computed_blocks(seq))
             num_new = self._num_new_tokens(seq, budget)
             if not self.kv.allocate_slots(seq, num_new):
@@ -233,6 +244,11 @@ class Scheduler:
                 computing.update(self.kv.names_to_compute(seq))
         for seq in reversed(passed_over):  # back at the head, in their order
             self.policy.push_preempted(seq)
+
+    def _adapters_running(self) -> set[tuple[str, str]]:
+        """The LoRA adapters of the requests that hold blocks (running or loading)."""
+        seqs = [*self.running, *self.loading.values()]
+        return {adapter for adapter in map(_adapter, seqs) if adapter is not None}
 
     def _blocks_computing(self) -> set[int]:
         """Names of the prompt blocks running requests have yet to compute. A waiting
@@ -411,3 +427,9 @@ class Scheduler:
             "spec_accepted_tokens_total": self.accepted_tokens_total,
             **self.policy.stats(),
         }
+
+
+def _adapter(seq: Sequence) -> tuple[str, str] | None:
+    """The LoRA adapter a request runs through, as the runner's slots name it (None: the base model)."""
+    name = seq.params.lora_name
+    return None if name is None else (name, seq.params.lora_digest)
