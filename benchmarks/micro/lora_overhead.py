@@ -2,9 +2,11 @@
 by the base model alone and by four rank-16 adapters mixed evenly (every projection
 targeted, as a full fine-tune's adapter is), and how long an adapter takes to read in.
 
-    python benchmarks/micro/lora_overhead.py [--requests 16] [--max-tokens 32] [--rounds 3]
+    python benchmarks/micro/lora_overhead.py [--requests 16] [--max-tokens 32] [--rounds 3] [--model DIR]
 
-The model is the embedded SmolLM2 (float32); the adapters are made with ``peft`` (random
+The model is the embedded SmolLM2 (float32) unless ``--model`` names a folder (such as a
+larger shape from ``benchmarks/peers/random_model.py``: what an adapter costs depends on
+how its bytes compare with the base weights'); the adapters are made with ``peft`` (random
 weights, saved as PEFT saves them) in a temporary folder. Base and adapter rounds
 alternate in one process, so both see the same machine; prints the medians, then the
 ratios (adapters / base).
@@ -60,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--adapters", type=int, default=4)
+    p.add_argument("--model", type=Path, default=None, help="a model folder (default: the embedded SmolLM2)")
     args = p.parse_args(argv)
 
     from memserve.config import EngineConfig
@@ -67,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     from memserve.text.tokenizer import Tokenizer
     from memserve.workers.real_engine import build_engine
 
-    model_dir = Path(ensure_model_dir(None))
+    model_dir = args.model or Path(ensure_model_dir(None))
     with tempfile.TemporaryDirectory() as tmp:
         folders = make_adapters(model_dir, Path(tmp), args.adapters, args.rank)
         cfg = EngineConfig(model=str(model_dir), dtype="float32", num_blocks=2048, max_num_seqs=args.requests,

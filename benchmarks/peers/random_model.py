@@ -7,6 +7,7 @@ folder serves it and ``memserve bench`` can replay its workloads against it. The
 is meaningless; the speed of each layer is what is being compared.
 
     python benchmarks/peers/random_model.py qwen2.5-0.5b OUT_DIR   # 0.40B parameters, GQA 14:2
+    python benchmarks/peers/random_model.py qwen2.5-1.5b OUT_DIR   # 1.39B parameters, GQA 12:2
 
 Prints the folder and its parameter count. An existing folder with a config is reused.
 """
@@ -28,6 +29,10 @@ from memserve.testing.random_models import HALF_B_SIZES
 SHAPES = {
     # Qwen2.5-0.5B: 24 layers, hidden 896, 14 query heads over 2 KV heads, q/k/v bias.
     "qwen2.5-0.5b": dict(model_type="qwen2", **HALF_B_SIZES, tie_word_embeddings=True),
+    # Qwen2.5-1.5B: 28 layers, hidden 1,536, 12 query heads over 2 KV heads, q/k/v bias.
+    "qwen2.5-1.5b": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
+                         rope_theta=1000000.0, tie_word_embeddings=True),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja", "chat_template.json")
