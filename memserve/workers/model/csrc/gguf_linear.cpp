@@ -30,7 +30,9 @@
 
 #include <cstdint>
 #include <cstring>
+#include <algorithm>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
@@ -330,6 +332,155 @@ void matmul_rows(float* out, const float* x, const uint8_t* blocks, int64_t rows
   });
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define GGUF_INT8 1
+// Integer products (llama.cpp's, for Q4_0, Q4_1, Q8_0): each activation row is quantized
+// once per call to int8 per 32-block (its Q8_0 / Q8_1: d = max|x| / 127, q = round(x / d)),
+// and a weight block's product with it is d_w d_x (sum of q_w q_x) in integers, with
+// vpdpbusd (u8 x s8 -> s32, four products a lane). Four weight rows share one 512-bit
+// vector, a 128-bit lane each, their weights 0-15 in one vector and 16-31 in another, so
+// each lane sums 8 products and one conversion and one FMA scale 4 weight rows' blocks.
+// The activation block (16 bytes broadcast to the four lanes) is read once for the four.
+// Q4 nibbles (0..15) are the unsigned side; Q8_0 weights are signed, so its activations
+// are stored as q + 128 (unsigned) and 128 times each lane's weight sum is taken off.
+
+// Activation rows quantized per 32-block, the rows of one block side by side.
+struct Int8Rows {
+  int64_t rows;
+  std::vector<uint8_t> q;       // [blocks][rows][32]: int8 q, or q + 128 against Q8_0 weights
+  std::vector<float> d;         // [blocks][rows]: x ~ d q
+  std::vector<float> sum;       // [blocks][rows]: d sum(q), for Q4_1's minimum (llama.cpp's Q8_1 s)
+  std::vector<int32_t> offset;  // [blocks][rows]: -8 sum(q), for Q4_0's -8
+};
+
+template <int64_t TYPE>
+Int8Rows quantize_activations(const float* x, int64_t rows, int64_t k) {
+  const int64_t nb = k / BLOCK;
+  Int8Rows a{rows, std::vector<uint8_t>(nb * rows * BLOCK), std::vector<float>(nb * rows),
+             std::vector<float>(nb * rows), std::vector<int32_t>(nb * rows)};
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m512 lo = _mm512_loadu_ps(x + r * k + b * BLOCK), hi = _mm512_loadu_ps(x + r * k + b * BLOCK + 16);
+      const float d = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi))) / 127.0f;
+      const __m512 id = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+      const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, id)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, id));
+      const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+      const __m512i shift = _mm512_set1_epi32(TYPE == Q8_0 ? 128 : 0);
+      uint8_t* dst = a.q.data() + (b * rows + r) * BLOCK;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(_mm512_add_epi32(qlo, shift)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(_mm512_add_epi32(qhi, shift)));
+      a.d[b * rows + r] = d;
+      a.sum[b * rows + r] = d * static_cast<float>(total);
+      a.offset[b * rows + r] = -8 * total;
+    }
+  }
+  return a;
+}
+
+// 16 bytes at ``p`` and at the next three weight rows (``stride`` apart), one 128-bit lane each.
+inline __m512i lanes4(const uint8_t* p, int64_t stride) {
+  __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + stride)), 1);
+  v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * stride)), 2);
+  return _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 3 * stride)), 3);
+}
+
+// Four weight rows' block: weights 0-15 (lo) and 16-31 (hi) a lane per row, the scales d
+// (and Q4_1's minimums, in each lane's first element only) spread over each row's lane,
+// and the integer sum each lane starts from (Q8_0: -128 times its weights' sum).
+struct Blocks4 {
+  __m512i lo, hi, start;
+  __m512 scale, min;
+};
+
+template <int64_t TYPE>
+inline Blocks4 blocks4(const uint8_t* p, int64_t stride) {
+  Blocks4 w;
+  if constexpr (TYPE == Q8_0) {
+    w.lo = lanes4(p + 2, stride);
+    w.hi = lanes4(p + 18, stride);
+    const __m512i u128 = _mm512_set1_epi8(static_cast<char>(0x80));
+    w.start = _mm512_sub_epi32(_mm512_setzero_si512(),
+                               _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u128, w.lo), u128, w.hi));
+  } else {
+    const __m512i raw = lanes4(p + (TYPE == Q4_1 ? 4 : 2), stride), nibble = _mm512_set1_epi8(0x0F);
+    w.lo = _mm512_and_si512(raw, nibble);
+    w.hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+    w.start = _mm512_setzero_si512();
+  }
+  uint32_t heads[4];  // each block's first 4 bytes: fp16 d, and Q4_1's fp16 m
+  for (int64_t i = 0; i < 4; ++i) std::memcpy(&heads[i], p + i * stride, sizeof(uint32_t));
+  const __m512 dm = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(heads))));
+  w.scale = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6), dm);
+  w.min = _mm512_maskz_permutexvar_ps(0x1111, _mm512_setr_epi32(1, 0, 0, 0, 3, 0, 0, 0, 5, 0, 0, 0, 7, 0, 0, 0), dm);
+  return w;
+}
+
+// out[r0 .. r0 + R, n0 .. n0 + 4] from the quantized activation rows ``a`` and the four
+// weight rows at ``row0`` (``row_bytes`` apart): R float accumulators of 16 lanes, four
+// a weight row, summed at the end.
+template <int64_t TYPE, int64_t R>
+inline void int8_dot4(float* out, const Int8Rows& a, const uint8_t* row0, int64_t row_bytes, int64_t r0, int64_t n0,
+                      int64_t n_out, int64_t nb) {
+  __m512 acc[R];
+  for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const Blocks4 w = blocks4<TYPE>(row0 + b * block_bytes(TYPE), row_bytes);
+    const int64_t at = b * a.rows + r0;
+    const uint8_t* xq = a.q.data() + at * BLOCK;
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512i xlo = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + r * BLOCK)));
+      const __m512i xhi = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + r * BLOCK + 16)));
+      __m512i dot;
+      if constexpr (TYPE == Q8_0) {
+        dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(w.start, xlo, w.lo), xhi, w.hi);
+      } else {
+        const __m512i start = TYPE == Q4_0 ? _mm512_maskz_set1_epi32(0x1111, a.offset[at + r]) : w.start;
+        dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, w.lo, xlo), w.hi, xhi);
+      }
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(w.scale, _mm512_set1_ps(a.d[at + r])), acc[r]);
+      if constexpr (TYPE == Q4_1) acc[r] = _mm512_fmadd_ps(w.min, _mm512_set1_ps(a.sum[at + r]), acc[r]);
+    }
+  }
+  const __m512i firsts = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  for (int64_t r = 0; r < R; ++r) {
+    __m512 s = _mm512_add_ps(acc[r], _mm512_permute_ps(acc[r], 0xB1));  // lane pairs
+    s = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4E));                   // lane quads
+    _mm_storeu_ps(out + (r0 + r) * n_out + n0, _mm512_castps512_ps128(_mm512_permutexvar_ps(firsts, s)));
+  }
+}
+
+// Up to 8 rows from ``r0`` on at once (their accumulators stay in registers).
+template <int64_t TYPE>
+void int8_rows4(float* out, const Int8Rows& a, const uint8_t* row0, int64_t row_bytes, int64_t n0, int64_t n_out,
+                int64_t nb) {
+  for (int64_t r0 = 0; r0 < a.rows; r0 += 8) {
+    switch (std::min<int64_t>(8, a.rows - r0)) {
+      case 1: int8_dot4<TYPE, 1>(out, a, row0, row_bytes, r0, n0, n_out, nb); break;
+      case 2: int8_dot4<TYPE, 2>(out, a, row0, row_bytes, r0, n0, n_out, nb); break;
+      case 3: int8_dot4<TYPE, 3>(out, a, row0, row_bytes, r0, n0, n_out, nb); break;
+      case 4: int8_dot4<TYPE, 4>(out, a, row0, row_bytes, r0, n0, n_out, nb); break;
+      case 5: int8_dot4<TYPE, 5>(out, a, row0, row_bytes, r0, n0, n_out, nb); break;
+      case 6: int8_dot4<TYPE, 6>(out, a, row0, row_bytes, r0, n0, n_out, nb); break;
+      case 7: int8_dot4<TYPE, 7>(out, a, row0, row_bytes, r0, n0, n_out, nb); break;
+      default: int8_dot4<TYPE, 8>(out, a, row0, row_bytes, r0, n0, n_out, nb); break;
+    }
+  }
+}
+
+// The integer products for the weight rows in groups of four; the last n_out % 4 rows
+// (no model here has such a layer) take the float path.
+template <int64_t TYPE>
+void matmul_int8(float* out, const float* x, const uint8_t* blocks, int64_t rows, int64_t n_out, int64_t k) {
+  const int64_t nb = k / BLOCK, row_bytes = nb * block_bytes(TYPE);
+  const Int8Rows a = quantize_activations<TYPE>(x, rows, k);
+  at::parallel_for(0, n_out / 4, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) int8_rows4<TYPE>(out, a, blocks + 4 * g * row_bytes, row_bytes, 4 * g, n_out, nb);
+  });
+  for (int64_t n = n_out / 4 * 4; n < n_out; ++n) widened_dot_rows<TYPE>(out, x, blocks + n * row_bytes, rows, n, n_out, k);
+}
+#endif
+
 template <int64_t TYPE, typename T>
 void dequantize_rows(T* out, const uint8_t* blocks, int64_t n_out, int64_t k) {
   constexpr int64_t weights = block_weights(TYPE);
@@ -360,16 +511,35 @@ void check_blocks(const at::Tensor& blocks, int64_t type, int64_t k) {
 }
 
 // out [rows, n] float32 = x [rows, k] float32 @ W^T, W the GGUF ``blocks`` [n, row bytes].
-void gguf_matmul(at::Tensor out, const at::Tensor& x, const at::Tensor& blocks, int64_t type) {
+// int8_activations: the integer products where compiled in and the type has them (Q4_0,
+// Q4_1, Q8_0); the float path otherwise.
+void gguf_matmul(at::Tensor out, const at::Tensor& x, const at::Tensor& blocks, int64_t type, bool int8_activations) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(0) <= MAX_ROWS,
               "gguf_matmul: x contiguous float32 [rows <= ", MAX_ROWS, ", in_features]");
   check_blocks(blocks, type, x.size(1));
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == x.size(0) &&
                   out.size(1) == blocks.size(0), "gguf_matmul: out contiguous float32 [rows, out_features]");
+  float* dst = out.data_ptr<float>();
+  const float* src = x.data_ptr<float>();
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
   dispatch(type, [&](auto t) {
-    matmul_rows<decltype(t)::value>(out.data_ptr<float>(), x.data_ptr<float>(), blocks.data_ptr<uint8_t>(),
-                                    x.size(0), blocks.size(0), x.size(1));
+    constexpr int64_t TYPE = decltype(t)::value;
+#ifdef GGUF_INT8
+    if constexpr (!is_k(TYPE)) {
+      if (int8_activations) return matmul_int8<TYPE>(dst, src, w, x.size(0), blocks.size(0), x.size(1));
+    }
+#endif
+    matmul_rows<TYPE>(dst, src, w, x.size(0), blocks.size(0), x.size(1));
   });
+}
+
+// The ggml types gguf_matmul multiplies with int8 activations in this build (none without VNNI).
+std::vector<int64_t> gguf_int8_types() {
+#ifdef GGUF_INT8
+  return {Q4_0, Q4_1, Q8_0};
+#else
+  return {};
+#endif
 }
 
 // out [n, k] (float32 or bf16) = the weights the GGUF ``blocks`` hold.
@@ -394,7 +564,8 @@ void gguf_dequantize(at::Tensor out, const at::Tensor& blocks, int64_t type) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(memserve, m) {
-  m.def("gguf_matmul(Tensor(a!) out, Tensor x, Tensor blocks, int type) -> ()");
+  m.def("gguf_matmul(Tensor(a!) out, Tensor x, Tensor blocks, int type, bool int8_activations) -> ()");
+  m.def("gguf_int8_types() -> int[]", &gguf_int8_types);
   m.def("gguf_dequantize(Tensor(a!) out, Tensor blocks, int type) -> ()");
 }
 
