@@ -9,10 +9,14 @@ oneDNN-packed float weight reuses each weight across rows, so longer chunks (pre
 larger batches) go elsewhere: under ``--quantization auto`` to the same weight widened and
 packed, kept beside the blocks (past ``WIDE_FROM_ROWS`` rows, the crossover measured in
 float32 and bf16), under ``gguf`` (the blocks alone, the least memory) through the weight
-widened for the one product. Either way the result is the dequantized weight's product
-up to float rounding, so a quantized model serves the tokens of the float32 folder
-converted from the same file (``model_files/gguf_convert.py``), which is what
-``--quantization none`` runs.
+widened for the one product. Those are the dequantized weight's products up to float
+rounding. The decode rows' products of Q4_0, Q4_1 and Q8_0 weights quantize the
+activations to int8 per 32-block and multiply in integers (llama.cpp's and vLLM's way for
+GGUF, VNNI dot products, about twice as fast per row as float32 on AVX-512 VNNI), which
+moves a product by about 0.5% of its size: the tokens are then those of the float32
+folder converted from the same file (``model_files/gguf_convert.py``, what
+``--quantization none`` runs) nearly always rather than always. ``int8_activations=False``
+keeps float32 activations (the K-quants always have them).
 
 ``quantize_linears`` makes these the kernels of a loaded model's linear layers
 (``linear.py``) where the converted folder holds their blocks, cut to the rank's shard as
@@ -49,24 +53,28 @@ WIDE_FROM_ROWS = 8
 
 class GGUFLinear(nn.Module):
     """``nn.Linear`` (no bias) over GGUF blocks [out_features, row bytes] of one ggml type;
-    ``wide``: the same weight widened (oneDNN-packed), for chunks past ``WIDE_FROM_ROWS`` rows."""
+    ``wide``: the same weight widened (oneDNN-packed), for chunks past ``WIDE_FROM_ROWS`` rows;
+    ``activation_bits``: how decode rows' activations are held where the kernel has integer
+    products (see above): 8, 16 (two int8 digits) or 32 (float32)."""
 
     blocks: torch.Tensor  # a buffer, registered in __init__: it moves with the module
 
     def __init__(self, blocks: torch.Tensor, ggml_type: int, in_features: int, dtype: torch.dtype,
-                 wide: nn.Module | None = None):
+                 wide: nn.Module | None = None, activation_bits: int = 16):
         super().__init__()
         self.register_buffer("blocks", blocks, persistent=False)
         self.ggml_type, self.in_features, self.out_features = ggml_type, in_features, blocks.shape[0]
         self.dtype = dtype
         self.wide = wide
+        self.activation_bits = activation_bits
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if self.wide is not None and rows.shape[0] > WIDE_FROM_ROWS:
             out = self.wide(rows)
         elif rows.shape[0] <= cpu_kernels.GGUF_MATMUL_MAX_ROWS:
-            out = cpu_kernels.gguf_matmul(rows.float().contiguous(), self.blocks, self.ggml_type).to(x.dtype)
+            out = cpu_kernels.gguf_matmul(rows.float().contiguous(), self.blocks, self.ggml_type,
+                                          self.activation_bits).to(x.dtype)
         else:
             weight = cpu_kernels.gguf_dequantize(self.blocks, self.ggml_type, self.in_features, x.dtype)
             out = F.linear(rows, weight)

@@ -335,43 +335,61 @@ void matmul_rows(float* out, const float* x, const uint8_t* blocks, int64_t rows
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define GGUF_INT8 1
 // Integer products (llama.cpp's, for Q4_0, Q4_1, Q8_0): each activation row is quantized
-// once per call to int8 per 32-block (its Q8_0 / Q8_1: d = max|x| / 127, q = round(x / d)),
-// and a weight block's product with it is d_w d_x (sum of q_w q_x) in integers, with
-// vpdpbusd (u8 x s8 -> s32, four products a lane). Four weight rows share one 512-bit
-// vector, a 128-bit lane each, their weights 0-15 in one vector and 16-31 in another, so
-// each lane sums 8 products and one conversion and one FMA scale 4 weight rows' blocks.
-// The activation block (16 bytes broadcast to the four lanes) is read once for the four.
-// Q4 nibbles (0..15) are the unsigned side; Q8_0 weights are signed, so its activations
-// are stored as q + 128 (unsigned) and 128 times each lane's weight sum is taken off.
+// once per call per 32-block (its Q8_0 / Q8_1: d = max|x| / 127, q = round(x / d)), and a
+// weight block's product with it is d_w d (sum of q_w q) in integers, with vpdpbusd
+// (u8 x s8 -> s32, four products a lane). With DIGITS = 2 the rounding error x - d q
+// (at most d / 2) is quantized again, q2 = round((x - d q) 256 / d), so x = d (q + q2 / 256)
+// to 1/512 of d where int8 alone is off by up to d / 2: the integer sum is
+// 256 (sum q_w q) + sum q_w q2, two more dot products per activation row.
+// Four weight rows share one 512-bit vector, a 128-bit lane each, their weights 0-15 in
+// one vector and 16-31 in another, so each lane sums 8 products and one conversion and
+// one FMA scale 4 weight rows' blocks; the activation block (16 bytes broadcast to the
+// four lanes) is read once for the four. Q4 nibbles (0..15) are the unsigned side; Q8_0
+// weights are signed, so its activations are stored as q + 128 (unsigned) and 128 times
+// each lane's weight sum is taken off. Q4_0's -8 and Q4_1's minimum m multiply the block's
+// activation sum, d (sum q) (llama.cpp's Q8_1 s), in float.
+
+constexpr int64_t MAX_DIGITS = 2;
 
 // Activation rows quantized per 32-block, the rows of one block side by side.
 struct Int8Rows {
   int64_t rows;
-  std::vector<uint8_t> q;       // [blocks][rows][32]: int8 q, or q + 128 against Q8_0 weights
-  std::vector<float> d;         // [blocks][rows]: x ~ d q
-  std::vector<float> sum;       // [blocks][rows]: d sum(q), for Q4_1's minimum (llama.cpp's Q8_1 s)
-  std::vector<int32_t> offset;  // [blocks][rows]: -8 sum(q), for Q4_0's -8
+  std::vector<uint8_t> q;  // [digits][blocks][rows][32]: int8 q, or q + 128 against Q8_0 weights
+  std::vector<float> d;    // [blocks][rows]: the integer sum's scale, d or d / 256
+  std::vector<float> sum;  // [blocks][rows]: the block's sum as quantized, d (sum q (+ q2 / 256))
 };
 
-template <int64_t TYPE>
+// 32 int32 values (two vectors) stored as bytes, plus ``shift`` (128 against Q8_0 weights).
+inline void store_bytes(uint8_t* dst, __m512i lo, __m512i hi, __m512i shift) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(_mm512_add_epi32(lo, shift)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(_mm512_add_epi32(hi, shift)));
+}
+
+template <int64_t TYPE, int64_t DIGITS>
 Int8Rows quantize_activations(const float* x, int64_t rows, int64_t k) {
-  const int64_t nb = k / BLOCK;
-  Int8Rows a{rows, std::vector<uint8_t>(nb * rows * BLOCK), std::vector<float>(nb * rows),
-             std::vector<float>(nb * rows), std::vector<int32_t>(nb * rows)};
+  const int64_t nb = k / BLOCK, plane = nb * rows * BLOCK;
+  Int8Rows a{rows, std::vector<uint8_t>(DIGITS * plane), std::vector<float>(nb * rows), std::vector<float>(nb * rows)};
+  const __m512i shift = _mm512_set1_epi32(TYPE == Q8_0 ? 128 : 0), top = _mm512_set1_epi32(127);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t b = 0; b < nb; ++b) {
       const __m512 lo = _mm512_loadu_ps(x + r * k + b * BLOCK), hi = _mm512_loadu_ps(x + r * k + b * BLOCK + 16);
-      const float d = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi))) / 127.0f;
-      const __m512 id = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+      // max / 127 as -ffast-math compiles it anyway, written out so that tests can match it
+      const float d = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi))) * (1.0f / 127.0f);
+      const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
+      const __m512 id = _mm512_set1_ps(inverse), vd = _mm512_set1_ps(d);
       const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, id)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, id));
-      const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
-      const __m512i shift = _mm512_set1_epi32(TYPE == Q8_0 ? 128 : 0);
-      uint8_t* dst = a.q.data() + (b * rows + r) * BLOCK;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(_mm512_add_epi32(qlo, shift)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(_mm512_add_epi32(qhi, shift)));
-      a.d[b * rows + r] = d;
-      a.sum[b * rows + r] = d * static_cast<float>(total);
-      a.offset[b * rows + r] = -8 * total;
+      const int64_t at = b * rows + r;
+      store_bytes(a.q.data() + at * BLOCK, qlo, qhi, shift);
+      float total = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
+      if constexpr (DIGITS == 2) {  // the residuals, in 1/256ths of d (|.| <= 128, 128 kept as 127)
+        const __m512 id2 = _mm512_set1_ps(256.0f * inverse);
+        const __m512i rlo = _mm512_min_epi32(top, _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_fnmadd_ps(_mm512_cvtepi32_ps(qlo), vd, lo), id2)));
+        const __m512i rhi = _mm512_min_epi32(top, _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_fnmadd_ps(_mm512_cvtepi32_ps(qhi), vd, hi), id2)));
+        store_bytes(a.q.data() + plane + at * BLOCK, rlo, rhi, shift);
+        total += static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(rlo, rhi))) / 256.0f;
+      }
+      a.d[at] = DIGITS == 2 ? d / 256.0f : d;
+      a.sum[at] = d * total;
     }
   }
   return a;
@@ -386,8 +404,9 @@ inline __m512i lanes4(const uint8_t* p, int64_t stride) {
 }
 
 // Four weight rows' block: weights 0-15 (lo) and 16-31 (hi) a lane per row, the scales d
-// (and Q4_1's minimums, in each lane's first element only) spread over each row's lane,
-// and the integer sum each lane starts from (Q8_0: -128 times its weights' sum).
+// spread over each row's lane, the factor of the activations' sum (Q4_0's -8 d, Q4_1's m)
+// in each lane's first element only, and the integer sum each lane starts from (Q8_0: -128
+// times its weights' sum).
 struct Blocks4 {
   __m512i lo, hi, start;
   __m512 scale, min;
@@ -408,38 +427,54 @@ inline Blocks4 blocks4(const uint8_t* p, int64_t stride) {
     w.hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
     w.start = _mm512_setzero_si512();
   }
-  uint32_t heads[4];  // each block's first 4 bytes: fp16 d, and Q4_1's fp16 m
-  for (int64_t i = 0; i < 4; ++i) std::memcpy(&heads[i], p + i * stride, sizeof(uint32_t));
-  const __m512 dm = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(heads))));
+  int32_t heads[4];  // each block's first 4 bytes: fp16 d, and Q4_1's fp16 m
+  for (int64_t i = 0; i < 4; ++i) std::memcpy(&heads[i], p + i * stride, sizeof(int32_t));
+  const __m128i halves = _mm_setr_epi32(heads[0], heads[1], heads[2], heads[3]);  // not through memory: no
+  const __m512 dm = _mm512_castps256_ps512(_mm256_cvtph_ps(halves));              // store-forwarding stall
   w.scale = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6), dm);
-  w.min = _mm512_maskz_permutexvar_ps(0x1111, _mm512_setr_epi32(1, 0, 0, 0, 3, 0, 0, 0, 5, 0, 0, 0, 7, 0, 0, 0), dm);
+  if constexpr (TYPE == Q4_1)
+    w.min = _mm512_maskz_permutexvar_ps(0x1111, _mm512_setr_epi32(1, 0, 0, 0, 3, 0, 0, 0, 5, 0, 0, 0, 7, 0, 0, 0), dm);
+  else
+    w.min = _mm512_maskz_mul_ps(0x1111, w.scale, _mm512_set1_ps(-8.0f));  // Q4_0's (Q8_0 has none)
   return w;
+}
+
+// The integer sum of one activation row's block (``xq``: its digits ``plane`` bytes apart)
+// against four weight rows' block.
+template <int64_t TYPE, int64_t DIGITS>
+inline __m512i block_dot(const Blocks4& w, const uint8_t* xq, int64_t plane) {
+  __m512i dot = w.start;
+  for (int64_t digit = 0; digit < DIGITS; ++digit) {
+    const uint8_t* q = xq + digit * plane;
+    const __m512i xlo = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    const __m512i xhi = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
+    if (digit > 0) dot = _mm512_slli_epi32(dot, 8);
+    if (digit > 0 && TYPE == Q8_0) dot = _mm512_add_epi32(dot, w.start);
+    if constexpr (TYPE == Q8_0) {
+      dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot, xlo, w.lo), xhi, w.hi);
+    } else {
+      dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot, w.lo, xlo), w.hi, xhi);
+    }
+  }
+  return dot;
 }
 
 // out[r0 .. r0 + R, n0 .. n0 + 4] from the quantized activation rows ``a`` and the four
 // weight rows at ``row0`` (``row_bytes`` apart): R float accumulators of 16 lanes, four
 // a weight row, summed at the end.
-template <int64_t TYPE, int64_t R>
+template <int64_t TYPE, int64_t DIGITS, int64_t R>
 inline void int8_dot4(float* out, const Int8Rows& a, const uint8_t* row0, int64_t row_bytes, int64_t r0, int64_t n0,
                       int64_t n_out, int64_t nb) {
+  const int64_t plane = nb * a.rows * BLOCK;
   __m512 acc[R];
   for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const Blocks4 w = blocks4<TYPE>(row0 + b * block_bytes(TYPE), row_bytes);
     const int64_t at = b * a.rows + r0;
-    const uint8_t* xq = a.q.data() + at * BLOCK;
     for (int64_t r = 0; r < R; ++r) {
-      const __m512i xlo = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + r * BLOCK)));
-      const __m512i xhi = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + r * BLOCK + 16)));
-      __m512i dot;
-      if constexpr (TYPE == Q8_0) {
-        dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(w.start, xlo, w.lo), xhi, w.hi);
-      } else {
-        const __m512i start = TYPE == Q4_0 ? _mm512_maskz_set1_epi32(0x1111, a.offset[at + r]) : w.start;
-        dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, w.lo, xlo), w.hi, xhi);
-      }
+      const __m512i dot = block_dot<TYPE, DIGITS>(w, a.q.data() + (at + r) * BLOCK, plane);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(w.scale, _mm512_set1_ps(a.d[at + r])), acc[r]);
-      if constexpr (TYPE == Q4_1) acc[r] = _mm512_fmadd_ps(w.min, _mm512_set1_ps(a.sum[at + r]), acc[r]);
+      if constexpr (TYPE != Q8_0) acc[r] = _mm512_fmadd_ps(w.min, _mm512_set1_ps(a.sum[at + r]), acc[r]);
     }
   }
   const __m512i firsts = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
@@ -451,33 +486,40 @@ inline void int8_dot4(float* out, const Int8Rows& a, const uint8_t* row0, int64_
 }
 
 // Up to 8 rows from ``r0`` on at once (their accumulators stay in registers).
-template <int64_t TYPE>
+template <int64_t TYPE, int64_t DIGITS>
 void int8_rows4(float* out, const Int8Rows& a, const uint8_t* row0, int64_t row_bytes, int64_t n0, int64_t n_out,
                 int64_t nb) {
   for (int64_t r0 = 0; r0 < a.rows; r0 += 8) {
     switch (std::min<int64_t>(8, a.rows - r0)) {
-      case 1: int8_dot4<TYPE, 1>(out, a, row0, row_bytes, r0, n0, n_out, nb); break;
-      case 2: int8_dot4<TYPE, 2>(out, a, row0, row_bytes, r0, n0, n_out, nb); break;
-      case 3: int8_dot4<TYPE, 3>(out, a, row0, row_bytes, r0, n0, n_out, nb); break;
-      case 4: int8_dot4<TYPE, 4>(out, a, row0, row_bytes, r0, n0, n_out, nb); break;
-      case 5: int8_dot4<TYPE, 5>(out, a, row0, row_bytes, r0, n0, n_out, nb); break;
-      case 6: int8_dot4<TYPE, 6>(out, a, row0, row_bytes, r0, n0, n_out, nb); break;
-      case 7: int8_dot4<TYPE, 7>(out, a, row0, row_bytes, r0, n0, n_out, nb); break;
-      default: int8_dot4<TYPE, 8>(out, a, row0, row_bytes, r0, n0, n_out, nb); break;
+      case 1: int8_dot4<TYPE, DIGITS, 1>(out, a, row0, row_bytes, r0, n0, n_out, nb); break;
+      case 2: int8_dot4<TYPE, DIGITS, 2>(out, a, row0, row_bytes, r0, n0, n_out, nb); break;
+      case 3: int8_dot4<TYPE, DIGITS, 3>(out, a, row0, row_bytes, r0, n0, n_out, nb); break;
+      case 4: int8_dot4<TYPE, DIGITS, 4>(out, a, row0, row_bytes, r0, n0, n_out, nb); break;
+      case 5: int8_dot4<TYPE, DIGITS, 5>(out, a, row0, row_bytes, r0, n0, n_out, nb); break;
+      case 6: int8_dot4<TYPE, DIGITS, 6>(out, a, row0, row_bytes, r0, n0, n_out, nb); break;
+      case 7: int8_dot4<TYPE, DIGITS, 7>(out, a, row0, row_bytes, r0, n0, n_out, nb); break;
+      default: int8_dot4<TYPE, DIGITS, 8>(out, a, row0, row_bytes, r0, n0, n_out, nb); break;
     }
   }
 }
 
 // The integer products for the weight rows in groups of four; the last n_out % 4 rows
-// (no model here has such a layer) take the float path.
-template <int64_t TYPE>
+// (no model here has such a layer) copied beside zero blocks (d = 0) to make a group.
+template <int64_t TYPE, int64_t DIGITS>
 void matmul_int8(float* out, const float* x, const uint8_t* blocks, int64_t rows, int64_t n_out, int64_t k) {
-  const int64_t nb = k / BLOCK, row_bytes = nb * block_bytes(TYPE);
-  const Int8Rows a = quantize_activations<TYPE>(x, rows, k);
+  const int64_t nb = k / BLOCK, row_bytes = nb * block_bytes(TYPE), whole = n_out / 4 * 4;
+  const Int8Rows a = quantize_activations<TYPE, DIGITS>(x, rows, k);
   at::parallel_for(0, n_out / 4, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) int8_rows4<TYPE>(out, a, blocks + 4 * g * row_bytes, row_bytes, 4 * g, n_out, nb);
+    for (int64_t g = begin; g < end; ++g)
+      int8_rows4<TYPE, DIGITS>(out, a, blocks + 4 * g * row_bytes, row_bytes, 4 * g, n_out, nb);
   });
-  for (int64_t n = n_out / 4 * 4; n < n_out; ++n) widened_dot_rows<TYPE>(out, x, blocks + n * row_bytes, rows, n, n_out, k);
+  if (whole == n_out) return;
+  std::vector<uint8_t> last(4 * row_bytes, 0);
+  std::memcpy(last.data(), blocks + whole * row_bytes, (n_out - whole) * row_bytes);
+  std::vector<float> part(rows * 4);
+  int8_rows4<TYPE, DIGITS>(part.data(), a, last.data(), row_bytes, 0, 4, nb);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t n = whole; n < n_out; ++n) out[r * n_out + n] = part[r * 4 + n - whole];
 }
 #endif
 
@@ -511,25 +553,29 @@ void check_blocks(const at::Tensor& blocks, int64_t type, int64_t k) {
 }
 
 // out [rows, n] float32 = x [rows, k] float32 @ W^T, W the GGUF ``blocks`` [n, row bytes].
-// int8_activations: the integer products where compiled in and the type has them (Q4_0,
-// Q4_1, Q8_0); the float path otherwise.
-void gguf_matmul(at::Tensor out, const at::Tensor& x, const at::Tensor& blocks, int64_t type, bool int8_activations) {
+// activation_bits: 8 or 16 (one or two int8 digits) for the integer products where they
+// are compiled in and the type has them (Q4_0, Q4_1, Q8_0); 32 or other types: float32.
+void gguf_matmul(at::Tensor out, const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t activation_bits) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(0) <= MAX_ROWS,
               "gguf_matmul: x contiguous float32 [rows <= ", MAX_ROWS, ", in_features]");
   check_blocks(blocks, type, x.size(1));
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == x.size(0) &&
                   out.size(1) == blocks.size(0), "gguf_matmul: out contiguous float32 [rows, out_features]");
+  TORCH_CHECK(activation_bits == 8 || activation_bits == 16 || activation_bits == 32,
+              "gguf_matmul: activation_bits 8, 16 or 32, not ", activation_bits);
   float* dst = out.data_ptr<float>();
   const float* src = x.data_ptr<float>();
   const uint8_t* w = blocks.data_ptr<uint8_t>();
+  const int64_t rows = x.size(0), n = blocks.size(0), k = x.size(1);
   dispatch(type, [&](auto t) {
     constexpr int64_t TYPE = decltype(t)::value;
 #ifdef GGUF_INT8
     if constexpr (!is_k(TYPE)) {
-      if (int8_activations) return matmul_int8<TYPE>(dst, src, w, x.size(0), blocks.size(0), x.size(1));
+      if (activation_bits == 8) return matmul_int8<TYPE, 1>(dst, src, w, rows, n, k);
+      if (activation_bits == 16) return matmul_int8<TYPE, MAX_DIGITS>(dst, src, w, rows, n, k);
     }
 #endif
-    matmul_rows<TYPE>(dst, src, w, x.size(0), blocks.size(0), x.size(1));
+    matmul_rows<TYPE>(dst, src, w, rows, n, k);
   });
 }
 
@@ -564,7 +610,7 @@ void gguf_dequantize(at::Tensor out, const at::Tensor& blocks, int64_t type) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(memserve, m) {
-  m.def("gguf_matmul(Tensor(a!) out, Tensor x, Tensor blocks, int type, bool int8_activations) -> ()");
+  m.def("gguf_matmul(Tensor(a!) out, Tensor x, Tensor blocks, int type, int activation_bits) -> ()");
   m.def("gguf_int8_types() -> int[]", &gguf_int8_types);
   m.def("gguf_dequantize(Tensor(a!) out, Tensor blocks, int type) -> ()");
 }

@@ -1,0 +1,82 @@
+"""The GGUF decode kernel (``csrc/gguf_linear.cpp``) with float32 activations against
+integer products over activations in one int8 digit (llama.cpp's) or two, on the
+default SmolLM2 file's own blocks.
+
+    python benchmarks/micro/gguf_int8_micro.py [--rows 1,4,8,16] [--threads 1,2] [--reps 15]
+
+Two workloads per row count and thread count: one gate/up layer (Q4_1, 3,072 x 576, its
+184 KB of blocks in cache, where the kernel's arithmetic is what is timed) and every
+quantized product of a decode step (the 30 layers' q/k/v, o, gate/up and down in Q4_1
+and the tied Q8_0 lm_head: 96 MB, read from memory). Rounds alternate the paths, and
+each ratio is the median of per-round ratios, so that a shared machine's load falls on
+all alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from memserve.model_files.gguf_convert import ensure_model_dir
+from memserve.workers.model import cpu_kernels
+from memserve.workers.model.gguf_linear import fused_blocks, read_blocks
+
+GATE_UP = "model.layers.0.mlp.gate_up_proj.weight"
+
+
+BITS = (32, 16, 8)  # float32, two int8 digits, one
+
+
+def run(layers: list[tuple[torch.Tensor, int, int]], rows: int, bits: int, repeat: int) -> float:
+    """Seconds for one of ``repeat`` passes over ``layers`` (blocks, ggml type, in_features)."""
+    inputs = {k: torch.randn(rows, k) for _, _, k in layers}
+    start = time.perf_counter()
+    for _ in range(repeat):
+        for blocks, ggml_type, k in layers:
+            cpu_kernels.gguf_matmul(inputs[k], blocks, ggml_type, bits)
+    return (time.perf_counter() - start) / repeat
+
+
+def compare(layers: list[tuple[torch.Tensor, int, int]], rows: int, reps: int, repeat: int) -> list[str]:
+    """Median times (us) of each of BITS over ``reps`` alternating rounds, and the median
+    per-round ratios of the integer paths to float32."""
+    times: dict[int, list[float]] = {bits: [] for bits in BITS}
+    for bits in BITS:
+        run(layers, rows, bits, 1)  # warm up
+    for _ in range(reps):
+        for bits in BITS:
+            times[bits].append(run(layers, rows, bits, repeat))
+    cells = [f"{statistics.median(times[bits]) * 1e6:,.0f}" for bits in BITS]
+    for bits in BITS[1:]:
+        cells.append(f"**{statistics.median(i / f for i, f in zip(times[bits], times[32])):.2f}x**")
+    return cells
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", default="1,4,8,16")
+    p.add_argument("--threads", default="1,2")
+    p.add_argument("--reps", type=int, default=15)
+    args = p.parse_args()
+    if not cpu_kernels.available() or not cpu_kernels.gguf_int8_types():
+        raise SystemExit("the CPU kernels have no int8 path here (they need AVX-512 VNNI)")
+    blocks, types = fused_blocks(*read_blocks(ensure_model_dir(None)))
+    widths = {name: b.shape[1] // {2: 18, 3: 20, 8: 34}[types[name]] * 32 for name, b in blocks.items()}
+    step = [(b, types[name], widths[name]) for name, b in blocks.items()]
+    workloads = {"gate/up 3072x576 (Q4_1, in cache)": ([(blocks[GATE_UP], types[GATE_UP], widths[GATE_UP])], 200),
+                 "decode step's products (96 MB)": (step, 1)}
+    print("| workload | threads | rows | float32 us | 2 x int8 us | int8 us | 2 x int8 / float32 | int8 / float32 |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for threads in map(int, args.threads.split(",")):
+        torch.set_num_threads(threads)
+        for name, (layers, repeat) in workloads.items():
+            for rows in map(int, args.rows.split(",")):
+                cells = compare(layers, rows, args.reps, repeat)
+                print(f"| {name} | {threads} | {rows} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
