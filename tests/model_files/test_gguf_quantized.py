@@ -21,14 +21,17 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 from helpers.engine_generate import generate
+from helpers.engine_replay import conversations
 from helpers.hf_greedy import transformers_greedy
 from helpers.llama_cpp_gguf import write_gguf
 from helpers.one_thread import one_intra_op_thread  # noqa: F401 (autouse fixture)
+from helpers.paths import SHARED_DATA
 
 from memserve.config import EngineConfig
 from memserve.model_files.default_model import default_gguf_path
 from memserve.model_files.gguf_convert import QUANTIZED_FILE, convert_gguf, ensure_model_dir
 from memserve.testing.random_models import TINY_SIZES, save_tiny_model
+from memserve.text.tokenizer import Tokenizer
 from memserve.workers.model import cpu_kernels
 from memserve.workers.model.gguf_linear import GGUFLinear
 from memserve.workers.model.linear import RowParallelLinear
@@ -286,6 +289,25 @@ def test_the_default_file_served_quantized_gives_the_widened_models_tokens():
         outputs[quantization] = [tokens for tokens, _ in generate(engine, chats, 16)]
     agree = sum(a == b for a, b in zip(outputs["none"], outputs["gguf"]))
     assert agree >= 22, agree
+
+
+@pytest.mark.slow  # two SmolLM2 engines, 32 prompts
+@pytest.mark.skipif(not (SHARED_DATA / "sharegpt-sample.jsonl").is_file(), reason="no ShareGPT sample here")
+def test_the_default_file_served_quantized_gives_the_widened_models_tokens_on_sharegpt():
+    """The first turns of 32 ShareGPT conversations, 16 greedy tokens each, at most 8
+    sequences a step (decode rows through the blocks' integer products): quantized and
+    ``--quantization none`` agree on at least 30 (int8 activations alone kept 22; their
+    two digits, the default, 32)."""
+    folder = ensure_model_dir(None)
+    tokenizer = Tokenizer.from_folder(folder)
+    prompts = [tokenizer.encode_chat([conversation[0]]) for conversation in conversations(32)]
+    outputs = {}
+    for quantization in ("none", "gguf"):
+        engine = build_engine(EngineConfig(dtype="float32", num_blocks=512, max_num_seqs=8,
+                                           quantization=quantization), folder)
+        outputs[quantization] = [tokens for tokens, _ in generate(engine, prompts, 16)]
+    agree = sum(a == b for a, b in zip(outputs["none"], outputs["gguf"]))
+    assert agree >= 30, agree
 
 
 @pytest.mark.slow  # llama.cpp's requantization and two SmolLM2 engines
