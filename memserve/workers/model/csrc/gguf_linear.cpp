@@ -383,8 +383,10 @@ Int8Rows quantize_activations(const float* x, int64_t rows, int64_t k) {
       float total = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
       if constexpr (DIGITS == 2) {  // the residuals, in 1/256ths of d (|.| <= 128, 128 kept as 127)
         const __m512 id2 = _mm512_set1_ps(256.0f * inverse);
-        const __m512i rlo = _mm512_min_epi32(top, _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_fnmadd_ps(_mm512_cvtepi32_ps(qlo), vd, lo), id2)));
-        const __m512i rhi = _mm512_min_epi32(top, _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_fnmadd_ps(_mm512_cvtepi32_ps(qhi), vd, hi), id2)));
+        const __m512 elo = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qlo), vd, lo);  // x - d q
+        const __m512 ehi = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qhi), vd, hi);
+        const __m512i rlo = _mm512_min_epi32(top, _mm512_cvtps_epi32(_mm512_mul_ps(elo, id2)));
+        const __m512i rhi = _mm512_min_epi32(top, _mm512_cvtps_epi32(_mm512_mul_ps(ehi, id2)));
         store_bytes(a.q.data() + plane + at * BLOCK, rlo, rhi, shift);
         total += static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(rlo, rhi))) / 256.0f;
       }
@@ -419,8 +421,8 @@ inline Blocks4 blocks4(const uint8_t* p, int64_t stride) {
     w.lo = lanes4(p + 2, stride);
     w.hi = lanes4(p + 18, stride);
     const __m512i u128 = _mm512_set1_epi8(static_cast<char>(0x80));
-    w.start = _mm512_sub_epi32(_mm512_setzero_si512(),
-                               _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u128, w.lo), u128, w.hi));
+    const __m512i sums = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u128, w.lo), u128, w.hi);
+    w.start = _mm512_sub_epi32(_mm512_setzero_si512(), sums);  // -128 (sum of the lane's weights)
   } else {
     const __m512i raw = lanes4(p + (TYPE == Q4_1 ? 4 : 2), stride), nibble = _mm512_set1_epi8(0x0F);
     w.lo = _mm512_and_si512(raw, nibble);
@@ -468,7 +470,14 @@ inline void int8_dot4(float* out, const Int8Rows& a, const uint8_t* row0, int64_
   const int64_t plane = nb * a.rows * BLOCK;
   __m512 acc[R];
   for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  // The next group of four weight rows (they follow these in memory), a few cache lines
+  // a block: the hardware prefetcher alone left a decode step's products at 60% of the
+  // speed they have with it (the rows are short: 360-612 bytes).
+  const uint8_t* next = row0 + 4 * row_bytes;
+  const int64_t per_block = ((4 * row_bytes + 63) / 64 + nb - 1) / nb;
   for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t i = 0; i < per_block; ++i)
+      _mm_prefetch(reinterpret_cast<const char*>(next + 64 * (b * per_block + i)), _MM_HINT_T0);
     const Blocks4 w = blocks4<TYPE>(row0 + b * block_bytes(TYPE), row_bytes);
     const int64_t at = b * a.rows + r0;
     for (int64_t r = 0; r < R; ++r) {
