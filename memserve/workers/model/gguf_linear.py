@@ -10,13 +10,14 @@ larger batches) go elsewhere: under ``--quantization auto`` to the same weight w
 packed, kept beside the blocks (past ``WIDE_FROM_ROWS`` rows, the crossover measured in
 float32 and bf16), under ``gguf`` (the blocks alone, the least memory) through the weight
 widened for the one product. Those are the dequantized weight's products up to float
-rounding. The decode rows' products of Q4_0, Q4_1 and Q8_0 weights quantize the
-activations to int8 per 32-block and multiply in integers (llama.cpp's and vLLM's way for
-GGUF, VNNI dot products, about twice as fast per row as float32 on AVX-512 VNNI), which
-moves a product by about 0.5% of its size: the tokens are then those of the float32
-folder converted from the same file (``model_files/gguf_convert.py``, what
-``--quantization none`` runs) nearly always rather than always. ``int8_activations=False``
-keeps float32 activations (the K-quants always have them).
+rounding. The decode rows' products of Q4_0, Q4_1 and Q8_0 weights are integer dot
+products (VNNI, on a CPU with AVX-512 VNNI) over activations quantized per 32-block as
+llama.cpp does (int8, d = max|x| / 127), by default with the rounding error quantized
+again into a second int8 digit: about twice as fast as float32 activations per row, and
+within 1/256 of int8's error, so the tokens stay the float32 folder's (converted from the
+same file, ``model_files/gguf_convert.py``, what ``--quantization none`` runs); int8 alone
+is faster still but changed the greedy tokens of 10 of 32 ShareGPT prompts on SmolLM2.
+``activation_bits`` 8 chooses it, 32 float32 (the K-quants always have float32).
 
 ``quantize_linears`` makes these the kernels of a loaded model's linear layers
 (``linear.py``) where the converted folder holds their blocks, cut to the rank's shard as
@@ -45,10 +46,11 @@ from memserve.workers.model.packed_linear import PackedLinear
 QUANTIZATIONS = ("auto", "none", "gguf", "fp8", "awq", "gptq")  # the last three: quantization_config.py
 
 
-# Rows from which a layer that keeps its weight widened multiplies by it rather than by the
-# blocks: on one SmolLM2 gate/up layer (576 x 3,072) the blocks took 0.71-0.77x the packed
-# weight's time at 4 rows, 0.95-1.05x at 8, 1.3-1.9x at 16 (float32 and bf16).
-WIDE_FROM_ROWS = 8
+# Rows past which a layer that keeps its weight widened multiplies by it rather than by the
+# blocks, by activation dtype: on one SmolLM2 gate/up layer (576 x 3,072, in cache, one
+# thread) the blocks' integer products took 0.52x the packed float32 weight's time at 8
+# rows, 0.80x at 16; against bf16's packed weight (AMX) 0.96x at 8, 1.41x at 12, 1.80x at 16.
+WIDE_FROM_ROWS = {torch.float32: 16, torch.bfloat16: 8}
 
 
 class GGUFLinear(nn.Module):
@@ -70,7 +72,7 @@ class GGUFLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self.wide is not None and rows.shape[0] > WIDE_FROM_ROWS:
+        if self.wide is not None and rows.shape[0] > WIDE_FROM_ROWS.get(self.dtype, 8):
             out = self.wide(rows)
         elif rows.shape[0] <= cpu_kernels.GGUF_MATMUL_MAX_ROWS:
             out = cpu_kernels.gguf_matmul(rows.float().contiguous(), self.blocks, self.ggml_type,
