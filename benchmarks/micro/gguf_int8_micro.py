@@ -5,7 +5,7 @@ default SmolLM2 file's own blocks.
     python benchmarks/micro/gguf_int8_micro.py [--rows 1,4,8,16] [--threads 1,2] [--reps 15]
 
 Two workloads per row count and thread count: one gate/up layer (Q4_1, 3,072 x 576, its
-184 KB of blocks in cache, where the kernel's arithmetic is what is timed) and every
+1.1 MB of blocks in the L2 cache, where the kernel's arithmetic is what is timed) and every
 quantized product of a decode step (the 30 layers' q/k/v, o, gate/up and down in Q4_1
 and the tied Q8_0 lm_head: 96 MB, read from memory). Rounds alternate the paths, and
 each ratio is the median of per-round ratios, so that a shared machine's load falls on

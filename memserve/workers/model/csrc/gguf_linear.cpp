@@ -20,7 +20,9 @@
 // file's (4.5-8.5 bits a weight against 32 for float32), which is what bounds a decode
 // step. A K-quant super-block is widened once into 256 floats on the stack (vectorised
 // with AVX-512) and dotted with every activation row. Sums are float32; the result equals
-// the dequantized weights' product up to the order of float32 sums and roundings.
+// the dequantized weights' product up to the order of float32 sums and roundings. For
+// Q4_0, Q4_1 and Q8_0 on a CPU with AVX-512 VNNI, gguf_matmul can instead quantize the
+// activations and take integer dot products (llama.cpp's way; see "Integer products").
 // gguf_dequantize widens a whole matrix, for prefill chunks, where a oneDNN product over
 // widened weights is faster than this loop.
 #include <ATen/ATen.h>
