@@ -155,8 +155,11 @@ def quantized_activations(x: np.ndarray, digits: int) -> np.ndarray:
     return value.reshape(x.shape)
 
 
+INT8_TYPES = [*TYPES, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K]
+
+
 @pytest.mark.skipif(not cpu_kernels.gguf_int8_types(), reason="no int8 path on this CPU (it needs AVX-512 VNNI)")
-@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", INT8_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 3, 4, 8, 9, 16])
 @pytest.mark.parametrize("out_features", [96, 98])  # 98: a last group of two weight rows
 @pytest.mark.parametrize("bits", [8, 16])
@@ -164,11 +167,13 @@ def test_integer_products_equal_the_product_of_the_quantized_activations(ggml_ty
     """Integer products equal the dequantized weight's with the activations as the kernel
     quantizes them, to float32 rounding; they differ from the float32 activations' product
     by up to about 1% of the largest in int8 (llama.cpp's), 1/256 of that in two digits."""
+    assert set(INT8_TYPES) == set(cpu_kernels.gguf_int8_types())
     rng = np.random.default_rng(rows + out_features)
-    blocks = np.ascontiguousarray(quantize(rng.standard_normal((out_features, 320), dtype=np.float32), ggml_type))
+    weight = rng.standard_normal((out_features, 512), dtype=np.float32)
+    blocks = np.ascontiguousarray(quantize_k_too(weight, ggml_type))
     dequantized = dequantize(blocks, ggml_type).astype(np.float64)
-    scales = rng.uniform(0.01, 10, (rows, 10, 1)).astype(np.float32)  # blocks of unlike sizes
-    x = (rng.standard_normal((rows, 10, 32), dtype=np.float32) * scales).reshape(rows, 320)
+    scales = rng.uniform(0.01, 10, (rows, 16, 1)).astype(np.float32)  # blocks of unlike sizes
+    x = (rng.standard_normal((rows, 16, 32), dtype=np.float32) * scales).reshape(rows, 512)
     x[:, :32] = 0  # an all-zero block (d = 0)
     got = cpu_kernels.gguf_matmul(torch.from_numpy(x), torch.from_numpy(blocks), int(ggml_type), bits).double().numpy()
     expected = quantized_activations(x, bits // 8) @ dequantized.T

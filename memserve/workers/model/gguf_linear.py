@@ -10,14 +10,15 @@ larger batches) go elsewhere: under ``--quantization auto`` to the same weight w
 packed, kept beside the blocks (past ``WIDE_FROM_ROWS`` rows, the crossover measured in
 float32 and bf16), under ``gguf`` (the blocks alone, the least memory) through the weight
 widened for the one product. Those are the dequantized weight's products up to float
-rounding. The decode rows' products of Q4_0, Q4_1 and Q8_0 weights are integer dot
-products (VNNI, on a CPU with AVX-512 VNNI) over activations quantized per 32-block as
-llama.cpp does (int8, d = max|x| / 127), by default with the rounding error quantized
-again into a second int8 digit: about twice as fast as float32 activations per row, and
+rounding. The decode rows' products of Q4_0, Q4_1, Q8_0, Q4_K and Q5_K weights are
+integer dot products (VNNI, on a CPU with AVX-512 VNNI) over activations quantized per
+32-block as llama.cpp does (int8, d = max|x| / 127), by default with the rounding error
+quantized again into a second int8 digit: about twice as fast as float32 activations per
+row for the 32-weight blocks (1.2-1.4x for the K-quants), and
 within 1/256 of int8's error, so the tokens stay the float32 folder's (converted from the
 same file, ``model_files/gguf_convert.py``, what ``--quantization none`` runs); int8 alone
 is faster still but changed the greedy tokens of 10 of 32 ShareGPT prompts on SmolLM2.
-``activation_bits`` 8 chooses it, 32 float32 (the K-quants always have float32).
+``activation_bits`` 8 chooses it, 32 float32 (Q6_K always has float32).
 
 ``quantize_linears`` makes these the kernels of a loaded model's linear layers
 (``linear.py``) where the converted folder holds their blocks, cut to the rank's shard as

@@ -21,7 +21,7 @@
 // step. A K-quant super-block is widened once into 256 floats on the stack (vectorised
 // with AVX-512) and dotted with every activation row. Sums are float32; the result equals
 // the dequantized weights' product up to the order of float32 sums and roundings. For
-// Q4_0, Q4_1 and Q8_0 on a CPU with AVX-512 VNNI, gguf_matmul can instead quantize the
+// Q4_0, Q4_1, Q8_0, Q4_K and Q5_K on a CPU with AVX-512 VNNI, gguf_matmul can instead quantize the
 // activations and take integer dot products (llama.cpp's way; see "Integer products").
 // gguf_dequantize widens a whole matrix, for prefill chunks, where a oneDNN product over
 // widened weights is faster than this loop.
@@ -336,9 +336,12 @@ void matmul_rows(float* out, const float* x, const uint8_t* blocks, int64_t rows
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define GGUF_INT8 1
-// Integer products (llama.cpp's, for Q4_0, Q4_1, Q8_0): each activation row is quantized
-// once per call per 32-block (its Q8_0 / Q8_1: d = max|x| / 127, q = round(x / d)), and a
-// weight block's product with it is d_w d (sum of q_w q) in integers, with vpdpbusd
+// Integer products (llama.cpp's, for Q4_0, Q4_1, Q8_0, and Q4_K, Q5_K as 8 blocks of 32
+// like Q4_1's with their sub-block's scale and minimum; Q6_K's sub-blocks of 16 do not fit
+// the 32-blocks below and keep float32): each activation row is quantized once per call
+// per 32-block (llama.cpp's Q8_0 / Q8_1: d = max|x| / 127, q = round(x / d); for the
+// K-quants llama.cpp takes one scale per 256, Q8_K), and a weight block's product with it
+// is d_w d (sum of q_w q) in integers, with vpdpbusd
 // (u8 x s8 -> s32, four products a lane). With DIGITS = 2 the rounding error x - d q
 // (at most d / 2) is quantized again, q2 = round((x - d q) 256 / d), so x = d (q + q2 / 256)
 // to 1/512 of d where int8 alone is off by up to d / 2: the integer sum is
@@ -463,29 +466,72 @@ inline __m512i block_dot(const Blocks4& w, const uint8_t* xq, int64_t plane) {
   return dot;
 }
 
-// out[r0 .. r0 + R, n0 .. n0 + 4] from the quantized activation rows ``a`` and the four
-// weight rows at ``row0`` (``row_bytes`` apart): R float accumulators of 16 lanes, four
-// a weight row, summed at the end.
+// Four weight rows' Q4_K or Q5_K super-block as its 8 sub-blocks of 32 (``w``), each a
+// block like Q4_1's: scale d sc, minimum -dmin m (k_scales), 4- or 5-bit values.
+template <int64_t TYPE>
+inline void k_blocks4(const uint8_t* p, int64_t stride, Blocks4* w) {
+  alignas(16) float scale[8][4], min[8][4];
+  for (int64_t i = 0; i < 4; ++i) {
+    const uint8_t* q = p + i * stride;
+    float sc[8], m[8];
+    k_scales(q + 4, half_at(q), half_at(q + 2), sc, m);
+    for (int64_t j = 0; j < 8; ++j) scale[j][i] = sc[j], min[j][i] = -m[j];
+  }
+  const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const uint8_t* qs = p + (TYPE == Q5_K ? 48 : 16);
+  const __m512i bits0 = lanes4(p + 16, stride), bits1 = lanes4(p + 32, stride), sixteen = _mm512_set1_epi8(16);
+  for (int64_t j = 0; j < 8; ++j) {
+    const __m512i raw0 = lanes4(qs + 32 * (j / 2), stride), raw1 = lanes4(qs + 32 * (j / 2) + 16, stride);
+    const int shift = j % 2 == 0 ? 0 : 4;  // sub-block 2i: low nibbles, 2i + 1: high
+    w[j].lo = _mm512_and_si512(_mm512_srli_epi16(raw0, shift), nibble);
+    w[j].hi = _mm512_and_si512(_mm512_srli_epi16(raw1, shift), nibble);
+    if constexpr (TYPE == Q5_K) {  // bit j of each weight's qh byte: its fifth bit
+      const __m512i bit = _mm512_set1_epi8(static_cast<char>(1 << j));
+      w[j].lo = _mm512_mask_add_epi8(w[j].lo, _mm512_test_epi8_mask(bits0, bit), w[j].lo, sixteen);
+      w[j].hi = _mm512_mask_add_epi8(w[j].hi, _mm512_test_epi8_mask(bits1, bit), w[j].hi, sixteen);
+    }
+    w[j].start = _mm512_setzero_si512();
+    w[j].scale = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_load_ps(scale[j])));
+    w[j].min = _mm512_maskz_permutexvar_ps(0x1111, spread, _mm512_castps128_ps512(_mm_load_ps(min[j])));
+  }
+}
+
+// acc[r] += activation rows r0 .. r0 + R's block ``b`` times four weight rows' block ``w``.
+template <int64_t TYPE, int64_t DIGITS, int64_t R>
+inline void add_block(__m512* acc, const Blocks4& w, const Int8Rows& a, int64_t b, int64_t r0, int64_t plane) {
+  const int64_t at = b * a.rows + r0;
+  for (int64_t r = 0; r < R; ++r) {
+    const __m512i dot = block_dot<TYPE, DIGITS>(w, a.q.data() + (at + r) * BLOCK, plane);
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(w.scale, _mm512_set1_ps(a.d[at + r])), acc[r]);
+    if constexpr (TYPE != Q8_0) acc[r] = _mm512_fmadd_ps(w.min, _mm512_set1_ps(a.sum[at + r]), acc[r]);
+  }
+}
+
+// out[r0 .. r0 + R, n0 .. n0 + 4] from the quantized activation rows ``a`` (``nb``
+// 32-blocks a row) and the four weight rows at ``row0`` (``row_bytes`` apart): R float
+// accumulators of 16 lanes, four a weight row, summed at the end.
 template <int64_t TYPE, int64_t DIGITS, int64_t R>
 inline void int8_dot4(float* out, const Int8Rows& a, const uint8_t* row0, int64_t row_bytes, int64_t r0, int64_t n0,
                       int64_t n_out, int64_t nb) {
-  const int64_t plane = nb * a.rows * BLOCK;
+  constexpr int64_t per_unit = block_weights(TYPE) / BLOCK;  // 32-blocks in a block or super-block
+  const int64_t plane = nb * a.rows * BLOCK, units = nb / per_unit;
   __m512 acc[R];
   for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   // The next group of four weight rows (they follow these in memory), a few cache lines
   // a block: the hardware prefetcher alone left a decode step's products at 60% of the
   // speed they have with it (the rows are short: 360-612 bytes).
   const uint8_t* next = row0 + 4 * row_bytes;
-  const int64_t per_block = ((4 * row_bytes + 63) / 64 + nb - 1) / nb;
-  for (int64_t b = 0; b < nb; ++b) {
+  const int64_t per_block = ((4 * row_bytes + 63) / 64 + units - 1) / units;
+  for (int64_t u = 0; u < units; ++u) {
     for (int64_t i = 0; i < per_block; ++i)
-      _mm_prefetch(reinterpret_cast<const char*>(next + 64 * (b * per_block + i)), _MM_HINT_T0);
-    const Blocks4 w = blocks4<TYPE>(row0 + b * block_bytes(TYPE), row_bytes);
-    const int64_t at = b * a.rows + r0;
-    for (int64_t r = 0; r < R; ++r) {
-      const __m512i dot = block_dot<TYPE, DIGITS>(w, a.q.data() + (at + r) * BLOCK, plane);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(w.scale, _mm512_set1_ps(a.d[at + r])), acc[r]);
-      if constexpr (TYPE != Q8_0) acc[r] = _mm512_fmadd_ps(w.min, _mm512_set1_ps(a.sum[at + r]), acc[r]);
+      _mm_prefetch(reinterpret_cast<const char*>(next + 64 * (u * per_block + i)), _MM_HINT_T0);
+    if constexpr (is_k(TYPE)) {
+      Blocks4 w[8];
+      k_blocks4<TYPE>(row0 + u * block_bytes(TYPE), row_bytes, w);
+      for (int64_t j = 0; j < 8; ++j) add_block<TYPE, DIGITS, R>(acc, w[j], a, u * 8 + j, r0, plane);
+    } else {
+      add_block<TYPE, DIGITS, R>(acc, blocks4<TYPE>(row0 + u * block_bytes(TYPE), row_bytes), a, u, r0, plane);
     }
   }
   const __m512i firsts = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
@@ -518,7 +564,7 @@ void int8_rows4(float* out, const Int8Rows& a, const uint8_t* row0, int64_t row_
 // (no model here has such a layer) copied beside zero blocks (d = 0) to make a group.
 template <int64_t TYPE, int64_t DIGITS>
 void matmul_int8(float* out, const float* x, const uint8_t* blocks, int64_t rows, int64_t n_out, int64_t k) {
-  const int64_t nb = k / BLOCK, row_bytes = nb * block_bytes(TYPE), whole = n_out / 4 * 4;
+  const int64_t nb = k / BLOCK, row_bytes = k / block_weights(TYPE) * block_bytes(TYPE), whole = n_out / 4 * 4;
   const Int8Rows a = quantize_activations<TYPE, DIGITS>(x, rows, k);
   at::parallel_for(0, n_out / 4, 4, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g)
@@ -565,7 +611,7 @@ void check_blocks(const at::Tensor& blocks, int64_t type, int64_t k) {
 
 // out [rows, n] float32 = x [rows, k] float32 @ W^T, W the GGUF ``blocks`` [n, row bytes].
 // activation_bits: 8 or 16 (one or two int8 digits) for the integer products where they
-// are compiled in and the type has them (Q4_0, Q4_1, Q8_0); 32 or other types: float32.
+// are compiled in and the type has them (all but Q6_K); 32 or Q6_K: float32.
 void gguf_matmul(at::Tensor out, const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t activation_bits) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(0) <= MAX_ROWS,
               "gguf_matmul: x contiguous float32 [rows <= ", MAX_ROWS, ", in_features]");
@@ -581,7 +627,7 @@ void gguf_matmul(at::Tensor out, const at::Tensor& x, const at::Tensor& blocks, 
   dispatch(type, [&](auto t) {
     constexpr int64_t TYPE = decltype(t)::value;
 #ifdef GGUF_INT8
-    if constexpr (!is_k(TYPE)) {
+    if constexpr (TYPE != Q6_K) {
       if (activation_bits == 8) return matmul_int8<TYPE, 1>(dst, src, w, rows, n, k);
       if (activation_bits == 16) return matmul_int8<TYPE, MAX_DIGITS>(dst, src, w, rows, n, k);
     }
@@ -593,7 +639,7 @@ void gguf_matmul(at::Tensor out, const at::Tensor& x, const at::Tensor& blocks, 
 // The ggml types gguf_matmul multiplies with int8 activations in this build (none without VNNI).
 std::vector<int64_t> gguf_int8_types() {
 #ifdef GGUF_INT8
-  return {Q4_0, Q4_1, Q8_0};
+  return {Q4_0, Q4_1, Q8_0, Q4_K, Q5_K};
 #else
   return {};
 #endif
