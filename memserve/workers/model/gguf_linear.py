@@ -49,8 +49,10 @@ QUANTIZATIONS = ("auto", "none", "gguf", "fp8", "awq", "gptq")  # the last three
 
 # Rows past which a layer that keeps its weight widened multiplies by it rather than by the
 # blocks, by activation dtype: on one SmolLM2 gate/up layer (576 x 3,072, in cache, one
-# thread) the blocks' integer products took 0.52x the packed float32 weight's time at 8
-# rows, 0.80x at 16; against bf16's packed weight (AMX) 0.96x at 8, 1.41x at 12, 1.80x at 16.
+# thread; benchmarks/micro/gguf_int8_micro.py --packed) the blocks' integer products took
+# 0.59x the packed float32 weight's time at 8 rows, 0.91x at 16; against bf16's packed
+# weight (AMX) 1.2x at 8, 1.8x at 12, 2.3x at 16. A decode step reads its weights from
+# memory, where the blocks' fewer bytes gain (float32 decode x16: 0.71x --quantization none).
 WIDE_FROM_ROWS = {torch.float32: 16, torch.bfloat16: 8}
 
 
