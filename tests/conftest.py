@@ -49,9 +49,11 @@ def tokenizer(tokenizer_folder: Path):
 
 @pytest.fixture(scope="session")
 def memserve_server(tmp_path_factory):
-    """One live server for the end-to-end tests: float32 (so greedy output can be compared
-    with transformers), a modest KV pool."""
-    handle = start_server(["--num-blocks", str(SERVER_NUM_BLOCKS)], tmp_path_factory.mktemp("server") / "memserve.log",
-                          cwd=REPO)
+    """One live server for the end-to-end tests: float32 weights and products (the GGUF file
+    widened, ``--quantization none``: the default's decode rows quantize their activations)
+    so that greedy output and log-probabilities can be compared with transformers, a
+    modest KV pool."""
+    handle = start_server(["--num-blocks", str(SERVER_NUM_BLOCKS), "--quantization", "none"],
+                          tmp_path_factory.mktemp("server") / "memserve.log", cwd=REPO)
     yield handle
     stop_server(handle)

@@ -223,9 +223,11 @@ def test_cached_prefix_gives_the_same_prompt_logprobs(memserve_server: ServerHan
 
 @pytest.fixture(scope="module")
 def chunking_engine() -> Engine:
-    """Prefill in small chunks, so a prompt's logprobs span several steps."""
+    """Prefill in small chunks, so a prompt's logprobs span several steps; float32 products
+    (``--quantization none``), as the server's, to compare with transformers."""
     model_dir = ensure_model_dir(None)
-    cfg = EngineConfig(model=str(model_dir), dtype="float32", num_blocks=64, max_num_batched_tokens=CHUNK)
+    cfg = EngineConfig(model=str(model_dir), dtype="float32", num_blocks=64, max_num_batched_tokens=CHUNK,
+                       quantization="none")
     return build_engine(cfg, model_dir)
 
 

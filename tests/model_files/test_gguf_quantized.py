@@ -21,14 +21,17 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 from helpers.engine_generate import generate
+from helpers.engine_replay import conversations
 from helpers.hf_greedy import transformers_greedy
 from helpers.llama_cpp_gguf import write_gguf
 from helpers.one_thread import one_intra_op_thread  # noqa: F401 (autouse fixture)
+from helpers.paths import SHARED_DATA
 
 from memserve.config import EngineConfig
 from memserve.model_files.default_model import default_gguf_path
 from memserve.model_files.gguf_convert import QUANTIZED_FILE, convert_gguf, ensure_model_dir
 from memserve.testing.random_models import TINY_SIZES, save_tiny_model
+from memserve.text.tokenizer import Tokenizer
 from memserve.workers.model import cpu_kernels
 from memserve.workers.model.gguf_linear import GGUFLinear
 from memserve.workers.model.linear import RowParallelLinear
@@ -125,13 +128,58 @@ def test_a_quantized_linear_equals_the_product_with_its_dequantized_weight(ggml_
     weight = rng.standard_normal((96, 256), dtype=np.float32)
     blocks = np.ascontiguousarray(quantize(weight, ggml_type))
     dequantized = torch.from_numpy(dequantize(blocks, ggml_type).astype(np.float32))
-    layer = GGUFLinear(torch.from_numpy(blocks), int(ggml_type), 256, dtype)
+    layer = GGUFLinear(torch.from_numpy(blocks), int(ggml_type), 256, dtype, activation_bits=32)
     x = torch.from_numpy(rng.standard_normal((rows, 256), dtype=np.float32)).to(dtype)
     expected = x.float() @ dequantized.T
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(layer(x).float(), expected, atol=tol * expected.abs().max().item(), rtol=tol)
     widened = cpu_kernels.gguf_dequantize(torch.from_numpy(blocks), int(ggml_type), 256, torch.float32)
     torch.testing.assert_close(widened, dequantized, atol=1e-6, rtol=1e-6)
+
+
+def quantized_activations(x: np.ndarray, digits: int) -> np.ndarray:
+    """x [rows, k] as the kernel holds it, widened back: per 32-block llama.cpp's Q8_0 / Q8_1
+    (quantize_row_q8_0 / q8_1: d = max|x| / 127, q = round(x * (1 / d)); the scale kept in
+    float32 here, the division by 127 a product with its float32 inverse as the kernel's
+    -ffast-math build has it), and with two ``digits`` the rounding error x - d q again, in
+    1/256ths of d."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d = np.abs(blocks).max(-1, keepdims=True) * (np.float32(1) / np.float32(127))
+    inverse = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    q = np.round(blocks * inverse)
+    value = q.astype(np.float64) * d
+    if digits == 2:
+        residual = (blocks.astype(np.float64) - value).astype(np.float32)  # one rounding, as an FMA's
+        q2 = np.minimum(np.round(residual * (inverse * np.float32(256))), 127)
+        value += q2.astype(np.float64) * d / 256
+    return value.reshape(x.shape)
+
+
+INT8_TYPES = [*TYPES, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K]
+
+
+@pytest.mark.skipif(not cpu_kernels.gguf_int8_types(), reason="no int8 path on this CPU (it needs AVX-512 VNNI)")
+@pytest.mark.parametrize("ggml_type", INT8_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 9, 16])
+@pytest.mark.parametrize("out_features", [96, 98])  # 98: a last group of two weight rows
+@pytest.mark.parametrize("bits", [8, 16])
+def test_integer_products_equal_the_product_of_the_quantized_activations(ggml_type, rows, out_features, bits):
+    """Integer products equal the dequantized weight's with the activations as the kernel
+    quantizes them, to float32 rounding; they differ from the float32 activations' product
+    by up to about 1% of the largest in int8 (llama.cpp's), 1/256 of that in two digits."""
+    assert set(INT8_TYPES) == set(cpu_kernels.gguf_int8_types())
+    rng = np.random.default_rng(rows + out_features)
+    weight = rng.standard_normal((out_features, 512), dtype=np.float32)
+    blocks = np.ascontiguousarray(quantize_k_too(weight, ggml_type))
+    dequantized = dequantize(blocks, ggml_type).astype(np.float64)
+    scales = rng.uniform(0.01, 10, (rows, 16, 1)).astype(np.float32)  # blocks of unlike sizes
+    x = (rng.standard_normal((rows, 16, 32), dtype=np.float32) * scales).reshape(rows, 512)
+    x[:, :32] = 0  # an all-zero block (d = 0)
+    got = cpu_kernels.gguf_matmul(torch.from_numpy(x), torch.from_numpy(blocks), int(ggml_type), bits).double().numpy()
+    expected = quantized_activations(x, bits // 8) @ dequantized.T
+    np.testing.assert_allclose(got, expected, atol=2e-6 * np.abs(expected).max(), rtol=0)
+    exact = x.astype(np.float64) @ dequantized.T
+    assert np.abs(got - exact).max() < (3e-2 if bits == 8 else 2e-4) * np.abs(exact).max()
 
 
 @pytest.mark.parametrize("ggml_type", K_TYPES, ids=lambda t: t.name)
@@ -246,6 +294,25 @@ def test_the_default_file_served_quantized_gives_the_widened_models_tokens():
         outputs[quantization] = [tokens for tokens, _ in generate(engine, chats, 16)]
     agree = sum(a == b for a, b in zip(outputs["none"], outputs["gguf"]))
     assert agree >= 22, agree
+
+
+@pytest.mark.slow  # two SmolLM2 engines, 32 prompts
+@pytest.mark.skipif(not (SHARED_DATA / "sharegpt-sample.jsonl").is_file(), reason="no ShareGPT sample here")
+def test_the_default_file_served_quantized_gives_the_widened_models_tokens_on_sharegpt():
+    """The first turns of 32 ShareGPT conversations, 16 greedy tokens each, at most 8
+    sequences a step (decode rows through the blocks' integer products): quantized and
+    ``--quantization none`` agree on at least 30 (int8 activations alone kept 22; their
+    two digits, the default, 32)."""
+    folder = ensure_model_dir(None)
+    tokenizer = Tokenizer.from_folder(folder)
+    prompts = [tokenizer.encode_chat([conversation[0]]) for conversation in conversations(32)]
+    outputs = {}
+    for quantization in ("none", "gguf"):
+        engine = build_engine(EngineConfig(dtype="float32", num_blocks=512, max_num_seqs=8,
+                                           quantization=quantization), folder)
+        outputs[quantization] = [tokens for tokens, _ in generate(engine, prompts, 16)]
+    agree = sum(a == b for a, b in zip(outputs["none"], outputs["gguf"]))
+    assert agree >= 30, agree
 
 
 @pytest.mark.slow  # llama.cpp's requantization and two SmolLM2 engines

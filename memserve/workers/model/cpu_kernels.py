@@ -127,12 +127,21 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 GGUF_MATMUL_MAX_ROWS = 16
 
 
-def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
+def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, activation_bits: int = 32) -> torch.Tensor:
     """x [rows <= GGUF_MATMUL_MAX_ROWS, in] float32 times the GGUF-quantized weight rows
-    ``blocks`` [out, row bytes] of ggml type ``ggml_type``, transposed: [rows, out] float32."""
+    ``blocks`` [out, row bytes] of ggml type ``ggml_type``, transposed: [rows, out] float32.
+    ``activation_bits`` 8: x quantized to int8 per 32-block and integer products (llama.cpp's
+    way), 16: two int8 digits, to 1/256 of int8's rounding; for the types in
+    ``gguf_int8_types()``, float32 products otherwise (and for 32)."""
     out = x.new_empty(x.shape[0], blocks.shape[0])
-    torch.ops.memserve.gguf_matmul(out, x, blocks, ggml_type)
+    torch.ops.memserve.gguf_matmul(out, x, blocks, ggml_type, activation_bits)
     return out
+
+
+def gguf_int8_types() -> frozenset[int]:
+    """The ggml types ``gguf_matmul`` multiplies with int8 activations on this CPU (it needs
+    AVX-512 VNNI): empty where it has none."""
+    return frozenset(torch.ops.memserve.gguf_int8_types())
 
 
 def gguf_dequantize(blocks: torch.Tensor, ggml_type: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:

@@ -9,10 +9,16 @@ oneDNN-packed float weight reuses each weight across rows, so longer chunks (pre
 larger batches) go elsewhere: under ``--quantization auto`` to the same weight widened and
 packed, kept beside the blocks (past ``WIDE_FROM_ROWS`` rows, the crossover measured in
 float32 and bf16), under ``gguf`` (the blocks alone, the least memory) through the weight
-widened for the one product. Either way the result is the dequantized weight's product
-up to float rounding, so a quantized model serves the tokens of the float32 folder
-converted from the same file (``model_files/gguf_convert.py``), which is what
-``--quantization none`` runs.
+widened for the one product. Those are the dequantized weight's products up to float
+rounding. The decode rows' products of Q4_0, Q4_1, Q8_0, Q4_K and Q5_K weights are
+integer dot products (VNNI, on a CPU with AVX-512 VNNI) over activations quantized per
+32-block as llama.cpp does (int8, d = max|x| / 127), by default with the rounding error
+quantized again into a second int8 digit: about twice as fast as float32 activations per
+row for the 32-weight blocks (1.2-1.4x for the K-quants), and
+within 1/256 of int8's error, so the tokens stay the float32 folder's (converted from the
+same file, ``model_files/gguf_convert.py``, what ``--quantization none`` runs); int8 alone
+is faster still but changed the greedy tokens of 10 of 32 ShareGPT prompts on SmolLM2.
+``activation_bits`` 8 chooses it, 32 float32 (Q6_K always has float32).
 
 ``quantize_linears`` makes these the kernels of a loaded model's linear layers
 (``linear.py``) where the converted folder holds their blocks, cut to the rank's shard as
@@ -41,32 +47,39 @@ from memserve.workers.model.packed_linear import PackedLinear
 QUANTIZATIONS = ("auto", "none", "gguf", "fp8", "awq", "gptq")  # the last three: quantization_config.py
 
 
-# Rows from which a layer that keeps its weight widened multiplies by it rather than by the
-# blocks: on one SmolLM2 gate/up layer (576 x 3,072) the blocks took 0.71-0.77x the packed
-# weight's time at 4 rows, 0.95-1.05x at 8, 1.3-1.9x at 16 (float32 and bf16).
-WIDE_FROM_ROWS = 8
+# Rows past which a layer that keeps its weight widened multiplies by it rather than by the
+# blocks, by activation dtype: on one SmolLM2 gate/up layer (576 x 3,072, in cache, one
+# thread; benchmarks/micro/gguf_int8_micro.py --packed) the blocks' integer products took
+# 0.59x the packed float32 weight's time at 8 rows, 0.91x at 16; against bf16's packed
+# weight (AMX) 1.2x at 8, 1.8x at 12, 2.3x at 16. A decode step reads its weights from
+# memory, where the blocks' fewer bytes gain (float32 decode x16: 0.71x --quantization none).
+WIDE_FROM_ROWS = {torch.float32: 16, torch.bfloat16: 8}
 
 
 class GGUFLinear(nn.Module):
     """``nn.Linear`` (no bias) over GGUF blocks [out_features, row bytes] of one ggml type;
-    ``wide``: the same weight widened (oneDNN-packed), for chunks past ``WIDE_FROM_ROWS`` rows."""
+    ``wide``: the same weight widened (oneDNN-packed), for chunks past ``WIDE_FROM_ROWS`` rows;
+    ``activation_bits``: how decode rows' activations are held where the kernel has integer
+    products (see above): 8, 16 (two int8 digits) or 32 (float32)."""
 
     blocks: torch.Tensor  # a buffer, registered in __init__: it moves with the module
 
     def __init__(self, blocks: torch.Tensor, ggml_type: int, in_features: int, dtype: torch.dtype,
-                 wide: nn.Module | None = None):
+                 wide: nn.Module | None = None, activation_bits: int = 16):
         super().__init__()
         self.register_buffer("blocks", blocks, persistent=False)
         self.ggml_type, self.in_features, self.out_features = ggml_type, in_features, blocks.shape[0]
         self.dtype = dtype
         self.wide = wide
+        self.activation_bits = activation_bits
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self.wide is not None and rows.shape[0] > WIDE_FROM_ROWS:
+        if self.wide is not None and rows.shape[0] > WIDE_FROM_ROWS.get(self.dtype, 8):
             out = self.wide(rows)
         elif rows.shape[0] <= cpu_kernels.GGUF_MATMUL_MAX_ROWS:
-            out = cpu_kernels.gguf_matmul(rows.float().contiguous(), self.blocks, self.ggml_type).to(x.dtype)
+            out = cpu_kernels.gguf_matmul(rows.float().contiguous(), self.blocks, self.ggml_type,
+                                          self.activation_bits).to(x.dtype)
         else:
             weight = cpu_kernels.gguf_dequantize(self.blocks, self.ggml_type, self.in_features, x.dtype)
             out = F.linear(rows, weight)

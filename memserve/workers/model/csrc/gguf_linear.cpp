@@ -20,7 +20,9 @@
 // file's (4.5-8.5 bits a weight against 32 for float32), which is what bounds a decode
 // step. A K-quant super-block is widened once into 256 floats on the stack (vectorised
 // with AVX-512) and dotted with every activation row. Sums are float32; the result equals
-// the dequantized weights' product up to the order of float32 sums and roundings.
+// the dequantized weights' product up to the order of float32 sums and roundings. For
+// Q4_0, Q4_1, Q8_0, Q4_K and Q5_K on a CPU with AVX-512 VNNI, gguf_matmul can instead quantize the
+// activations and take integer dot products (llama.cpp's way; see "Integer products").
 // gguf_dequantize widens a whole matrix, for prefill chunks, where a oneDNN product over
 // widened weights is faster than this loop.
 #include <ATen/ATen.h>
@@ -30,7 +32,9 @@
 
 #include <cstdint>
 #include <cstring>
+#include <algorithm>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
@@ -330,6 +334,252 @@ void matmul_rows(float* out, const float* x, const uint8_t* blocks, int64_t rows
   });
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define GGUF_INT8 1
+// Integer products (llama.cpp's, for Q4_0, Q4_1, Q8_0, and Q4_K, Q5_K as 8 blocks of 32
+// like Q4_1's with their sub-block's scale and minimum; Q6_K's sub-blocks of 16 do not fit
+// the 32-blocks below and keep float32): each activation row is quantized once per call
+// per 32-block (llama.cpp's Q8_0 / Q8_1: d = max|x| / 127, q = round(x / d); for the
+// K-quants llama.cpp takes one scale per 256, Q8_K), and a weight block's product with it
+// is d_w d (sum of q_w q) in integers, with vpdpbusd
+// (u8 x s8 -> s32, four products a lane). With DIGITS = 2 the rounding error x - d q
+// (at most d / 2) is quantized again, q2 = round((x - d q) 256 / d), so x = d (q + q2 / 256)
+// to 1/512 of d where int8 alone is off by up to d / 2: the integer sum is
+// 256 (sum q_w q) + sum q_w q2, two more dot products per activation row.
+// Four weight rows share one 512-bit vector, a 128-bit lane each, their weights 0-15 in
+// one vector and 16-31 in another, so each lane sums 8 products and one conversion and
+// one FMA scale 4 weight rows' blocks; the activation block (16 bytes broadcast to the
+// four lanes) is read once for the four. Q4 nibbles (0..15) are the unsigned side; Q8_0
+// weights are signed, so its activations are stored as q + 128 (unsigned) and 128 times
+// each lane's weight sum is taken off. Q4_0's -8 and Q4_1's minimum m multiply the block's
+// activation sum, d (sum q) (llama.cpp's Q8_1 s), in float.
+
+constexpr int64_t MAX_DIGITS = 2;
+
+// Activation rows quantized per 32-block, the rows of one block side by side.
+struct Int8Rows {
+  int64_t rows;
+  std::vector<uint8_t> q;  // [digits][blocks][rows][32]: int8 q, or q + 128 against Q8_0 weights
+  std::vector<float> d;    // [blocks][rows]: the integer sum's scale, d or d / 256
+  std::vector<float> sum;  // [blocks][rows]: the block's sum as quantized, d (sum q (+ q2 / 256))
+};
+
+// 32 int32 values (two vectors) stored as bytes, plus ``shift`` (128 against Q8_0 weights).
+inline void store_bytes(uint8_t* dst, __m512i lo, __m512i hi, __m512i shift) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(_mm512_add_epi32(lo, shift)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(_mm512_add_epi32(hi, shift)));
+}
+
+template <int64_t TYPE, int64_t DIGITS>
+Int8Rows quantize_activations(const float* x, int64_t rows, int64_t k) {
+  const int64_t nb = k / BLOCK, plane = nb * rows * BLOCK;
+  Int8Rows a{rows, std::vector<uint8_t>(DIGITS * plane), std::vector<float>(nb * rows), std::vector<float>(nb * rows)};
+  const __m512i shift = _mm512_set1_epi32(TYPE == Q8_0 ? 128 : 0), top = _mm512_set1_epi32(127);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m512 lo = _mm512_loadu_ps(x + r * k + b * BLOCK), hi = _mm512_loadu_ps(x + r * k + b * BLOCK + 16);
+      // max / 127 as -ffast-math compiles it anyway, written out so that tests can match it
+      const float d = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi))) * (1.0f / 127.0f);
+      const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
+      const __m512 id = _mm512_set1_ps(inverse), vd = _mm512_set1_ps(d);
+      const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, id)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, id));
+      const int64_t at = b * rows + r;
+      store_bytes(a.q.data() + at * BLOCK, qlo, qhi, shift);
+      float total = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
+      if constexpr (DIGITS == 2) {  // the residuals, in 1/256ths of d (|.| <= 128, 128 kept as 127)
+        const __m512 id2 = _mm512_set1_ps(256.0f * inverse);
+        const __m512 elo = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qlo), vd, lo);  // x - d q
+        const __m512 ehi = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qhi), vd, hi);
+        const __m512i rlo = _mm512_min_epi32(top, _mm512_cvtps_epi32(_mm512_mul_ps(elo, id2)));
+        const __m512i rhi = _mm512_min_epi32(top, _mm512_cvtps_epi32(_mm512_mul_ps(ehi, id2)));
+        store_bytes(a.q.data() + plane + at * BLOCK, rlo, rhi, shift);
+        total += static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(rlo, rhi))) / 256.0f;
+      }
+      a.d[at] = DIGITS == 2 ? d / 256.0f : d;
+      a.sum[at] = d * total;
+    }
+  }
+  return a;
+}
+
+// 16 bytes at ``p`` and at the next three weight rows (``stride`` apart), one 128-bit lane each.
+inline __m512i lanes4(const uint8_t* p, int64_t stride) {
+  __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + stride)), 1);
+  v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * stride)), 2);
+  return _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 3 * stride)), 3);
+}
+
+// Four weight rows' block: weights 0-15 (lo) and 16-31 (hi) a lane per row, the scales d
+// spread over each row's lane, the factor of the activations' sum (Q4_0's -8 d, Q4_1's m)
+// in each lane's first element only, and the integer sum each lane starts from (Q8_0: -128
+// times its weights' sum).
+struct Blocks4 {
+  __m512i lo, hi, start;
+  __m512 scale, min;
+};
+
+template <int64_t TYPE>
+inline Blocks4 blocks4(const uint8_t* p, int64_t stride) {
+  Blocks4 w;
+  if constexpr (TYPE == Q8_0) {
+    w.lo = lanes4(p + 2, stride);
+    w.hi = lanes4(p + 18, stride);
+    const __m512i u128 = _mm512_set1_epi8(static_cast<char>(0x80));
+    const __m512i sums = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u128, w.lo), u128, w.hi);
+    w.start = _mm512_sub_epi32(_mm512_setzero_si512(), sums);  // -128 (sum of the lane's weights)
+  } else {
+    const __m512i raw = lanes4(p + (TYPE == Q4_1 ? 4 : 2), stride), nibble = _mm512_set1_epi8(0x0F);
+    w.lo = _mm512_and_si512(raw, nibble);
+    w.hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+    w.start = _mm512_setzero_si512();
+  }
+  int32_t heads[4];  // each block's first 4 bytes: fp16 d, and Q4_1's fp16 m
+  for (int64_t i = 0; i < 4; ++i) std::memcpy(&heads[i], p + i * stride, sizeof(int32_t));
+  const __m128i halves = _mm_setr_epi32(heads[0], heads[1], heads[2], heads[3]);  // not through memory: no
+  const __m512 dm = _mm512_castps256_ps512(_mm256_cvtph_ps(halves));              // store-forwarding stall
+  w.scale = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6), dm);
+  if constexpr (TYPE == Q4_1)
+    w.min = _mm512_maskz_permutexvar_ps(0x1111, _mm512_setr_epi32(1, 0, 0, 0, 3, 0, 0, 0, 5, 0, 0, 0, 7, 0, 0, 0), dm);
+  else
+    w.min = _mm512_maskz_mul_ps(0x1111, w.scale, _mm512_set1_ps(-8.0f));  // Q4_0's (Q8_0 has none)
+  return w;
+}
+
+// The integer sum of one activation row's block (``xq``: its digits ``plane`` bytes apart)
+// against four weight rows' block.
+template <int64_t TYPE, int64_t DIGITS>
+inline __m512i block_dot(const Blocks4& w, const uint8_t* xq, int64_t plane) {
+  __m512i dot = w.start;
+  for (int64_t digit = 0; digit < DIGITS; ++digit) {
+    const uint8_t* q = xq + digit * plane;
+    const __m512i xlo = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    const __m512i xhi = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
+    if (digit > 0) dot = _mm512_slli_epi32(dot, 8);
+    if (digit > 0 && TYPE == Q8_0) dot = _mm512_add_epi32(dot, w.start);
+    if constexpr (TYPE == Q8_0) {
+      dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot, xlo, w.lo), xhi, w.hi);
+    } else {
+      dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot, w.lo, xlo), w.hi, xhi);
+    }
+  }
+  return dot;
+}
+
+// Four weight rows' Q4_K or Q5_K super-block as its 8 sub-blocks of 32 (``w``), each a
+// block like Q4_1's: scale d sc, minimum -dmin m (k_scales), 4- or 5-bit values.
+template <int64_t TYPE>
+inline void k_blocks4(const uint8_t* p, int64_t stride, Blocks4* w) {
+  alignas(16) float scale[8][4], min[8][4];
+  for (int64_t i = 0; i < 4; ++i) {
+    const uint8_t* q = p + i * stride;
+    float sc[8], m[8];
+    k_scales(q + 4, half_at(q), half_at(q + 2), sc, m);
+    for (int64_t j = 0; j < 8; ++j) scale[j][i] = sc[j], min[j][i] = -m[j];
+  }
+  const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const uint8_t* qs = p + (TYPE == Q5_K ? 48 : 16);
+  const __m512i bits0 = lanes4(p + 16, stride), bits1 = lanes4(p + 32, stride), sixteen = _mm512_set1_epi8(16);
+  for (int64_t j = 0; j < 8; ++j) {
+    const __m512i raw0 = lanes4(qs + 32 * (j / 2), stride), raw1 = lanes4(qs + 32 * (j / 2) + 16, stride);
+    const int shift = j % 2 == 0 ? 0 : 4;  // sub-block 2i: low nibbles, 2i + 1: high
+    w[j].lo = _mm512_and_si512(_mm512_srli_epi16(raw0, shift), nibble);
+    w[j].hi = _mm512_and_si512(_mm512_srli_epi16(raw1, shift), nibble);
+    if constexpr (TYPE == Q5_K) {  // bit j of each weight's qh byte: its fifth bit
+      const __m512i bit = _mm512_set1_epi8(static_cast<char>(1 << j));
+      w[j].lo = _mm512_mask_add_epi8(w[j].lo, _mm512_test_epi8_mask(bits0, bit), w[j].lo, sixteen);
+      w[j].hi = _mm512_mask_add_epi8(w[j].hi, _mm512_test_epi8_mask(bits1, bit), w[j].hi, sixteen);
+    }
+    w[j].start = _mm512_setzero_si512();
+    w[j].scale = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_load_ps(scale[j])));
+    w[j].min = _mm512_maskz_permutexvar_ps(0x1111, spread, _mm512_castps128_ps512(_mm_load_ps(min[j])));
+  }
+}
+
+// acc[r] += activation rows r0 .. r0 + R's block ``b`` times four weight rows' block ``w``.
+template <int64_t TYPE, int64_t DIGITS, int64_t R>
+inline void add_block(__m512* acc, const Blocks4& w, const Int8Rows& a, int64_t b, int64_t r0, int64_t plane) {
+  const int64_t at = b * a.rows + r0;
+  for (int64_t r = 0; r < R; ++r) {
+    const __m512i dot = block_dot<TYPE, DIGITS>(w, a.q.data() + (at + r) * BLOCK, plane);
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(w.scale, _mm512_set1_ps(a.d[at + r])), acc[r]);
+    if constexpr (TYPE != Q8_0) acc[r] = _mm512_fmadd_ps(w.min, _mm512_set1_ps(a.sum[at + r]), acc[r]);
+  }
+}
+
+// out[r0 .. r0 + R, n0 .. n0 + 4] from the quantized activation rows ``a`` (``nb``
+// 32-blocks a row) and the four weight rows at ``row0`` (``row_bytes`` apart): R float
+// accumulators of 16 lanes, four a weight row, summed at the end.
+template <int64_t TYPE, int64_t DIGITS, int64_t R>
+inline void int8_dot4(float* out, const Int8Rows& a, const uint8_t* row0, int64_t row_bytes, int64_t r0, int64_t n0,
+                      int64_t n_out, int64_t nb) {
+  constexpr int64_t per_unit = block_weights(TYPE) / BLOCK;  // 32-blocks in a block or super-block
+  const int64_t plane = nb * a.rows * BLOCK, units = nb / per_unit;
+  __m512 acc[R];
+  for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  // The next group of four weight rows (they follow these in memory), a few cache lines
+  // a block: the hardware prefetcher alone left a decode step's products at 60% of the
+  // speed they have with it (the rows are short: 360-612 bytes).
+  const uint8_t* next = row0 + 4 * row_bytes;
+  const int64_t per_block = ((4 * row_bytes + 63) / 64 + units - 1) / units;
+  for (int64_t u = 0; u < units; ++u) {
+    for (int64_t i = 0; i < per_block; ++i)
+      _mm_prefetch(reinterpret_cast<const char*>(next + 64 * (u * per_block + i)), _MM_HINT_T0);
+    if constexpr (is_k(TYPE)) {
+      Blocks4 w[8];
+      k_blocks4<TYPE>(row0 + u * block_bytes(TYPE), row_bytes, w);
+      for (int64_t j = 0; j < 8; ++j) add_block<TYPE, DIGITS, R>(acc, w[j], a, u * 8 + j, r0, plane);
+    } else {
+      add_block<TYPE, DIGITS, R>(acc, blocks4<TYPE>(row0 + u * block_bytes(TYPE), row_bytes), a, u, r0, plane);
+    }
+  }
+  const __m512i firsts = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  for (int64_t r = 0; r < R; ++r) {
+    __m512 s = _mm512_add_ps(acc[r], _mm512_permute_ps(acc[r], 0xB1));  // lane pairs
+    s = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4E));                   // lane quads
+    _mm_storeu_ps(out + (r0 + r) * n_out + n0, _mm512_castps512_ps128(_mm512_permutexvar_ps(firsts, s)));
+  }
+}
+
+// Up to 8 rows from ``r0`` on at once (their accumulators stay in registers).
+template <int64_t TYPE, int64_t DIGITS>
+void int8_rows4(float* out, const Int8Rows& a, const uint8_t* row0, int64_t row_bytes, int64_t n0, int64_t n_out,
+                int64_t nb) {
+  for (int64_t r0 = 0; r0 < a.rows; r0 += 8) {
+    switch (std::min<int64_t>(8, a.rows - r0)) {
+      case 1: int8_dot4<TYPE, DIGITS, 1>(out, a, row0, row_bytes, r0, n0, n_out, nb); break;
+      case 2: int8_dot4<TYPE, DIGITS, 2>(out, a, row0, row_bytes, r0, n0, n_out, nb); break;
+      case 3: int8_dot4<TYPE, DIGITS, 3>(out, a, row0, row_bytes, r0, n0, n_out, nb); break;
+      case 4: int8_dot4<TYPE, DIGITS, 4>(out, a, row0, row_bytes, r0, n0, n_out, nb); break;
+      case 5: int8_dot4<TYPE, DIGITS, 5>(out, a, row0, row_bytes, r0, n0, n_out, nb); break;
+      case 6: int8_dot4<TYPE, DIGITS, 6>(out, a, row0, row_bytes, r0, n0, n_out, nb); break;
+      case 7: int8_dot4<TYPE, DIGITS, 7>(out, a, row0, row_bytes, r0, n0, n_out, nb); break;
+      default: int8_dot4<TYPE, DIGITS, 8>(out, a, row0, row_bytes, r0, n0, n_out, nb); break;
+    }
+  }
+}
+
+// The integer products for the weight rows in groups of four; the last n_out % 4 rows
+// (no model here has such a layer) copied beside zero blocks (d = 0) to make a group.
+template <int64_t TYPE, int64_t DIGITS>
+void matmul_int8(float* out, const float* x, const uint8_t* blocks, int64_t rows, int64_t n_out, int64_t k) {
+  const int64_t nb = k / BLOCK, row_bytes = k / block_weights(TYPE) * block_bytes(TYPE), whole = n_out / 4 * 4;
+  const Int8Rows a = quantize_activations<TYPE, DIGITS>(x, rows, k);
+  at::parallel_for(0, n_out / 4, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      int8_rows4<TYPE, DIGITS>(out, a, blocks + 4 * g * row_bytes, row_bytes, 4 * g, n_out, nb);
+  });
+  if (whole == n_out) return;
+  std::vector<uint8_t> last(4 * row_bytes, 0);
+  std::memcpy(last.data(), blocks + whole * row_bytes, (n_out - whole) * row_bytes);
+  std::vector<float> part(rows * 4);
+  int8_rows4<TYPE, DIGITS>(part.data(), a, last.data(), row_bytes, 0, 4, nb);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t n = whole; n < n_out; ++n) out[r * n_out + n] = part[r * 4 + n - whole];
+}
+#endif
+
 template <int64_t TYPE, typename T>
 void dequantize_rows(T* out, const uint8_t* blocks, int64_t n_out, int64_t k) {
   constexpr int64_t weights = block_weights(TYPE);
@@ -360,16 +610,39 @@ void check_blocks(const at::Tensor& blocks, int64_t type, int64_t k) {
 }
 
 // out [rows, n] float32 = x [rows, k] float32 @ W^T, W the GGUF ``blocks`` [n, row bytes].
-void gguf_matmul(at::Tensor out, const at::Tensor& x, const at::Tensor& blocks, int64_t type) {
+// activation_bits: 8 or 16 (one or two int8 digits) for the integer products where they
+// are compiled in and the type has them (all but Q6_K); 32 or Q6_K: float32.
+void gguf_matmul(at::Tensor out, const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t activation_bits) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(0) <= MAX_ROWS,
               "gguf_matmul: x contiguous float32 [rows <= ", MAX_ROWS, ", in_features]");
   check_blocks(blocks, type, x.size(1));
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == x.size(0) &&
                   out.size(1) == blocks.size(0), "gguf_matmul: out contiguous float32 [rows, out_features]");
+  TORCH_CHECK(activation_bits == 8 || activation_bits == 16 || activation_bits == 32,
+              "gguf_matmul: activation_bits 8, 16 or 32, not ", activation_bits);
+  float* dst = out.data_ptr<float>();
+  const float* src = x.data_ptr<float>();
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  const int64_t rows = x.size(0), n = blocks.size(0), k = x.size(1);
   dispatch(type, [&](auto t) {
-    matmul_rows<decltype(t)::value>(out.data_ptr<float>(), x.data_ptr<float>(), blocks.data_ptr<uint8_t>(),
-                                    x.size(0), blocks.size(0), x.size(1));
+    constexpr int64_t TYPE = decltype(t)::value;
+#ifdef GGUF_INT8
+    if constexpr (TYPE != Q6_K) {
+      if (activation_bits == 8) return matmul_int8<TYPE, 1>(dst, src, w, rows, n, k);
+      if (activation_bits == 16) return matmul_int8<TYPE, MAX_DIGITS>(dst, src, w, rows, n, k);
+    }
+#endif
+    matmul_rows<TYPE>(dst, src, w, rows, n, k);
   });
+}
+
+// The ggml types gguf_matmul multiplies with int8 activations in this build (none without VNNI).
+std::vector<int64_t> gguf_int8_types() {
+#ifdef GGUF_INT8
+  return {Q4_0, Q4_1, Q8_0, Q4_K, Q5_K};
+#else
+  return {};
+#endif
 }
 
 // out [n, k] (float32 or bf16) = the weights the GGUF ``blocks`` hold.
@@ -394,7 +667,8 @@ void gguf_dequantize(at::Tensor out, const at::Tensor& blocks, int64_t type) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(memserve, m) {
-  m.def("gguf_matmul(Tensor(a!) out, Tensor x, Tensor blocks, int type) -> ()");
+  m.def("gguf_matmul(Tensor(a!) out, Tensor x, Tensor blocks, int type, int activation_bits) -> ()");
+  m.def("gguf_int8_types() -> int[]", &gguf_int8_types);
   m.def("gguf_dequantize(Tensor(a!) out, Tensor blocks, int type) -> ()");
 }
 
