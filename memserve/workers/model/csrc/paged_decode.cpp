@@ -63,24 +63,37 @@ struct Geometry {
 
 // One KV head's K (or V) rows of a partition, in order: one block-table lookup per
 // block and no division per token (a partition starts at a block boundary, or inside
-// its first block where a window starts there).
+// its first block where a window starts there). Blocks lie anywhere in the pool, out of
+// the hardware prefetcher's sight: entering a block asks for the next one's rows.
 template <typename KV>
 struct Rows {
   const KV* base;
   const int64_t* table;
-  int64_t block_stride, token_stride, block_size, block, offset;
+  int64_t block_stride, token_stride, block_size, row_bytes, block, offset, last;
   const KV* row;
 
-  Rows(const KV* head, const int64_t* table, int64_t block_stride, int64_t token_stride, int64_t block_size,
-       int64_t start)
-      : base(head), table(table), block_stride(block_stride), token_stride(token_stride), block_size(block_size),
-        block(start / block_size), offset(start % block_size),
-        row(head + table[start / block_size] * block_stride + (start % block_size) * token_stride) {}
+  Rows(const KV* head, const int64_t* table, int64_t block_stride, int64_t token_stride, const Geometry& geo,
+       int64_t start, int64_t count)
+      : base(head), table(table), block_stride(block_stride), token_stride(token_stride),
+        block_size(geo.block_size), row_bytes(geo.dim * static_cast<int64_t>(sizeof(KV))),
+        block(start / block_size), offset(start % block_size), last((start + count - 1) / block_size),
+        row(head + table[block] * block_stride + offset * token_stride) {
+    prefetch(block + 1);
+  }
+
+  void prefetch(int64_t b) const {
+    if (b > last) return;
+    const char* first = reinterpret_cast<const char*>(base + table[b] * block_stride);
+    for (int64_t o = 0; o < block_size; ++o) {
+      for (int64_t at = 0; at < row_bytes; at += 64) __builtin_prefetch(first + o * token_stride * sizeof(KV) + at);
+    }
+  }
 
   const KV* next() {
     if (offset == block_size) {  // looked up only when a row of the next block is wanted
       offset = 0;
       row = base + table[++block] * block_stride;
+      prefetch(block + 1);
     }
     const KV* current = row;
     ++offset;
@@ -217,27 +230,47 @@ void score_vector(const T* q, Rows<KV> keys, int64_t count, int64_t group, int64
       key.load(keys.next());
       for (int64_t g = 0; g < group; ++g) _mm512_storeu_ps(part + (g * TILE + j) * 16, key.dot(qs + g * dim));
     }
-    for (int64_t g = 0; g < group; ++g) {
-      std::fill(part + (g * TILE + n) * 16, part + (g + 1) * TILE * 16, 0.0f);
+    for (int64_t g = 0; g < group; ++g)  // lane j sums key j's row only: a short tile's stale rows are masked off
       _mm512_mask_storeu_ps(scores + g * PARTITION + i, static_cast<__mmask16>((1u << n) - 1),
                             sum16(part + g * TILE * 16));
-    }
   }
 }
 
-// weigh_scalar's sums: each value row widened once, for every head of the group.
+// Heads [g0, g0 + NH) and dims [c0, c0 + 16 * NC) of weigh_scalar's sums, held in
+// registers: each value slice widened once for all NH heads.
+template <int NH, int NC, typename KV>
+void weigh_tile(Rows<KV> values, int64_t count, int64_t g0, int64_t c0, int64_t dim, const float* weights,
+                float* acc) {
+  __m512 sum[NH][NC];
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < NC; ++c) sum[h][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < count; ++i) {
+    const KV* value = values.next() + c0;
+    __m512 v[NC];
+    for (int c = 0; c < NC; ++c) v[c] = widen16(value + 16 * c);
+    for (int h = 0; h < NH; ++h) {
+      const __m512 p = _mm512_set1_ps(weights[(g0 + h) * PARTITION + i]);
+      for (int c = 0; c < NC; ++c) sum[h][c] = _mm512_fmadd_ps(p, v[c], sum[h][c]);
+    }
+  }
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + (g0 + h) * dim + c0 + 16 * c, sum[h][c]);
+}
+
+// weigh_scalar's sums in tiles of up to 4 heads by 64 dims (at most 16 accumulators and
+// 4 value vectors: within the 32 registers); a slice of the partition's values read again
+// per tile comes from cache, each head dim's bytes from memory once.
 template <typename KV, int64_t DIM>
 void weigh_vector(Rows<KV> values, int64_t count, int64_t group, int64_t dim, const float* weights, float* acc) {
+  using Tile = void (*)(Rows<KV>, int64_t, int64_t, int64_t, int64_t, const float*, float*);
+  static constexpr Tile tiles[4][2] = {{weigh_tile<1, 2, KV>, weigh_tile<1, 4, KV>},
+                                       {weigh_tile<2, 2, KV>, weigh_tile<2, 4, KV>},
+                                       {weigh_tile<3, 2, KV>, weigh_tile<3, 4, KV>},
+                                       {weigh_tile<4, 2, KV>, weigh_tile<4, 4, KV>}};
   const int64_t D = DIM > 0 ? DIM : dim;
-  std::fill(acc, acc + group * dim, 0.0f);
-  for (int64_t i = 0; i < count; ++i) {
-    const KV* value = values.next();
-    for (int64_t c = 0; c < D; c += 16) {
-      const __m512 v = widen16(value + c);
-      for (int64_t g = 0; g < group; ++g) {
-        float* a = acc + g * dim + c;
-        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(weights[g * PARTITION + i]), v, _mm512_loadu_ps(a)));
-      }
+  for (int64_t c0 = 0; c0 < D; c0 += 64) {
+    for (int64_t g0 = 0; g0 < group; g0 += 4) {  // head dims are multiples of 32: slices of 64 or 32
+      tiles[std::min<int64_t>(4, group - g0) - 1][D - c0 >= 64](values, count, g0, c0, dim, weights, acc);
     }
   }
 }
@@ -282,8 +315,7 @@ void attend(const Geometry& geo, const T* q, const KV* kp, const KV* vp, const i
     std::fill(sums, sums + group, 0.0f);
     return;
   }
-  const Rows<KV> keys(kp + h * geo.kh, table, geo.kb, geo.kt, geo.block_size, start);
-  const Rows<KV> values(vp + h * geo.vh, table, geo.vb, geo.vt, geo.block_size, start);
+  const Rows<KV> keys(kp + h * geo.kh, table, geo.kb, geo.kt, geo, start, count);
   float* scores = scratch.scores.data();
 #ifdef __AVX512F__
   if constexpr (VEC) {
@@ -294,6 +326,7 @@ void attend(const Geometry& geo, const T* q, const KV* kp, const KV* vp, const i
     score_scalar<T, KV, DIM>(q, keys, count, group, dim, scores, scratch.query.data());
   }
   for (int64_t g = 0; g < group; ++g) std::tie(maxes[g], sums[g]) = softmax(scores + g * PARTITION, count, geo.scale, geo.cap);
+  const Rows<KV> values(vp + h * geo.vh, table, geo.vb, geo.vt, geo, start, count);  // after the keys: its prefetch too
 #ifdef __AVX512F__
   if constexpr (VEC) {
     weigh_vector<KV, DIM>(values, count, group, dim, scores, acc);
