@@ -20,20 +20,32 @@ Candidates, each attending B single-token queries to B contexts held in scattere
 - ``flex``: ``flex_attention`` compiled by inductor for CPU, the cache viewed in place as one
   long key sequence and each sequence's block table given as the BlockMask's KV block
   indices (full blocks unmasked, the last one masked by position); the mask is built once
-  per step. Its compile time per batch size is printed too (a new batch size recompiles).
+  per step. Its compile time per batch size is printed too (a new batch size recompiles);
+- ``kernel``: the compiled decode kernel alone (``cpu_kernels.paged_decode_attention``), no
+  KV write or plan.
 
 A "step" runs ``--layers`` attention calls (the model's 30 layers), cycling over the
-cache's layers, after building the per-step plan once. The cache holds 2 layers (not 30)
-to stay small; the per-layer views keep their real strides. Calls are taken in turns and
-the best of ``--reps`` kept, so that a busy moment on a shared machine hits all alike.
+cache's ``--cache-layers`` layers, after building the per-step plan once. The default 2
+keep the cache small; the per-layer views keep their real strides. ``--cache-layers 30``
+reads every layer's K and V from memory as a model does, not from the last-level cache.
+Calls are taken in turns and the best of ``--reps`` kept, so that a busy moment on a
+shared machine hits all alike.
+
+``--kernel-libs OLD.so,NEW.so`` times the ``kernel`` method of builds of the kernels
+(``~/.cache/memserve/kernels/<hash>/*.so``, e.g. one kept from before a change): each in
+its own process (a library registers the op's name once per process), the processes
+taking one step each in turn; its rate also as GB/s of K and V read, beside the machine's
+copy bandwidth for scale.
 
     python benchmarks/micro/paged_attention_micro.py [--batches 1,8,32] [--contexts 256,1024,2048]
-        [--dtypes float32,bfloat16] [--methods gather,fold,shipped,loop-1,loop-16,flex] [--reps 5]
+        [--dtypes float32,bfloat16] [--methods gather,fold,shipped,loop-1,loop-16,flex,kernel] [--reps 5]
+    python benchmarks/micro/paged_attention_micro.py --kernel-libs old.so,new.so --cache-layers 30
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -44,7 +56,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from memserve.workers.model import attention
+from memserve.workers.model import attention, cpu_kernels
 from memserve.workers.model.attention import (
     AttentionMetadata,
     AttentionPlan,
@@ -68,6 +80,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--layout", default="aggregated", choices=["aggregated", "layer-major"])
+    p.add_argument("--cache-layers", type=int, default=2, help="layers the cache holds (30: read from memory)")
+    p.add_argument("--kernel-libs", default="", help="OLD.so,NEW.so: time these builds' kernel in turns")
+    p.add_argument("--serve-kernel", default="", help=argparse.SUPPRESS)  # one side of --kernel-libs
     return p.parse_args()
 
 
@@ -79,7 +94,7 @@ class Case:
         per_seq = -(-context // BLOCK_SIZE)
         ids = torch.randperm(num_blocks - 1, generator=gen)[: batch * per_seq].add(1)
         self.tables = ids.view(batch, per_seq)
-        self.lens = [context - i % 7 for i in range(batch)]  # a few tokens apart: one group, partial blocks
+        self.lens = self.lengths(batch, context)
         slots = [int(self.tables[i, (n - 1) // BLOCK_SIZE]) * BLOCK_SIZE + (n - 1) % BLOCK_SIZE
                  for i, n in enumerate(self.lens)]
         self.meta = AttentionMetadata(torch.tensor(slots), list(range(batch + 1)), self.lens, self.tables,
@@ -87,6 +102,10 @@ class Case:
         self.q = torch.randn(batch, HEADS, DIM, generator=gen).to(cache.dtype)
         self.k = torch.randn(batch, KV_HEADS, DIM, generator=gen).to(cache.dtype)
         self.v = torch.randn(batch, KV_HEADS, DIM, generator=gen).to(cache.dtype)
+
+    @staticmethod
+    def lengths(batch: int, context: int) -> list[int]:
+        return [context - i % 7 for i in range(batch)]  # a few tokens apart: one group, partial blocks
 
 
 # ------------------------------------------------------------------ the reference
@@ -197,6 +216,14 @@ def step_fn(method: str, cache: torch.Tensor, case: Case, layers: int, flex: Fle
                 return [paged_attention(case.q, case.k, case.v, kc, vc, plan, scale) for kc, vc in views]
             finally:
                 attention.DECODE_CHUNK_MIN_TOKENS, attention.DECODE_CHUNK_BLOCKS = shipped
+    elif method == "kernel":
+        lens = torch.tensor(case.lens)
+        out = torch.empty_like(case.q)
+
+        def step():
+            for kc, vc in views:
+                cpu_kernels.paged_decode_attention(out, case.q, kc, vc, case.tables, lens, scale)
+            return [out]
     elif method == "flex":
         mult, num_tokens = FlexPaged.geometry(cache)
 
@@ -213,22 +240,101 @@ def step_fn(method: str, cache: torch.Tensor, case: Case, layers: int, flex: Fle
     return step
 
 
+def kv_bytes(lens: list[int], dtype: torch.dtype) -> int:
+    """Bytes of K and V one layer call must read: every context token's, once."""
+    return sum(lens) * 2 * KV_HEADS * DIM * torch.finfo(dtype).bits // 8
+
+
+def copy_bandwidth(nbytes: int = 512 << 20, reps: int = 5) -> float:
+    """Bytes per second of a large tensor copy (read + write), best of ``reps``."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best
+
+
+def serve_kernel(args: argparse.Namespace) -> None:
+    """One side of --kernel-libs: load that build, then time one kernel step per line
+    "dtype batch context" read from stdin, answering its seconds."""
+    torch.ops.load_library(args.serve_kernel)
+    cache_dtype, cache, steps = "", None, {}
+    for line in sys.stdin:
+        dtype_name, batch, context = line.split()
+        if dtype_name != cache_dtype:  # one dtype's cache at a time
+            cache_dtype, cache, steps = dtype_name, None, {}
+            cache = new_cache(args, getattr(torch, dtype_name), torch.Generator().manual_seed(0))
+        if line not in steps:  # the same case on every side
+            case = Case(cache, int(batch), int(context), torch.Generator().manual_seed(int(context)))
+            steps[line] = step_fn("kernel", cache, case, args.layers, None)
+            steps[line]()
+        start = time.perf_counter()
+        steps[line]()
+        seconds = time.perf_counter() - start
+        time.sleep(0.05)  # this side's OpenMP threads spin a while after a step: not into the other's
+        print(seconds, flush=True)
+
+
+def compare_kernels(args: argparse.Namespace) -> None:
+    """ms per layer call and GB/s of K and V of each build in --kernel-libs, in turns."""
+    libs = args.kernel_libs.split(",")
+    argv = [sys.executable, __file__, "--layers", str(args.layers), "--threads", str(args.threads), "--layout",
+            LAYOUT, "--cache-layers", str(CACHE_LAYERS), "--batches", args.batches, "--contexts", args.contexts]
+    sides = [subprocess.Popen([*argv, "--serve-kernel", lib], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True) for lib in libs]
+    print(f"copy bandwidth {copy_bandwidth() / 1e9:.1f} GB/s (read + write); ms per layer call, best of "
+          f"{args.reps} steps of {args.layers}, and GB/s of K and V read; {CACHE_LAYERS} cache layers")
+    print("| dtype | batch | context | K+V MB | " + " | ".join(f"{Path(lib).name} ms | GB/s" for lib in libs)
+          + " | speed-up |")
+    print("|" + " ---: |" * (4 + 2 * len(libs) + 1))
+    for dtype_name in args.dtypes.split(","):
+        for batch in [int(x) for x in args.batches.split(",")]:
+            for context in [int(x) for x in args.contexts.split(",")]:
+                best = [float("inf")] * len(libs)
+                for _ in range(args.reps):
+                    for i, side in enumerate(sides):
+                        side.stdin.write(f"{dtype_name} {batch} {context}\n")
+                        side.stdin.flush()
+                        best[i] = min(best[i], float(side.stdout.readline()) / args.layers)
+                nbytes = kv_bytes(Case.lengths(batch, context), getattr(torch, dtype_name))
+                print(f"| {dtype_name} | {batch} | {context} | {nbytes / 1e6:.1f} | "
+                      + " | ".join(f"{1e3 * t:.3f} | {nbytes / t / 1e9:.1f}" for t in best)
+                      + f" | {best[0] / best[-1]:.2f}x |", flush=True)
+    for side in sides:
+        side.stdin.close()
+        side.wait()
+
+
+def new_cache(args: argparse.Namespace, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    num_blocks = 2 + max(int(x) for x in args.batches.split(",")) * -(-max(int(x) for x in args.contexts.split(","))
+                                                                       // BLOCK_SIZE)
+    cache = allocate_kv_cache(num_blocks, CACHE_LAYERS, BLOCK_SIZE, KV_HEADS, DIM, dtype, "cpu", LAYOUT)
+    return cache.normal_(generator=gen)
+
+
 def main() -> None:
-    global LAYOUT
+    global LAYOUT, CACHE_LAYERS
     args = parse_args()
-    LAYOUT = args.layout
+    LAYOUT, CACHE_LAYERS = args.layout, args.cache_layers
     torch.set_num_threads(args.threads)
+    if args.serve_kernel:
+        return serve_kernel(args)
+    if args.kernel_libs:
+        return compare_kernels(args)
     batches = [int(x) for x in args.batches.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
     methods = args.methods.split(",")
+    if "kernel" in methods and not cpu_kernels.available():
+        sys.exit("the kernel method needs the CPU kernels, which do not build here")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); ms per layer call "
           f"(best of {args.reps} steps of {args.layers} calls) and speed-up vs {methods[0]} (>1 = faster)")
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         gen = torch.Generator().manual_seed(0)
-        num_blocks = 2 + max(batches) * -(-max(contexts) // BLOCK_SIZE)
-        cache = allocate_kv_cache(num_blocks, CACHE_LAYERS, BLOCK_SIZE, KV_HEADS, DIM, dtype, "cpu", LAYOUT)
-        cache.normal_(generator=gen)
+        cache = new_cache(args, dtype, gen)
         flex = FlexPaged() if "flex" in methods else None
         print(f"\n{dtype_name}\n| batch | context | " + " | ".join(methods) + " | "
               + " | ".join(f"{m} speed-up" for m in methods[1:]) + " |")

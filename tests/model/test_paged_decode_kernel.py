@@ -31,10 +31,10 @@ def reference(q, k_cache, v_cache, table, length, scale, softcap=0.0):
     return torch.einsum("ht,thd->hd", torch.softmax(scores, dim=-1), values)
 
 
-def run_case(lengths, heads, kv_heads, block_size, dtype, layout, gen, window=0, softcap=0.0):
+def run_case(lengths, heads, kv_heads, block_size, dtype, layout, gen, window=0, softcap=0.0, dim=DIM):
     blocks_per = [-(-n // block_size) for n in lengths]
     num_blocks = 1 + sum(blocks_per) + 3
-    cache = allocate_kv_cache(num_blocks, 2, block_size, kv_heads, DIM, dtype, "cpu", layout)
+    cache = allocate_kv_cache(num_blocks, 2, block_size, kv_heads, dim, dtype, "cpu", layout)
     cache.normal_(generator=gen)
     k_cache, v_cache = layer_kv(cache, 1, layout)
     free = torch.randperm(num_blocks - 1, generator=gen).add(1).tolist()
@@ -42,10 +42,10 @@ def run_case(lengths, heads, kv_heads, block_size, dtype, layout, gen, window=0,
     tables = torch.zeros(len(lengths), width, dtype=torch.long)
     for i, n in enumerate(blocks_per):
         tables[i, :n] = torch.tensor([free.pop() for _ in range(n)])
-    q = torch.randn(len(lengths), heads, DIM, generator=gen).to(dtype)
+    q = torch.randn(len(lengths), heads, dim, generator=gen).to(dtype)
     out = torch.empty_like(q)
     lens = torch.tensor(lengths, dtype=torch.long)
-    cpu_kernels.paged_decode_attention(out, q, k_cache, v_cache, tables, lens, DIM**-0.5, window, softcap)
+    cpu_kernels.paged_decode_attention(out, q, k_cache, v_cache, tables, lens, dim**-0.5, window, softcap)
     return out, q, k_cache, v_cache, tables
 
 
@@ -61,6 +61,21 @@ def test_kernel_matches_plain_attention(dtype, layout, heads, kv_heads, block_si
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     for i, n in enumerate(lengths):
         expected = reference(q[i], k_cache, v_cache, tables[i, : -(-n // block_size)], n, DIM**-0.5)
+        torch.testing.assert_close(out[i].double(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(("dtype", "dim"), [
+    (torch.float32, 80), (torch.bfloat16, 80), (torch.bfloat16, 96), (torch.float32, 256),
+])
+def test_head_dims_other_than_64(dtype, dim):
+    """Head dims without an unrolled instance: multiples of 32 (96, 256) take the vector
+    loops with the dim known at run time, others (80) the scalar loops."""
+    gen = torch.Generator().manual_seed(4)
+    lengths = [1, 17, 530, 1030]
+    out, q, k_cache, v_cache, tables = run_case(lengths, 8, 2, 16, dtype, "aggregated", gen, dim=dim)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    for i, n in enumerate(lengths):
+        expected = reference(q[i], k_cache, v_cache, tables[i, : -(-n // 16)], n, dim**-0.5)
         torch.testing.assert_close(out[i].double(), expected, atol=tol, rtol=tol)
 
 
