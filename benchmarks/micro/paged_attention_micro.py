@@ -53,6 +53,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from engine_step_profile import memory_bandwidth
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -245,18 +246,6 @@ def kv_bytes(lens: list[int], dtype: torch.dtype) -> int:
     return sum(lens) * 2 * KV_HEADS * DIM * torch.finfo(dtype).bits // 8
 
 
-def copy_bandwidth(nbytes: int = 512 << 20, reps: int = 5) -> float:
-    """Bytes per second of a large tensor copy (read + write), best of ``reps``."""
-    src = torch.ones(nbytes // 4)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return 2 * nbytes / best
-
-
 def serve_kernel(args: argparse.Namespace) -> None:
     """One side of --kernel-libs: load that build, then time one kernel step per line
     "dtype batch context" read from stdin, answering its seconds."""
@@ -285,7 +274,7 @@ def compare_kernels(args: argparse.Namespace) -> None:
             LAYOUT, "--cache-layers", str(CACHE_LAYERS), "--batches", args.batches, "--contexts", args.contexts]
     sides = [subprocess.Popen([*argv, "--serve-kernel", lib], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True) for lib in libs]
-    print(f"copy bandwidth {copy_bandwidth() / 1e9:.1f} GB/s (read + write); ms per layer call, best of "
+    print(f"copy bandwidth {memory_bandwidth() / 1e9:.1f} GB/s (read + write); ms per layer call, best of "
           f"{args.reps} steps of {args.layers}, and GB/s of K and V read; {CACHE_LAYERS} cache layers")
     print("| dtype | batch | context | K+V MB | " + " | ".join(f"{Path(lib).name} ms | GB/s" for lib in libs)
           + " | speed-up |")
