@@ -287,13 +287,19 @@ def test_the_default_file_served_quantized_gives_the_widened_models_tokens():
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
     chats = [torch.randint(100, vocab, (int(n),), generator=gen).tolist()
              for n in torch.randint(8, 120, (24,), generator=gen)]
+    agree = quantized_agreement(folder, chats, num_blocks=256, max_num_seqs=24)
+    assert agree >= 22, agree
+
+
+def quantized_agreement(folder: Path, prompts: list[list[int]], num_blocks: int, max_num_seqs: int) -> int:
+    """Of ``prompts``, how many give the same 16 greedy tokens quantized and under
+    ``--quantization none``."""
     outputs = {}
     for quantization in ("none", "gguf"):
-        engine = build_engine(EngineConfig(dtype="float32", num_blocks=256, max_num_seqs=24,
+        engine = build_engine(EngineConfig(dtype="float32", num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                                            quantization=quantization), folder)
-        outputs[quantization] = [tokens for tokens, _ in generate(engine, chats, 16)]
-    agree = sum(a == b for a, b in zip(outputs["none"], outputs["gguf"]))
-    assert agree >= 22, agree
+        outputs[quantization] = [tokens for tokens, _ in generate(engine, prompts, 16)]
+    return sum(a == b for a, b in zip(outputs["none"], outputs["gguf"]))
 
 
 @pytest.mark.slow  # two SmolLM2 engines, 32 prompts
@@ -306,12 +312,7 @@ def test_the_default_file_served_quantized_gives_the_widened_models_tokens_on_sh
     folder = ensure_model_dir(None)
     tokenizer = Tokenizer.from_folder(folder)
     prompts = [tokenizer.encode_chat([conversation[0]]) for conversation in conversations(32)]
-    outputs = {}
-    for quantization in ("none", "gguf"):
-        engine = build_engine(EngineConfig(dtype="float32", num_blocks=512, max_num_seqs=8,
-                                           quantization=quantization), folder)
-        outputs[quantization] = [tokens for tokens, _ in generate(engine, prompts, 16)]
-    agree = sum(a == b for a, b in zip(outputs["none"], outputs["gguf"]))
+    agree = quantized_agreement(folder, prompts, num_blocks=512, max_num_seqs=8)
     assert agree >= 30, agree
 
 
