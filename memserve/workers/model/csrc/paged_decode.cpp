@@ -10,9 +10,12 @@
 // that share its KV head (GQA). Work items are (row, KV head, partition of up to
 // PARTITION tokens) so that one long sequence still keeps every thread busy; each item
 // keeps its partial max, sum of exponentials and weighted values in float32, and a second
-// pass merges the partitions (flash-decoding). bf16 inputs are widened to float32 as they
-// are read, and so is an FP8 cache's float8_e4m3fn (--kv-cache-dtype fp8, scale 1.0), by
-// a 256-entry table of c10's exact conversion: the queries and output keep their dtype.
+// pass merges the partitions (flash-decoding). With AVX-512 (head dims a multiple of 32)
+// each key is scored for all the group's heads at once, 16 keys a tile, and values are
+// summed in register tiles; bf16 keys meet bf16 queries in VDPBF16PS (exact products,
+// float32 sums), other bf16 and FP8 (--kv-cache-dtype fp8, scale 1.0) rows are widened
+// to float32 by vector instructions, exactly. Without it, scalar loops widen each element
+// (FP8 by a 256-entry table of c10's exact conversion). Queries and output keep their dtype.
 // Compiled with -ffast-math for vectorised exp and reductions: every score is finite
 // (only real tokens are visited, no masks; an FP8 cache holds no NaN, its writes are
 // clamped to e4m3's range), which is what fast-math assumes.
