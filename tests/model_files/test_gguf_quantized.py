@@ -182,6 +182,20 @@ def test_integer_products_equal_the_product_of_the_quantized_activations(ggml_ty
     assert np.abs(got - exact).max() < (3e-2 if bits == 8 else 2e-4) * np.abs(exact).max()
 
 
+@pytest.mark.parametrize("ggml_type", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("bits", [8, 16, 32])
+def test_bf16_activations_give_the_float32_product_rounded_to_bf16(ggml_type, bits):
+    """A bf16 model's decode rows go in and come out in bf16: exactly the float32 product of
+    the widened rows, rounded once, as the conversions around a float32 call would give."""
+    rng = np.random.default_rng(bits)
+    blocks = torch.from_numpy(np.ascontiguousarray(quantize_k_too(rng.standard_normal((64, 512), dtype=np.float32),
+                                                                  ggml_type)))
+    x = torch.from_numpy(rng.standard_normal((5, 512), dtype=np.float32)).to(torch.bfloat16)
+    got = cpu_kernels.gguf_matmul(x, blocks, int(ggml_type), bits)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, cpu_kernels.gguf_matmul(x.float(), blocks, int(ggml_type), bits).to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("ggml_type", K_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 3, 16, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -490,10 +490,13 @@ def paged_attention(
     v_cache: torch.Tensor,
     plan: AttentionPlan,
     scale: float,
+    kv_written: bool = False,
 ) -> torch.Tensor:
-    """Write k/v [T, kv_heads, dim] into the cache, then attend q [T, heads, dim] to each
-    sequence's context. Returns [T, heads, dim]."""
-    write_kv(k_cache, v_cache, k, v, plan)
+    """Write k/v [T, kv_heads, dim] into the cache (unless ``kv_written``: the layer's fused
+    rotary stored them), then attend q [T, heads, dim] to each sequence's context. Returns
+    [T, heads, dim]."""
+    if not kv_written:
+        write_kv(k_cache, v_cache, k, v, plan)
     if plan.triton is not None:
         return triton_paged_attention(q, k_cache, v_cache, plan.triton, scale, plan.window, plan.softcap)
     if plan.static_decode is not None:
@@ -505,11 +508,15 @@ def paged_attention(
     kv_heads = k_cache.shape[-2]
     if plan.kernel_decodes is not None:
         rows = plan.kernel_decodes
-        queries = q[rows.tokens].contiguous()
-        attended = torch.empty_like(queries)
+        # A run of rows (every decode-only step) is read and written where it lies: the
+        # kernel takes q's rows at their stride in the fused projection.
+        in_place = isinstance(rows.tokens, slice) and q.stride(1) == head_dim and q.stride(2) == 1
+        queries = q[rows.tokens] if in_place else q[rows.tokens].contiguous()
+        attended = out[rows.tokens] if in_place else torch.empty_like(queries)
         cpu_kernels.paged_decode_attention(attended, queries, k_cache, v_cache, rows.block_tables, rows.context_lens,
                                            scale, plan.window, plan.softcap)
-        out[rows.tokens] = attended
+        if not in_place:
+            out[rows.tokens] = attended
     for i, group in enumerate(plan.decodes):
         # GQA folded into the query length: the heads sharing a KV head are that head's
         # query rows, so each key is read once, not once per query head.

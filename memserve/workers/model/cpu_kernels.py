@@ -3,7 +3,7 @@
 torch ships no paged attention for CPU, and reading KV blocks in place from Python costs
 an op per block (see attention.py): the decode kernel is a small C++ torch op. Beside it,
 the pointwise steps of a layer (RMSNorm, residual add + RMSNorm, SwiGLU's activation,
-the rotary embedding) fused into one pass each (csrc/fused_pointwise.cpp), and products
+the rotary embedding with the new K/V's stores) fused into one pass each (csrc/fused_pointwise.cpp), and products
 over GGUF-quantized weights as the file stores them (csrc/gguf_linear.cpp). They are built
 with torch's extension builder (g++ and ninja) the first time a process asks for it, with
 ``-march=native``, into a directory named by a hash of the source, the torch version and
@@ -84,7 +84,8 @@ def _load() -> bool:
 def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            window: int = 0, softcap: float = 0.0) -> None:
-    """out, q [rows, heads, dim] contiguous; k_cache, v_cache [blocks, block_size, kv_heads,
+    """out [rows, heads, dim] contiguous, q of its shape with contiguous heads (rows at any
+    stride: a view into the fused projection); k_cache, v_cache [blocks, block_size, kv_heads,
     dim] (any strides but the last); block_tables [rows, >= blocks needed] and context_lens
     [rows], int64. Row i attends to the first context_lens[i] tokens of its blocks, or with
     a sliding ``window`` > 0 to the last ``window`` of them; a ``softcap`` > 0 caps each
@@ -115,11 +116,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, dim] (contiguous last dim) rotated by cos, sin [T, rotary_dim] in one
-    pass; dims past rotary_dim pass through (``rope.apply_rotary``)."""
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    torch.ops.memserve.rotary(out, x, cos, sin)
+def rotary_write_kv(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, write_blocks: torch.Tensor,
+                    write_offsets: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding (``rope.apply_rotary``) of qk = [q heads | k heads] [T, heads,
+    dim] (contiguous last dim) by cos, sin [T, rotary_dim] in one pass, and in the same
+    pass the rotated k heads and v [T, kv_heads, dim] stored into k_cache and v_cache
+    [blocks, block_size, kv_heads, dim] at (write_blocks[t], write_offsets[t]), as
+    ``attention.write_kv`` stores them (the cache's dtype; FP8 clamped first)."""
+    out = torch.empty(qk.shape, dtype=qk.dtype, device=qk.device)
+    torch.ops.memserve.rotary_write_kv(out, qk, v, cos, sin, k_cache, v_cache, write_blocks, write_offsets)
     return out
 
 
@@ -128,8 +134,9 @@ GGUF_MATMUL_MAX_ROWS = 16
 
 
 def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, activation_bits: int = 32) -> torch.Tensor:
-    """x [rows <= GGUF_MATMUL_MAX_ROWS, in] float32 times the GGUF-quantized weight rows
-    ``blocks`` [out, row bytes] of ggml type ``ggml_type``, transposed: [rows, out] float32.
+    """x [rows <= GGUF_MATMUL_MAX_ROWS, in] (float32 or bf16) times the GGUF-quantized weight
+    rows ``blocks`` [out, row bytes] of ggml type ``ggml_type``, transposed: [rows, out] in
+    x's dtype, summed in float32.
     ``activation_bits`` 8: x quantized to int8 per 32-block and integer products (llama.cpp's
     way), 16: two int8 digits, to 1/256 of int8's rounding; for the types in
     ``gguf_int8_types()``, float32 products otherwise (and for 32)."""

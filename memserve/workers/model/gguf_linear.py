@@ -78,8 +78,7 @@ class GGUFLinear(nn.Module):
         if self.wide is not None and rows.shape[0] > WIDE_FROM_ROWS.get(self.dtype, 8):
             out = self.wide(rows)
         elif rows.shape[0] <= cpu_kernels.GGUF_MATMUL_MAX_ROWS:
-            out = cpu_kernels.gguf_matmul(rows.float().contiguous(), self.blocks, self.ggml_type,
-                                          self.activation_bits).to(x.dtype)
+            out = cpu_kernels.gguf_matmul(rows.contiguous(), self.blocks, self.ggml_type, self.activation_bits)
         else:
             weight = cpu_kernels.gguf_dequantize(self.blocks, self.ggml_type, self.in_features, x.dtype)
             out = F.linear(rows, weight)

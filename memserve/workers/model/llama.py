@@ -104,7 +104,8 @@ class Attention(nn.Module):
         norm = partial(RMSNorm, config.head_dim, config.rms_norm_eps, config.norm_unit_offset)
         self.q_norm = norm() if config.qk_norm else None
         self.k_norm = norm() if config.qk_norm else None
-        self.fused = False  # the rotary embedding through the one-pass CPU kernel (``use_fused_pointwise``)
+        # The rotary embedding and the K/V stores through the one-pass CPU kernel (``use_fused_pointwise``)
+        self.fused = False
 
     def forward(
         self,
@@ -120,11 +121,15 @@ class Attention(nn.Module):
         qk = qkv[:, : self.num_heads + self.num_kv_heads]
         if self.q_norm is not None and self.k_norm is not None:  # Qwen3, Gemma 3: each head normalised first
             qk = torch.cat([self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1)
-        qk = cpu_kernels.rotary(qk, cos[:, 0], sin[:, 0]) if self.fused else apply_rotary(qk, cos, sin)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.num_heads + self.num_kv_heads :]
         k_cache, v_cache = layer_kv(kv_cache, self.layer, plan.layout)
-        out = paged_attention(q, k, v, k_cache, v_cache, plan, self.scale)
+        if self.fused:  # rotated, and K/V stored at their slots, in one pass
+            qk = cpu_kernels.rotary_write_kv(qk, v, cos[:, 0], sin[:, 0], k_cache, v_cache, plan.write_blocks,
+                                             plan.write_offsets)
+        else:
+            qk = apply_rotary(qk, cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        out = paged_attention(q, k, v, k_cache, v_cache, plan, self.scale, kv_written=self.fused)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
 

@@ -13,17 +13,24 @@
 //                  out = narrow(x * rsqrt(mean(x^2) + eps) * (1 + w))   (Gemma, unit_offset)
 //   add_rms_norm:  sum = narrow(x + residual); out = rms_norm(sum)
 //   silu_and_mul:  out = narrow(narrow(silu(gate)) * up), x = [gate | up] along the last dim
-//   rotary:        out = narrow(narrow(x * cos) + narrow(rotate_half(x) * sin)) on the first
-//                  rotary_dim dims of each head, the rest copied (Phi's partial rotary)
+//   rotary_write_kv: the rotary embedding of [q heads | k heads],
+//                  out = narrow(narrow(x * cos) + narrow(rotate_half(x) * sin)) on the first
+//                  rotary_dim dims of each head, the rest copied (Phi's partial rotary),
+//                  then the rotated k heads and v stored at each token's cache slot
+//                  (attention.write_kv's stores: the cache's dtype, into FP8 clamped to
+//                  e4m3's range first), which in eager ops are two indexed writes a layer
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
 #include "bf16.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -104,6 +111,54 @@ void rotary_rows(T* out, const T* x, const T* cos, const T* sin, int64_t tokens,
   });
 }
 
+// A K or V value as a cache of type C holds it: as computed (C = T), or clamped to e4m3's
+// range and rounded to nearest (FP8, as torch's clamp and cast do).
+template <typename C, typename T>
+inline C to_cache(T x) {
+  if constexpr (std::is_same_v<C, T>) {
+    return x;
+  } else {
+    return C(std::clamp(widen(x), -448.0f, 448.0f));
+  }
+}
+
+// Token t's kv_heads rows of dim values, from ``src`` (token and head strides given) into
+// its cache slot (block, offset) of ``cache`` (block, token, head strides given).
+template <typename C, typename T>
+void store_heads(C* cache, const int64_t* cache_strides, const T* src, int64_t src_token_stride,
+                 int64_t src_head_stride, int64_t t, int64_t block, int64_t offset, int64_t kv_heads, int64_t dim) {
+  C* slot = cache + block * cache_strides[0] + offset * cache_strides[1];
+  for (int64_t h = 0; h < kv_heads; ++h) {
+    const T* from = src + t * src_token_stride + h * src_head_stride;
+    C* to = slot + h * cache_strides[2];
+    for (int64_t i = 0; i < dim; ++i) to[i] = to_cache<C>(from[i]);
+  }
+}
+
+template <typename T, typename C>
+void rotary_write_kv_typed(at::Tensor& out, const at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos,
+                           const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+                           const at::Tensor& write_blocks, const at::Tensor& write_offsets) {
+  const int64_t tokens = qk.size(0), heads = qk.size(1), dim = qk.size(2), kv_heads = v.size(1);
+  T* rotated = out.data_ptr<T>();
+  rotary_rows<T>(rotated, qk.data_ptr<T>(), cos.data_ptr<T>(), sin.data_ptr<T>(), tokens, heads, dim, cos.size(1),
+                 qk.stride(0), qk.stride(1));
+  const int64_t k_strides[3] = {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)};
+  const int64_t v_strides[3] = {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)};
+  const int64_t* blocks = write_blocks.data_ptr<int64_t>();
+  const int64_t* offsets = write_offsets.data_ptr<int64_t>();
+  C* kp = k_cache.data_ptr<C>();
+  C* vp = v_cache.data_ptr<C>();
+  const T* first_k = rotated + (heads - kv_heads) * dim;
+  at::parallel_for(0, tokens, GRAIN_ROWS, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      store_heads<C, T>(kp, k_strides, first_k, heads * dim, dim, t, blocks[t], offsets[t], kv_heads, dim);
+      store_heads<C, T>(vp, v_strides, v.data_ptr<T>(), v.stride(0), v.stride(1), t, blocks[t], offsets[t], kv_heads,
+                        dim);
+    }
+  });
+}
+
 void check_rows(const at::Tensor& t, const at::Tensor& like, const char* name) {
   TORCH_CHECK(t.is_contiguous() && t.sizes() == like.sizes() && t.scalar_type() == like.scalar_type(), name,
               ": contiguous, of the input's shape and dtype");
@@ -159,7 +214,7 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x) {
   }
 }
 
-void rotary(at::Tensor out, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+void check_rotary(const at::Tensor& out, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rotary: x [tokens, heads, dim] with contiguous dim");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(),
               "rotary: out contiguous, of x's shape and dtype");
@@ -167,16 +222,36 @@ void rotary(at::Tensor out, const at::Tensor& x, const at::Tensor& cos, const at
                   cos.size(0) == x.size(0) && cos.size(1) <= x.size(2) && cos.size(1) % 2 == 0 &&
                   cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
               "rotary: cos and sin contiguous [tokens, rotary_dim <= dim], even, of x's dtype");
-  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), rotary_dim = cos.size(1);
-  if (x.scalar_type() == at::kFloat) {
-    rotary_rows<float>(out.data_ptr<float>(), x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
-                       tokens, heads, dim, rotary_dim, x.stride(0), x.stride(1));
-  } else if (x.scalar_type() == at::kBFloat16) {
-    rotary_rows<c10::BFloat16>(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(),
-                               cos.data_ptr<c10::BFloat16>(), sin.data_ptr<c10::BFloat16>(), tokens, heads, dim,
-                               rotary_dim, x.stride(0), x.stride(1));
+}
+
+// out [T, q_heads + kv_heads, dim] = qk rotated; k_cache and v_cache [blocks, block_size,
+// kv_heads, dim] (any strides but the last) get the rotated k heads and v [T, kv_heads, dim]
+// at (write_blocks[t], write_offsets[t]).
+void rotary_write_kv(at::Tensor out, const at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos,
+                     const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& write_blocks,
+                     const at::Tensor& write_offsets) {
+  check_rotary(out, qk, cos, sin);
+  TORCH_CHECK(v.dim() == 3 && v.stride(2) == 1 && v.size(0) == qk.size(0) && v.size(2) == qk.size(2) &&
+                  v.size(1) < qk.size(1) && v.scalar_type() == qk.scalar_type(),
+              "rotary_write_kv: v [tokens, kv_heads, dim] with contiguous dim, of qk's dtype");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1 &&
+                  k_cache.size(2) == v.size(1) && k_cache.size(3) == v.size(2) && v_cache.sizes() == k_cache.sizes() &&
+                  k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (k_cache.scalar_type() == qk.scalar_type() || k_cache.scalar_type() == at::kFloat8_e4m3fn),
+              "rotary_write_kv: caches [blocks, block_size, kv_heads, dim] of qk's dtype or float8_e4m3fn");
+  TORCH_CHECK(write_blocks.scalar_type() == at::kLong && write_offsets.scalar_type() == at::kLong &&
+                  write_blocks.is_contiguous() && write_offsets.is_contiguous() &&
+                  write_blocks.numel() == qk.size(0) && write_offsets.numel() == qk.size(0),
+              "rotary_write_kv: write_blocks and write_offsets int64 [tokens]");
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  if (qk.scalar_type() == at::kFloat) {
+    (fp8 ? rotary_write_kv_typed<float, c10::Float8_e4m3fn> : rotary_write_kv_typed<float, float>)(
+        out, qk, v, cos, sin, k_cache, v_cache, write_blocks, write_offsets);
+  } else if (qk.scalar_type() == at::kBFloat16) {
+    (fp8 ? rotary_write_kv_typed<c10::BFloat16, c10::Float8_e4m3fn> : rotary_write_kv_typed<c10::BFloat16, c10::BFloat16>)(
+        out, qk, v, cos, sin, k_cache, v_cache, write_blocks, write_offsets);
   } else {
-    TORCH_CHECK(false, "rotary: float32 or bfloat16 only");
+    TORCH_CHECK(false, "rotary_write_kv: float32 or bfloat16 only");
   }
 }
 
@@ -187,12 +262,13 @@ TORCH_LIBRARY_FRAGMENT(memserve, m) {
   m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) sum, Tensor x, Tensor residual, Tensor weight, float eps, "
         "bool unit_offset) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
-  m.def("rotary(Tensor(a!) out, Tensor x, Tensor cos, Tensor sin) -> ()");
+  m.def("rotary_write_kv(Tensor(a!) out, Tensor qk, Tensor v, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
+        "Tensor(c!) v_cache, Tensor write_blocks, Tensor write_offsets) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(memserve, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
-  m.impl("rotary", &rotary);
+  m.impl("rotary_write_kv", &rotary_write_kv);
 }

@@ -30,6 +30,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "bf16.h"
+
 #include <cstdint>
 #include <cstring>
 #include <algorithm>
@@ -609,21 +611,30 @@ void check_blocks(const at::Tensor& blocks, int64_t type, int64_t k) {
               "GGUF blocks: ", blocks.size(1), " bytes a row do not hold ", k, " weights of type ", type);
 }
 
-// out [rows, n] float32 = x [rows, k] float32 @ W^T, W the GGUF ``blocks`` [n, row bytes].
+// out [rows, n] = x [rows, k] @ W^T, W the GGUF ``blocks`` [n, row bytes]; x and out of one
+// dtype, float32 or bf16 (bf16 rows widened on entry and the sums rounded on exit here,
+// as torch's conversions around a float32 product would: a decode step's layers then
+// need no conversion ops of their own).
 // activation_bits: 8 or 16 (one or two int8 digits) for the integer products where they
 // are compiled in and the type has them (all but Q6_K); 32 or Q6_K: float32.
 void gguf_matmul(at::Tensor out, const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t activation_bits) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(0) <= MAX_ROWS,
-              "gguf_matmul: x contiguous float32 [rows <= ", MAX_ROWS, ", in_features]");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((bf16 || x.scalar_type() == at::kFloat) && x.dim() == 2 && x.is_contiguous() && x.size(0) <= MAX_ROWS,
+              "gguf_matmul: x contiguous float32 or bf16 [rows <= ", MAX_ROWS, ", in_features]");
   check_blocks(blocks, type, x.size(1));
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == x.size(0) &&
-                  out.size(1) == blocks.size(0), "gguf_matmul: out contiguous float32 [rows, out_features]");
+  TORCH_CHECK(out.scalar_type() == x.scalar_type() && out.is_contiguous() && out.size(0) == x.size(0) &&
+                  out.size(1) == blocks.size(0), "gguf_matmul: out contiguous [rows, out_features], of x's dtype");
   TORCH_CHECK(activation_bits == 8 || activation_bits == 16 || activation_bits == 32,
               "gguf_matmul: activation_bits 8, 16 or 32, not ", activation_bits);
-  float* dst = out.data_ptr<float>();
-  const float* src = x.data_ptr<float>();
-  const uint8_t* w = blocks.data_ptr<uint8_t>();
   const int64_t rows = x.size(0), n = blocks.size(0), k = x.size(1);
+  std::vector<float> wide_x(bf16 ? rows * k : 0), wide_out(bf16 ? rows * n : 0);
+  if (bf16) {
+    const c10::BFloat16* in = x.data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < rows * k; ++i) wide_x[i] = memserve_kernels::widen(in[i]);
+  }
+  float* dst = bf16 ? wide_out.data() : out.data_ptr<float>();
+  const float* src = bf16 ? wide_x.data() : x.data_ptr<float>();
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
   dispatch(type, [&](auto t) {
     constexpr int64_t TYPE = decltype(t)::value;
 #ifdef GGUF_INT8
@@ -634,6 +645,10 @@ void gguf_matmul(at::Tensor out, const at::Tensor& x, const at::Tensor& blocks, 
 #endif
     matmul_rows<TYPE>(dst, src, w, rows, n, k);
   });
+  if (bf16) {
+    c10::BFloat16* narrowed = out.data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < rows * n; ++i) narrowed[i] = memserve_kernels::store(wide_out[i], static_cast<c10::BFloat16*>(nullptr));
+  }
 }
 
 // The ggml types gguf_matmul multiplies with int8 activations in this build (none without VNNI).

@@ -391,6 +391,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
                      static_cast<float>(scale), static_cast<float>(softcap)};
   const int64_t group = geo.group;
   const T* qp = q.data_ptr<T>();
+  const int64_t q_row_stride = q.stride(0);  // q may be a view into the fused projection's rows
   const KV* kp = k_cache.data_ptr<KV>();
   const KV* vp = v_cache.data_ptr<KV>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
@@ -412,7 +413,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
       const int64_t part = item / kv_heads, h = item % kv_heads;
       const int64_t row = std::upper_bound(first_part.begin(), first_part.end(), part) - first_part.begin() - 1;
       const int64_t start = first_key[row] + (part - first_part[row]) * PARTITION;
-      attend<T, KV, DIM, VEC>(geo, qp + (row * heads + h * group) * dim, kp, vp, tables + row * geo.table_stride, h,
+      attend<T, KV, DIM, VEC>(geo, qp + row * q_row_stride + h * group * dim, kp, vp, tables + row * geo.table_stride, h,
                               start, std::min(PARTITION, lens[row] - start), &part_max[item * group],
                               &part_sum[item * group], &part_acc[item * group * dim], scratch);
     }
@@ -440,8 +441,8 @@ DecodeFn dispatch_dim(int64_t dim) {
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                             int64_t window, double softcap) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && out.is_contiguous() && out.sizes() == q.sizes(),
-              "q and out: contiguous [rows, heads, dim]");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) && out.is_contiguous() &&
+                  out.sizes() == q.sizes(), "q [rows, heads, dim] with contiguous heads, out contiguous of its shape");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
               "caches: [blocks, block_size, kv_heads, dim] with contiguous dim");
   TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0, "head shapes do not match");
