@@ -1,8 +1,9 @@
 """The compiled CPU decode-attention kernel against plain float64 attention: ragged
 contexts over shuffled blocks (partial last blocks, contexts spanning several partitions),
 GQA and one KV head per query head, both KV layouts' per-layer views (the aggregated one
-strided), float32 and bf16, batches of 1 and 33 rows, sliding windows (starting
-inside a block, spanning partitions, longer than the context) and soft-capped scores."""
+strided), float32 and bf16, batches of 1 and 33 rows (one row's keys split over the
+threads), sliding windows (starting inside a block, spanning partitions, longer than the
+context) and soft-capped scores."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ if not cpu_kernels.available():
     pytest.skip("the CPU kernels cannot be built here (no C++ compiler or ninja)", allow_module_level=True)
 
 DIM = 64
+THREADS = torch.get_num_threads()
 
 
 def reference(q, k_cache, v_cache, table, length, scale, softcap=0.0):
@@ -110,6 +112,26 @@ def test_softcap_caps_every_score(dtype):
         if n > 1:
             uncapped = reference(q[i], keys, values, [0], n - first, DIM**-0.5)
             assert not torch.allclose(out[i].double(), uncapped, atol=1e-2)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 8])
+@pytest.mark.parametrize("window", [0, 100])
+def test_few_rows_split_into_short_partitions_give_the_same_attention(threads, window):
+    """One or two rows on more threads than their 512-key partitions: the keys are split
+    into shorter partitions (down to 64, windows starting inside a block) and merged."""
+    torch.set_num_threads(threads)
+    try:
+        for lengths in ([1], [70], [130, 20], [511], [1000]):
+            gen = torch.Generator().manual_seed(sum(lengths))
+            out, q, k_cache, v_cache, tables = run_case(lengths, 9, 3, 16, torch.float32, "aggregated", gen, window)
+            for i, n in enumerate(lengths):
+                first = max(0, n - window) if window else 0
+                keys = k_cache[tables[i, : -(-n // 16)]].flatten(0, 1)[first:n][None]
+                values = v_cache[tables[i, : -(-n // 16)]].flatten(0, 1)[first:n][None]
+                expected = reference(q[i], keys, values, [0], n - first, DIM**-0.5)
+                torch.testing.assert_close(out[i].double(), expected, atol=2e-5, rtol=2e-5)
+    finally:
+        torch.set_num_threads(THREADS)
 
 
 def test_single_row_reads_only_its_own_blocks():

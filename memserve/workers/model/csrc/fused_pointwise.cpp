@@ -99,10 +99,16 @@ void rotary_rows(T* out, const T* x, const T* cos, const T* sin, int64_t tokens,
       for (int64_t h = 0; h < heads; ++h) {
         const T* xh = x + t * token_stride + h * head_stride;
         T* oh = out + (t * heads + h) * dim;
-        for (int64_t i = 0; i < rotary_dim; ++i) {
-          const float rotated = i < half ? -widen(xh[i + half]) : widen(xh[i - half]);
+        // rotate_half(x) is -x[i + half] on the first half, x[i - half] on the second:
+        // two loops without a branch, so that each vectorises.
+        for (int64_t i = 0; i < half; ++i) {
           const float a = narrow(widen(xh[i]) * widen(c[i]), static_cast<T*>(nullptr));
-          const float b = narrow(rotated * widen(s[i]), static_cast<T*>(nullptr));
+          const float b = narrow(-widen(xh[i + half]) * widen(s[i]), static_cast<T*>(nullptr));
+          oh[i] = store(a + b, static_cast<T*>(nullptr));
+        }
+        for (int64_t i = half; i < rotary_dim; ++i) {
+          const float a = narrow(widen(xh[i]) * widen(c[i]), static_cast<T*>(nullptr));
+          const float b = narrow(widen(xh[i - half]) * widen(s[i]), static_cast<T*>(nullptr));
           oh[i] = store(a + b, static_cast<T*>(nullptr));
         }
         for (int64_t i = rotary_dim; i < dim; ++i) oh[i] = xh[i];
@@ -131,7 +137,11 @@ void store_heads(C* cache, const int64_t* cache_strides, const T* src, int64_t s
   for (int64_t h = 0; h < kv_heads; ++h) {
     const T* from = src + t * src_token_stride + h * src_head_stride;
     C* to = slot + h * cache_strides[2];
-    for (int64_t i = 0; i < dim; ++i) to[i] = to_cache<C>(from[i]);
+    if constexpr (std::is_same_v<C, T>) {
+      std::memcpy(to, from, dim * sizeof(T));
+    } else {
+      for (int64_t i = 0; i < dim; ++i) to[i] = to_cache<C>(from[i]);
+    }
   }
 }
 

@@ -5,12 +5,12 @@
 // sliding window W > 0, to the last W of them only (Mistral's window: the key at
 // position j is seen by the query at position p when p - j < W). With a soft-cap
 // C > 0 (Gemma 2's attn_logit_softcapping), each scaled score s becomes C * tanh(s / C)
-// before the softmax. Nothing is
-// gathered: every K and V vector is read once, where it lies, for all the query heads
-// that share its KV head (GQA). Work items are (row, KV head, partition of up to
-// PARTITION tokens) so that one long sequence still keeps every thread busy; each item
-// keeps its partial max, sum of exponentials and weighted values in float32, and a second
-// pass merges the partitions (flash-decoding). With AVX-512 (head dims a multiple of 32)
+// before the softmax. Nothing is gathered: every K and V vector is read once, where it
+// lies, for all the query heads that share its KV head (GQA). Work items are partitions
+// of a row's keys (up to PARTITION, shorter where the rows are too few to keep every
+// thread busy), each over every KV head; each (partition, KV head) keeps its partial
+// max, sum of exponentials and weighted values in float32, and a second pass merges the
+// partitions (flash-decoding). With AVX-512 (head dims a multiple of 32)
 // each key is scored for all the group's heads at once, 16 keys a tile, and values are
 // summed in register tiles; bf16 keys meet bf16 queries in VDPBF16PS (exact products,
 // float32 sums), other bf16 and FP8 (--kv-cache-dtype fp8, scale 1.0) rows are widened
@@ -41,6 +41,7 @@
 namespace {
 
 constexpr int64_t PARTITION = 512;
+constexpr int64_t MIN_PARTITION = 64;
 constexpr int64_t MAX_DIM = 256;
 constexpr int64_t TILE = 16;  // keys scored together: one float32 vector of scores
 
@@ -377,6 +378,21 @@ void merge(T* op, const Geometry& geo, int64_t rows, const std::vector<int64_t>&
   });
 }
 
+// Keys a partition holds: PARTITION, halved (to whole blocks, at least MIN_PARTITION)
+// while the rows' partitions are fewer than two a thread, so that a step of few short
+// rows still keeps every thread busy.
+int64_t partition_length(int64_t rows, const int64_t* lens, const std::vector<int64_t>& first_key, int64_t block_size) {
+  const int64_t wanted = 2 * at::get_num_threads();
+  int64_t len = PARTITION;
+  auto parts = [&](int64_t l) {
+    int64_t n = 0;
+    for (int64_t r = 0; r < rows; ++r) n += std::max<int64_t>(1, (lens[r] - first_key[r] + l - 1) / l);
+    return n;
+  };
+  while (len / 2 >= std::max(MIN_PARTITION, block_size) && (len / 2) % block_size == 0 && parts(len) < wanted) len /= 2;
+  return len;
+}
+
 // T: the queries' and output's dtype; KV: the caches' (T, or float8_e4m3fn). DIM: the
 // head dim when known at compile time (64, 128: fully unrolled loops), else 0. VEC: the
 // AVX-512 loops (head dims a multiple of 32), else the scalar ones.
@@ -398,24 +414,29 @@ void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
   const int64_t* lens = context_lens.data_ptr<int64_t>();
 
   std::vector<int64_t> first_key(rows);  // row r attends to positions [first_key[r], lens[r])
+  for (int64_t r = 0; r < rows; ++r) first_key[r] = window > 0 ? std::max<int64_t>(0, lens[r] - window) : 0;
+  const int64_t part_len = partition_length(rows, lens, first_key, geo.block_size);
   std::vector<int64_t> first_part(rows + 1, 0);  // partitions of row r: [first_part[r], first_part[r + 1])
-  for (int64_t r = 0; r < rows; ++r) {
-    first_key[r] = window > 0 ? std::max<int64_t>(0, lens[r] - window) : 0;
-    first_part[r + 1] = first_part[r] + std::max<int64_t>(1, (lens[r] - first_key[r] + PARTITION - 1) / PARTITION);
-  }
+  for (int64_t r = 0; r < rows; ++r)
+    first_part[r + 1] = first_part[r] + std::max<int64_t>(1, (lens[r] - first_key[r] + part_len - 1) / part_len);
   const int64_t parts = first_part[rows];
   std::vector<float> part_max(parts * kv_heads * group), part_sum(parts * kv_heads * group);
   std::vector<float> part_acc(parts * kv_heads * group * dim);
 
-  at::parallel_for(0, parts * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // A work item is a partition with all its KV heads: a block's rows of every head lie
+  // side by side, so the item reads them whole rather than a head's slice of each line.
+  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch(group, dim);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t part = item / kv_heads, h = item % kv_heads;
+    for (int64_t part = begin; part < end; ++part) {
       const int64_t row = std::upper_bound(first_part.begin(), first_part.end(), part) - first_part.begin() - 1;
-      const int64_t start = first_key[row] + (part - first_part[row]) * PARTITION;
-      attend<T, KV, DIM, VEC>(geo, qp + row * q_row_stride + h * group * dim, kp, vp, tables + row * geo.table_stride, h,
-                              start, std::min(PARTITION, lens[row] - start), &part_max[item * group],
-                              &part_sum[item * group], &part_acc[item * group * dim], scratch);
+      const int64_t start = first_key[row] + (part - first_part[row]) * part_len;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const int64_t item = part * kv_heads + h;
+        attend<T, KV, DIM, VEC>(geo, qp + row * q_row_stride + h * group * dim, kp, vp,
+                                tables + row * geo.table_stride, h, start, std::min(part_len, lens[row] - start),
+                                &part_max[item * group], &part_sum[item * group], &part_acc[item * group * dim],
+                                scratch);
+      }
     }
   });
   merge(out.data_ptr<T>(), geo, rows, first_part, part_max, part_sum, part_acc);
