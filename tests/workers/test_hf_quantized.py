@@ -11,6 +11,7 @@ two tensor-parallel ranks on an AWQ checkpoint, the kernels' arithmetic, and the
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -291,6 +292,12 @@ def test_the_int4_kernel_computes_q_minus_z_times_s(dtype):
     assert "groups of 16" in str(int4_kernel_refusal(48, 128, 16, torch.bfloat16, cpu))
     assert "multiples of 16" in str(int4_kernel_refusal(40, 128, 32, torch.bfloat16, cpu))
     assert "bfloat16 only" in str(int4_kernel_refusal(48, 128, 32, torch.float32, cpu))
+    cuda = torch.device("cuda")  # the Triton kernel (tests/model/test_triton_int4.py): any dtype and group
+    if importlib.util.find_spec("triton") is None:
+        assert "not installed" in str(int4_kernel_refusal(40, 128, 16, torch.float32, cuda))
+        return
+    assert int4_kernel_refusal(40, 128, 16, torch.float32, cuda) is None
+    assert "groups of 48" in str(int4_kernel_refusal(40, 128, 48, torch.float32, cuda))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

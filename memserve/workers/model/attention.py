@@ -507,16 +507,7 @@ def paged_attention(
     num_heads, head_dim = q.shape[1:]
     kv_heads = k_cache.shape[-2]
     if plan.kernel_decodes is not None:
-        rows = plan.kernel_decodes
-        # A run of rows (every decode-only step) is read and written where it lies: the
-        # kernel takes q's rows at their stride in the fused projection.
-        in_place = isinstance(rows.tokens, slice) and q.stride(1) == head_dim and q.stride(2) == 1
-        queries = q[rows.tokens] if in_place else q[rows.tokens].contiguous()
-        attended = out[rows.tokens] if in_place else torch.empty_like(queries)
-        cpu_kernels.paged_decode_attention(attended, queries, k_cache, v_cache, rows.block_tables, rows.context_lens,
-                                           scale, plan.window, plan.softcap)
-        if not in_place:
-            out[rows.tokens] = attended
+        _kernel_decode_attention(out, q, k_cache, v_cache, plan, plan.kernel_decodes, scale)
     for i, group in enumerate(plan.decodes):
         # GQA folded into the query length: the heads sharing a KV head are that head's
         # query rows, so each key is read once, not once per query head.
@@ -567,6 +558,20 @@ def paged_attention(
         )
         out[seq.tokens] = attended[0].transpose(0, 1)
     return out
+
+
+def _kernel_decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             plan: AttentionPlan, rows: KernelDecodes, scale: float) -> None:
+    """The decode rows through the CPU kernel, into their rows of ``out``. A run of rows
+    (every decode-only step) is read and written where it lies: the kernel takes q's rows
+    at their stride in the fused projection."""
+    in_place = isinstance(rows.tokens, slice) and q.stride(1) == q.shape[2] and q.stride(2) == 1
+    queries = q[rows.tokens] if in_place else q[rows.tokens].contiguous()
+    attended = out[rows.tokens] if in_place else torch.empty_like(queries)
+    cpu_kernels.paged_decode_attention(attended, queries, k_cache, v_cache, rows.block_tables, rows.context_lens,
+                                       scale, plan.window, plan.softcap)
+    if not in_place:
+        out[rows.tokens] = attended
 
 
 def _blocked_prefill(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,

@@ -16,10 +16,13 @@ float16 take a scalar path (on a 2048x2048 layer, one thread: 0.5 ms a row in bf
 10 ms in float32, where the dequantized float32 weight's product takes 1.1 ms). A layer
 outside that (a float32 or float16 model, other groups, or not on the CPU) gets its weight
 dequantized to the model's dtype once, at load (``int4_kernel_refusal`` says why, for the
-log): the dequantized model's tokens, at the float weight's memory.
+log): the dequantized model's tokens, at the float weight's memory. On CUDA the layers
+run a Triton kernel of memserve's (``triton_int4.py``) that takes any dtype and group.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 from torch import nn
@@ -68,9 +71,16 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, d
 
 def int4_kernel_refusal(out_features: int, in_features: int, group: int, dtype: torch.dtype,
                         device: torch.device) -> str | None:
-    """Why torch's int4 CPU kernel cannot run this layer (None: it can)."""
+    """Why no int4 kernel can run this layer (None: ``quantization_config.int4_kernel``
+    has one): torch's on the CPU, the Triton one (``triton_int4.py``) on CUDA."""
+    if device.type == "cuda":
+        if importlib.util.find_spec("triton") is None:
+            return "Triton, which runs int4 layers on CUDA, is not installed"
+        if in_features % group or in_features % 2:
+            return f"groups of {group} columns over {in_features} (the Triton kernel takes groups dividing the input)"
+        return None
     if device.type != "cpu":
-        return f"torch's int4 kernel used here is the CPU's, not {device.type}'s"
+        return f"no int4 kernel for {device.type}"
     if dtype != torch.bfloat16:
         return (f"torch's int4 CPU kernel is vectorized for bfloat16 only; with {dtype} activations it runs "
                 "9-50x slower than the dequantized weight's product")
@@ -81,28 +91,19 @@ def int4_kernel_refusal(out_features: int, in_features: int, group: int, dtype: 
     return None
 
 
-class Int4Linear(nn.Module):
-    """``F.linear(x, (q - z) * s, bias)`` through torch's int4 weight-only CPU kernel: the
-    weight stays 4 bits (half a byte) a value, plus a scale and a zero per group."""
+class Int4Layer(nn.Module):
+    """What the int4 layers share: ``F.linear(x, (q - z) * s, bias)`` over the rows of x,
+    the product being the subclass's ``product`` of contiguous rows [M, in]."""
 
-    packed: torch.Tensor
-    scales_and_zeros: torch.Tensor
-
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 bias: torch.Tensor | None, dtype: torch.dtype):
+    def __init__(self, out_features: int, in_features: int, group: int, bias: torch.Tensor | None):
         super().__init__()
-        self.out_features, self.in_features = codes.shape
-        self.group = self.in_features // scales.shape[1]
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2)
-        torch_zeros = (8.0 - zeros) * scales  # the kernel's (q - 8) * s + zero is then (q - z) * s
-        scales_and_zeros = torch.stack([scales.t(), torch_zeros.t()], dim=-1).to(dtype).contiguous()  # [groups, out, 2]
-        self.register_buffer("packed", packed, persistent=False)
-        self.register_buffer("scales_and_zeros", scales_and_zeros, persistent=False)
-        self.bias = bias
+        self.out_features, self.in_features, self.group, self.bias = out_features, in_features, group, bias
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).contiguous()
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group, self.scales_and_zeros)
+        out = self.product(x.reshape(-1, self.in_features).contiguous())
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
@@ -110,3 +111,23 @@ class Int4Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, group={self.group}, "
                 f"bias={self.bias is not None}")
+
+
+class Int4Linear(Int4Layer):
+    """Through torch's int4 weight-only CPU kernel: the weight stays 4 bits (half a byte) a
+    value, plus a scale and a zero per group."""
+
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__(codes.shape[0], codes.shape[1], codes.shape[1] // scales.shape[1], bias)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2)
+        torch_zeros = (8.0 - zeros) * scales  # the kernel's (q - 8) * s + zero is then (q - z) * s
+        scales_and_zeros = torch.stack([scales.t(), torch_zeros.t()], dim=-1).to(dtype).contiguous()  # [groups, out, 2]
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("scales_and_zeros", scales_and_zeros, persistent=False)
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group, self.scales_and_zeros)

@@ -25,7 +25,14 @@ from torch import nn
 from memserve.workers.model.fp8_linear import Fp8Linear, fp8_scales, quantize_linears_at_load
 from memserve.workers.model.fused_names import fused_parts
 from memserve.workers.model.gguf_linear import QUANTIZATIONS
-from memserve.workers.model.int4_linear import Int4Linear, dequantize, int4_kernel_refusal, unpack_awq, unpack_gptq
+from memserve.workers.model.int4_linear import (
+    Int4Layer,
+    Int4Linear,
+    dequantize,
+    int4_kernel_refusal,
+    unpack_awq,
+    unpack_gptq,
+)
 from memserve.workers.model.linear import ParallelLinear, RowParallelLinear
 
 _INT4_TENSORS = ("qweight", "qzeros", "scales")
@@ -239,6 +246,17 @@ def _fused(layers: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
     return out
 
 
+def int4_kernel(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None,
+                dtype: torch.dtype) -> Int4Layer:
+    """A layer's int4 product where ``int4_kernel_refusal`` found nothing against one:
+    Triton's on CUDA, torch's on the CPU."""
+    if codes.device.type == "cuda":
+        from memserve.workers.model.triton_int4 import TritonInt4Linear  # imports triton: only where it runs
+
+        return TritonInt4Linear(codes, scales, zeros, bias)
+    return Int4Linear(codes, scales, zeros, bias, dtype)
+
+
 def set_kernels(model: nn.Module, weights: dict[str, QuantizedWeight], scheme: Scheme, dtype: torch.dtype) -> str:
     """Give each linear layer of ``model`` whose weight is in ``weights`` (all of them, with
     ``scheme.at_load``) the kernel over its shard; returns what was done, for the log."""
@@ -256,7 +274,7 @@ def set_kernels(model: nn.Module, weights: dict[str, QuantizedWeight], scheme: S
         out_features, in_features = weight.values.shape
         refusal = int4_kernel_refusal(out_features, in_features, weight.group, dtype, weight.values.device)
         if refusal is None:
-            layer.set_kernel(Int4Linear(weight.values, weight.scales, weight.zeros, layer.product_bias, dtype))
+            layer.set_kernel(int4_kernel(weight.values, weight.scales, weight.zeros, layer.product_bias, dtype))
             kernels += 1
         else:
             layer.weight = nn.Parameter(dequantize(weight.values, weight.scales, weight.zeros, dtype),
