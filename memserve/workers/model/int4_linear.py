@@ -13,11 +13,12 @@ zero z is passed as zero = (8 - z) * s, which is (q - z) * s up to the rounding 
 scale and zero to that dtype. It takes output widths that are a multiple of 16 and groups
 of 32, 64, 128 or 256 columns, and it is fast only with bfloat16 activations: float32 and
 float16 take a scalar path (on a 2048x2048 layer, one thread: 0.5 ms a row in bfloat16,
-10 ms in float32, where the dequantized float32 weight's product takes 1.1 ms). A layer
-outside that (a float32 or float16 model, other groups, or not on the CPU) gets its weight
-dequantized to the model's dtype once, at load (``int4_kernel_refusal`` says why, for the
-log): the dequantized model's tokens, at the float weight's memory. On CUDA the layers
-run a Triton kernel of memserve's (``triton_int4.py``) that takes any dtype and group.
+10 ms in float32, where the dequantized float32 weight's product takes 1.1 ms). On CUDA
+the layers run a Triton kernel of memserve's instead (``triton_int4.py``), which takes any
+dtype and any group dividing the input. A layer neither kernel takes (on the CPU a float32
+or float16 model or other groups; on CUDA without Triton) gets its weight dequantized to
+the model's dtype once, at load (``int4_kernel_refusal`` says why, for the log): the
+dequantized model's tokens, at the float weight's memory.
 """
 
 from __future__ import annotations

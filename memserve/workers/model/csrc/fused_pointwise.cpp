@@ -117,15 +117,11 @@ void rotary_rows(T* out, const T* x, const T* cos, const T* sin, int64_t tokens,
   });
 }
 
-// A K or V value as a cache of type C holds it: as computed (C = T), or clamped to e4m3's
-// range and rounded to nearest (FP8, as torch's clamp and cast do).
-template <typename C, typename T>
-inline C to_cache(T x) {
-  if constexpr (std::is_same_v<C, T>) {
-    return x;
-  } else {
-    return C(std::clamp(widen(x), -448.0f, 448.0f));
-  }
+// A K or V value as an FP8 cache holds it: clamped to e4m3's range and rounded to nearest,
+// as torch's clamp and cast do.
+template <typename T>
+inline c10::Float8_e4m3fn to_fp8(T x) {
+  return c10::Float8_e4m3fn(std::clamp(widen(x), -448.0f, 448.0f));
 }
 
 // Token t's kv_heads rows of dim values, from ``src`` (token and head strides given) into
@@ -140,7 +136,7 @@ void store_heads(C* cache, const int64_t* cache_strides, const T* src, int64_t s
     if constexpr (std::is_same_v<C, T>) {
       std::memcpy(to, from, dim * sizeof(T));
     } else {
-      for (int64_t i = 0; i < dim; ++i) to[i] = to_cache<C>(from[i]);
+      for (int64_t i = 0; i < dim; ++i) to[i] = to_fp8(from[i]);
     }
   }
 }
@@ -160,11 +156,11 @@ void rotary_write_kv_typed(at::Tensor& out, const at::Tensor& qk, const at::Tens
   C* kp = k_cache.data_ptr<C>();
   C* vp = v_cache.data_ptr<C>();
   const T* first_k = rotated + (heads - kv_heads) * dim;
+  const T* values = v.data_ptr<T>();
   at::parallel_for(0, tokens, GRAIN_ROWS, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       store_heads<C, T>(kp, k_strides, first_k, heads * dim, dim, t, blocks[t], offsets[t], kv_heads, dim);
-      store_heads<C, T>(vp, v_strides, v.data_ptr<T>(), v.stride(0), v.stride(1), t, blocks[t], offsets[t], kv_heads,
-                        dim);
+      store_heads<C, T>(vp, v_strides, values, v.stride(0), v.stride(1), t, blocks[t], offsets[t], kv_heads, dim);
     }
   });
 }

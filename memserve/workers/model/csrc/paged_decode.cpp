@@ -381,12 +381,15 @@ void merge(T* op, const Geometry& geo, int64_t rows, const std::vector<int64_t>&
 // Keys a partition holds: PARTITION, halved (to whole blocks, at least MIN_PARTITION)
 // while the rows' partitions are fewer than two a thread, so that a step of few short
 // rows still keeps every thread busy.
+// Partitions of ``len`` keys that ``keys`` keys take (one at least: an empty row merges to zeros).
+inline int64_t partitions(int64_t keys, int64_t len) { return std::max<int64_t>(1, (keys + len - 1) / len); }
+
 int64_t partition_length(int64_t rows, const int64_t* lens, const std::vector<int64_t>& first_key, int64_t block_size) {
   const int64_t wanted = 2 * at::get_num_threads();
   int64_t len = PARTITION;
   auto parts = [&](int64_t l) {
     int64_t n = 0;
-    for (int64_t r = 0; r < rows; ++r) n += std::max<int64_t>(1, (lens[r] - first_key[r] + l - 1) / l);
+    for (int64_t r = 0; r < rows; ++r) n += partitions(lens[r] - first_key[r], l);
     return n;
   };
   while (len / 2 >= std::max(MIN_PARTITION, block_size) && (len / 2) % block_size == 0 && parts(len) < wanted) len /= 2;
@@ -418,7 +421,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
   const int64_t part_len = partition_length(rows, lens, first_key, geo.block_size);
   std::vector<int64_t> first_part(rows + 1, 0);  // partitions of row r: [first_part[r], first_part[r + 1])
   for (int64_t r = 0; r < rows; ++r)
-    first_part[r + 1] = first_part[r] + std::max<int64_t>(1, (lens[r] - first_key[r] + part_len - 1) / part_len);
+    first_part[r + 1] = first_part[r] + partitions(lens[r] - first_key[r], part_len);
   const int64_t parts = first_part[rows];
   std::vector<float> part_max(parts * kv_heads * group), part_sum(parts * kv_heads * group);
   std::vector<float> part_acc(parts * kv_heads * group * dim);
