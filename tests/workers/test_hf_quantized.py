@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from memserve.config import EngineConfig
 from memserve.testing.random_models import TINY_SIZES, random_model
-from memserve.workers.model.fp8_linear import Fp8Linear
+from memserve.workers.model.fp8_linear import Fp8Linear, Fp8ScaledMmLinear, fp8_product, quantize_to_fp8
 from memserve.workers.model.int4_linear import Int4Linear, int4_kernel_refusal
 from memserve.workers.model.loader import load_model
 from memserve.workers.real_engine import build_engine
@@ -292,7 +292,7 @@ def test_the_int4_kernel_computes_q_minus_z_times_s(dtype):
     assert "groups of 16" in str(int4_kernel_refusal(48, 128, 16, torch.bfloat16, cpu))
     assert "multiples of 16" in str(int4_kernel_refusal(40, 128, 32, torch.bfloat16, cpu))
     assert "bfloat16 only" in str(int4_kernel_refusal(48, 128, 32, torch.float32, cpu))
-    cuda = torch.device("cuda")  # the Triton kernel (tests/model/test_triton_int4.py): any dtype and group
+    cuda = torch.device("cuda")  # the Triton kernel (tests/model/test_triton_weight_only.py): any dtype and group
     if importlib.util.find_spec("triton") is None:
         assert "not installed" in str(int4_kernel_refusal(40, 128, 16, torch.float32, cuda))
         return
@@ -309,6 +309,36 @@ def test_fp8_weights_widen_to_every_e4m3_value_times_its_scale(dtype):
     scales = torch.rand(16, 2, generator=torch.Generator().manual_seed(0)) * 1e-2 + 1e-6
     expected = (weight.float() * scales.repeat_interleave(127, dim=1)).to(dtype)
     assert torch.equal(Fp8Linear(weight, scales, None, dtype).widened(), expected)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_scaled_mm_product_is_per_token_fp8_activations_times_the_dequantized_weight(with_bias):
+    """The product GPUs with FP8 units run, through torch's CPU ``_scaled_mm``: each token
+    rounded to e4m3 at amax / 448, times the weight's e4m3 values and channel scales."""
+    gen = torch.Generator().manual_seed(0)
+    weight, scales = quantize_to_fp8(torch.randn(48, 64, generator=gen))
+    bias = torch.randn(48, generator=gen) if with_bias else None
+    x = torch.randn(2, 3, 64, generator=gen) * torch.tensor([1e-3, 1.0, 50.0])[None, :, None]  # scales per token
+    x_scales = x.abs().amax(dim=-1, keepdim=True) / 448
+    expected = (x / x_scales).to(torch.float8_e4m3fn).float() * x_scales @ (weight.float() * scales).t()
+    if bias is not None:
+        expected = expected + bias
+    got = Fp8ScaledMmLinear(weight, scales, bias)(x)
+    assert got.shape == (2, 3, 48)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def test_fp8_product_by_device():
+    """FP8 units (8.9 and up), one scale a channel, bf16, sizes of 16: ``_scaled_mm``;
+    block scales or older GPUs: the weight-only Triton kernel; the CPU widens."""
+    triton = "triton" if importlib.util.find_spec("triton") is not None else "widen"
+    assert fp8_product(64, 128, 1, torch.bfloat16, (9, 0)) == "scaled_mm"
+    assert fp8_product(64, 128, 1, torch.bfloat16, (8, 9)) == "scaled_mm"
+    assert fp8_product(64, 128, 1, torch.bfloat16, (8, 0)) == triton
+    assert fp8_product(64, 128, 1, torch.float16, (9, 0)) == triton
+    assert fp8_product(64, 128, 4, torch.bfloat16, (9, 0)) == triton
+    assert fp8_product(40, 128, 1, torch.bfloat16, (9, 0)) == triton
+    assert fp8_product(64, 128, 1, torch.bfloat16, None) == "widen"
 
 
 def write_config(folder: Path, quantization_config: dict) -> Path:

@@ -14,7 +14,7 @@ scale and zero to that dtype. It takes output widths that are a multiple of 16 a
 of 32, 64, 128 or 256 columns, and it is fast only with bfloat16 activations: float32 and
 float16 take a scalar path (on a 2048x2048 layer, one thread: 0.5 ms a row in bfloat16,
 10 ms in float32, where the dequantized float32 weight's product takes 1.1 ms). On CUDA
-the layers run a Triton kernel of memserve's instead (``triton_int4.py``), which takes any
+the layers run a Triton kernel of memserve's instead (``triton_weight_only.py``), which takes any
 dtype and any group dividing the input. A layer neither kernel takes (on the CPU a float32
 or float16 model or other groups; on CUDA without Triton) gets its weight dequantized to
 the model's dtype once, at load (``int4_kernel_refusal`` says why, for the log): the
@@ -26,7 +26,8 @@ from __future__ import annotations
 import importlib.util
 
 import torch
-from torch import nn
+
+from memserve.workers.model.quantized_layer import QuantizedLayer
 
 # The nibble each of 8 consecutive output columns is stored in within an AWQ int32
 # (AutoAWQ packs columns in the order 0, 2, 4, 6, 1, 3, 5, 7).
@@ -73,7 +74,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, d
 def int4_kernel_refusal(out_features: int, in_features: int, group: int, dtype: torch.dtype,
                         device: torch.device) -> str | None:
     """Why no int4 kernel can run this layer (None: ``quantization_config.int4_kernel``
-    has one): torch's on the CPU, the Triton one (``triton_int4.py``) on CUDA."""
+    has one): torch's on the CPU, the Triton one (``triton_weight_only.py``) on CUDA."""
     if device.type == "cuda":
         if importlib.util.find_spec("triton") is None:
             return "Triton, which runs int4 layers on CUDA, is not installed"
@@ -92,29 +93,7 @@ def int4_kernel_refusal(out_features: int, in_features: int, group: int, dtype: 
     return None
 
 
-class Int4Layer(nn.Module):
-    """What the int4 layers share: ``F.linear(x, (q - z) * s, bias)`` over the rows of x,
-    the product being the subclass's ``product`` of contiguous rows [M, in]."""
-
-    def __init__(self, out_features: int, in_features: int, group: int, bias: torch.Tensor | None):
-        super().__init__()
-        self.out_features, self.in_features, self.group, self.bias = out_features, in_features, group, bias
-
-    def product(self, rows: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.product(x.reshape(-1, self.in_features).contiguous())
-        if self.bias is not None:
-            out = out + self.bias
-        return out.view(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, group={self.group}, "
-                f"bias={self.bias is not None}")
-
-
-class Int4Linear(Int4Layer):
+class Int4Linear(QuantizedLayer):
     """Through torch's int4 weight-only CPU kernel: the weight stays 4 bits (half a byte) a
     value, plus a scale and a zero per group."""
 

@@ -8,7 +8,7 @@ of the checkpoint before the float weights are fused, each layer's unpacked into
 (values [out, in], scales and zeros [out, groups]) and fused as the float weights are
 (q/k/v, gate/up: concatenated along the output); ``set_kernels`` cuts each to its rank's
 shard as the layer cuts its weight (a row layer's input by whole groups) and makes it the
-layer's kernel (``fp8_linear.py``, ``int4_linear.py``).
+layer's kernel (``fp8_linear.py``, ``int4_linear.py``, ``triton_weight_only.py``).
 """
 
 from __future__ import annotations
@@ -22,11 +22,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from memserve.workers.model.fp8_linear import Fp8Linear, fp8_scales, quantize_linears_at_load
+from memserve.workers.model.fp8_linear import fp8_kernel, fp8_scales, quantize_linears_at_load
 from memserve.workers.model.fused_names import fused_parts
 from memserve.workers.model.gguf_linear import QUANTIZATIONS
 from memserve.workers.model.int4_linear import (
-    Int4Layer,
     Int4Linear,
     dequantize,
     int4_kernel_refusal,
@@ -34,6 +33,7 @@ from memserve.workers.model.int4_linear import (
     unpack_gptq,
 )
 from memserve.workers.model.linear import ParallelLinear, RowParallelLinear
+from memserve.workers.model.quantized_layer import QuantizedLayer
 
 _INT4_TENSORS = ("qweight", "qzeros", "scales")
 
@@ -247,11 +247,11 @@ def _fused(layers: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
 
 
 def int4_kernel(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None,
-                dtype: torch.dtype) -> Int4Layer:
+                dtype: torch.dtype) -> QuantizedLayer:
     """A layer's int4 product where ``int4_kernel_refusal`` found nothing against one:
     Triton's on CUDA, torch's on the CPU."""
     if codes.device.type == "cuda":
-        from memserve.workers.model.triton_int4 import TritonInt4Linear  # imports triton: only where it runs
+        from memserve.workers.model.triton_weight_only import TritonInt4Linear  # imports triton: only where it runs
 
         return TritonInt4Linear(codes, scales, zeros, bias)
     return Int4Linear(codes, scales, zeros, bias, dtype)
@@ -268,7 +268,7 @@ def set_kernels(model: nn.Module, weights: dict[str, QuantizedWeight], scheme: S
             continue
         weight = weights.pop(f"{name}.weight").cut(layer, name)
         if weight.zeros is None:
-            layer.set_kernel(Fp8Linear(weight.values, weight.scales, layer.product_bias, dtype))
+            layer.set_kernel(fp8_kernel(weight.values, weight.scales, layer.product_bias, dtype))
             kernels += 1
             continue
         out_features, in_features = weight.values.shape
