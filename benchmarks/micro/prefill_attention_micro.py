@@ -1,6 +1,9 @@
-"""Prefill attention on this CPU: torch's SDPA (the path before) against the blocked path
-that ships (``attention._blocked_prefill``: query blocks, both products through oneDNN),
-and the GEMM engines under both, as ratios measured in one run.
+"""Prefill attention on this CPU: torch's SDPA against the blocked path
+(``attention._blocked_prefill``: query blocks, both products through oneDNN; which of the
+two a server runs, ``prefill_probe`` measures at start), and the GEMM engines under
+both, as ratios measured in one run. A chunk after a cached prefix is timed through SDPA
+twice: with the bottom-right mask, and as SDPA plans run it (``PrefillSequence.prefix_path``:
+padded or split, where either is faster than the mask).
 
 Each case is one prefill chunk of ``new`` tokens after ``cached`` tokens already in the
 paged cache (SmolLM2-135M's shape: 9 query heads, 3 KV heads, head dim 64), attended
@@ -73,7 +76,8 @@ def gemm_rates(reps: int) -> None:
 
 
 def prefill_plans(new: int, cached: int, dtype: torch.dtype) -> tuple:
-    """The cache, q/k/v of the chunk and the two plans (SDPA, blocked) for one case."""
+    """The cache, q/k/v of the chunk and the plans (SDPA as planned, SDPA with the mask,
+    blocked) for one case."""
     gen = torch.Generator().manual_seed(0)
     context = new + cached
     blocks = -(-context // BLOCK_SIZE)
@@ -85,8 +89,13 @@ def prefill_plans(new: int, cached: int, dtype: torch.dtype) -> tuple:
     blocked = AttentionPlan.build(meta, torch.device("cpu"))
     sdpa_prefill = attention._plan_prefill(slice(0, new), table, context, BLOCK_SIZE, torch.device("cpu"), False)
     sdpa = dataclasses.replace(blocked, prefills=[sdpa_prefill], blocked_prefill=False, _buffers={})
+    masked = sdpa
+    if sdpa_prefill.prefix_path:
+        seen = torch.arange(context)[None, :] <= torch.arange(cached, context)[:, None]
+        masked_prefill = dataclasses.replace(sdpa_prefill, causal_mask=seen[None, None], prefix_path="")
+        masked = dataclasses.replace(sdpa, prefills=[masked_prefill], _buffers={})
     qkv = [torch.randn(new, h, DIM, generator=gen).to(dtype) for h in (HEADS, KV_HEADS, KV_HEADS)]
-    return cache, qkv, sdpa, blocked
+    return cache, qkv, sdpa, masked, blocked
 
 
 def main() -> None:
@@ -95,11 +104,12 @@ def main() -> None:
     if args.gemm:
         gemm_rates(args.reps)
     print(f"prefill attention, {args.layers} layers, {args.threads} thread(s), best of {args.reps}")
-    print(f"{'dtype':9s} {'new':>5s} {'cached':>6s} {'SDPA ms':>8s} {'blocked ms':>10s} {'speed-up':>8s} {'max diff':>9s}")
+    print(f"{'dtype':9s} {'new':>5s} {'cached':>6s} {'masked ms':>9s} {'SDPA ms':>8s} {'vs masked':>9s} "
+          f"{'blocked ms':>10s} {'SDPA/blocked':>12s} {'max diff':>9s}")
     for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
         for case in args.cases.split(","):
             new, cached = (int(x) for x in case.split("+"))
-            cache, (q, k, v), sdpa, blocked = prefill_plans(new, cached, dtype)
+            cache, (q, k, v), sdpa, masked, blocked = prefill_plans(new, cached, dtype)
             kc, vc = layer_kv(cache, 1, "aggregated")
             outputs = {}
 
@@ -107,10 +117,13 @@ def main() -> None:
                 for _ in range(args.layers):
                     outputs[name] = paged_attention(q, k, v, kc, vc, plan, DIM**-0.5)
 
-            t_sdpa, t_blocked = best_in_turns([lambda: step(sdpa, "sdpa"), lambda: step(blocked, "blocked")], args.reps)
-            diff = (outputs["sdpa"].float() - outputs["blocked"].float()).abs().max().item()
-            print(f"{str(dtype)[6:]:9s} {new:5d} {cached:6d} {t_sdpa * 1e3:8.1f} {t_blocked * 1e3:10.1f} "
-                  f"{t_sdpa / t_blocked:7.2f}x {diff:9.1e}")
+            t_masked, t_sdpa, t_blocked = best_in_turns(
+                [lambda: step(masked, "masked"), lambda: step(sdpa, "sdpa"), lambda: step(blocked, "blocked")],
+                args.reps)
+            diff = max((outputs[name].float() - outputs["blocked"].float()).abs().max().item()
+                       for name in ("sdpa", "masked"))
+            print(f"{str(dtype)[6:]:9s} {new:5d} {cached:6d} {t_masked * 1e3:9.1f} {t_sdpa * 1e3:8.1f} "
+                  f"{t_masked / t_sdpa:8.2f}x {t_blocked * 1e3:10.1f} {t_sdpa / t_blocked:11.2f}x {diff:9.1e}")
 
 
 if __name__ == "__main__":

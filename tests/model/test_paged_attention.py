@@ -69,6 +69,8 @@ KERNEL = "kernel"  # chunk_blocks value: decode rows through the compiled CPU ke
     ("layer-major", torch.float32, HEADS, None, (0, 50, 16)), ("aggregated", torch.bfloat16, HEADS, None, (23, 50, 16)),
     ("aggregated", torch.float32, KV_HEADS, KERNEL, PREFILL), ("layer-major", torch.bfloat16, KV_HEADS, KERNEL, PREFILL),
     ("aggregated", torch.float32, HEADS, KERNEL, (0, 37, 16)),
+    # a prefix of at most a quarter of the chunk: SDPA pads the queries instead of masking
+    ("aggregated", torch.float32, KV_HEADS, None, (8, 37, 16)), ("layer-major", torch.bfloat16, KV_HEADS, None, (9, 40, 16)),
 ])
 @pytest.mark.parametrize("cpu_prefill", ["blocked", "sdpa"])
 def test_mixed_lengths_decode_and_prefill_match_reference(layout, dtype, kv_heads, chunk_blocks, prefill, cpu_prefill,
@@ -83,6 +85,7 @@ def test_mixed_lengths_decode_and_prefill_match_reference(layout, dtype, kv_head
     prefill_cached, prefill_new, query_block = prefill
     if query_block is not None:
         monkeypatch.setattr(attention, "PREFILL_QUERY_BLOCK", query_block)
+    monkeypatch.setattr(attention, "PREFIX_PATH_MIN_QUERIES", 16)  # chunks of 37-50 queries after a prefix: unmasked
     gen = torch.Generator().manual_seed(0)
     contexts = [700, 20, 300, 45, 310]  # decode rows: context includes the new token
     # and one prefill chunk (after a cached prefix when prefill_cached > 0)
@@ -103,6 +106,9 @@ def test_mixed_lengths_decode_and_prefill_match_reference(layout, dtype, kv_head
                              "kernel" if kernel else "torch", cpu_prefill)
     plan = AttentionPlan.build(meta, torch.device("cpu"))
     assert plan.blocked_prefill == (cpu_prefill == "blocked")
+    unmasked = "" if cpu_prefill == "blocked" or not prefill_cached or prefill_new < 16 else \
+        "padded" if 4 * prefill_cached <= prefill_new else "split"
+    assert [p.prefix_path for p in plan.prefills] == [unmasked]
     if kernel:  # every decode row in one call, no groups
         assert plan.decodes == [] and plan.kernel_decodes.context_lens.tolist() == contexts
     else:

@@ -19,7 +19,9 @@ otherwise copy and attend over mostly padding each layer. The query heads that s
 head are folded into that head's query rows (GQA without reading each key once per query
 head); with as many rows, bf16 is attended in bf16. Prefill chunks are attended per
 sequence, causally aligned bottom-right so that chunks after a cached prefix see the whole
-prefix.
+prefix. Through SDPA on CPU, such a chunk is attended without a mask where that is faster
+(``PrefillSequence.prefix_path``): after a short prefix with zero query rows in front of
+it, after a long one as the prefix and its own triangle merged by their log-sum-exps.
 
 On CPU, a prefill chunk goes either to torch's SDPA or to the blocked path, whichever
 ``prefill_probe`` measured faster on this CPU (``AttentionMetadata.cpu_prefill``). The
@@ -149,6 +151,11 @@ KERNEL_MAX_QUERIES = 8
 # Queries per block of the CPU prefill path: from 64 to 128 measured the same or better
 # at 1 and 2 threads; 256 rows of scores per query head fall out of the L2 cache.
 PREFILL_QUERY_BLOCK = 128
+# On CPU, an SDPA prefill chunk of at least this many queries after a cached prefix is
+# attended without a mask: padded (``_padded_causal``) where the prefix is at most a
+# quarter of the chunk, else as two flash calls merged (``_prefix_then_causal``); shorter
+# chunks with the mask, which costs them no more (benchmarks/micro/prefill_attention_micro.py).
+PREFIX_PATH_MIN_QUERIES = 256
 
 
 @dataclass
@@ -239,6 +246,7 @@ class PrefillSequence:
     block_ids: torch.Tensor | None  # blocks holding its context; None = no cached prefix
     context_len: int
     causal_mask: torch.Tensor | None  # [1, 1, q, context] bool; None = plain causal (no prefix) or blocked
+    prefix_path: str = ""  # after a cached prefix without a mask: "padded" or "split" (_PREFIX_PATHS)
 
 
 @dataclass
@@ -452,6 +460,10 @@ def _plan_prefill(
     # covers a chunk without prefix or window whose scores are not capped.
     if blocked or (blocks is None and not 0 < window < context_len and not softcap):
         return PrefillSequence(tokens, blocks, context_len, None)
+    if blocks is not None and not window and not softcap and device.type == "cpu" \
+            and query_len >= PREFIX_PATH_MIN_QUERIES:
+        path = "padded" if 4 * (context_len - query_len) <= query_len else "split"
+        return PrefillSequence(tokens, blocks, context_len, None, prefix_path=path)
     first_query_pos = context_len - query_len
     query_pos = torch.arange(first_query_pos, context_len, device=device)
     key_pos = torch.arange(context_len, device=device)
@@ -539,6 +551,9 @@ def paged_attention(
         if plan.blocked_prefill:
             out[seq.tokens] = _blocked_prefill(q[seq.tokens], keys, values, scale, plan.window, plan.softcap)
             continue
+        if seq.prefix_path:
+            _PREFIX_PATHS[seq.prefix_path](q[seq.tokens], keys, values, scale, out[seq.tokens])
+            continue
         if plan.softcap:
             assert seq.causal_mask is not None  # planned with a mask wherever scores are capped
             # The query heads sharing a KV head stacked against it: [kv_heads, group, q, dim].
@@ -619,6 +634,49 @@ def _blocked_prefill(queries: torch.Tensor, keys: torch.Tensor, values: torch.Te
             probs = torch.softmax(scores, -1)
             out[h, :, start:stop] = _onednn_linear(values_t[h, :, first:end], probs).t().view(group, rows, head_dim)
     return out.permute(2, 0, 1, 3).reshape(n, num_heads, head_dim).to(dtype)
+
+
+def _prefix_then_causal(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                        out: torch.Tensor) -> None:
+    """Causal attention of a chunk's queries [n, heads, dim] to keys and values [kv_heads,
+    prefix + n, dim] (its own last), into ``out`` [n, heads, dim]: the cached prefix, which
+    every query sees whole, and the chunk's own keys, top-left causal, as two calls of
+    torch's CPU flash kernel (which takes GQA's fewer KV heads as they are and returns
+    each row's log-sum-exp), merged by their log-sum-exps. SDPA with the bottom-right mask
+    instead computes every score of the chunk's own triangle and reads the mask
+    (benchmarks/micro/prefill_attention_micro.py)."""
+    n = queries.shape[0]
+    prefix = keys.shape[1] - n
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    heads_first = queries.transpose(0, 1)[None]  # [1, heads, n, dim]
+    before, before_lse = flash(heads_first, keys[None, :, :prefix], values[None, :, :prefix], scale=scale)
+    own, own_lse = flash(heads_first, keys[None, :, prefix:], values[None, :, prefix:], is_causal=True, scale=scale)
+    # exp(lse_before) / (exp(lse_before) + exp(lse_own)): the prefix's share of each row's softmax.
+    weight = torch.sigmoid(before_lse - own_lse).unsqueeze(-1)
+    target = out.transpose(0, 1)[None]
+    if queries.dtype == torch.float32:
+        torch.lerp(own, before, weight, out=target)
+    else:  # merged in float32, rounded once
+        target.copy_(torch.lerp(own.float(), before.float(), weight))
+
+
+def _padded_causal(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                   out: torch.Tensor) -> None:
+    """The same attention as ``_prefix_then_causal``, for a short prefix: the chunk's
+    queries placed after as many zero rows as the prefix has keys, so that SDPA's top-left
+    ``is_causal`` is the bottom-right alignment, and the zero rows' outputs dropped. The
+    waste, prefix^2 / 2 scores a head, is small beside the chunk's own where the prefix is
+    at most a quarter of it (a chat prompt behind its template's cached first block)."""
+    n, num_heads, head_dim = queries.shape
+    context = keys.shape[1]
+    padded = queries.new_zeros(1, num_heads, context, head_dim)
+    padded[0, :, context - n :] = queries.transpose(0, 1)
+    attended = F.scaled_dot_product_attention(padded, keys[None], values[None], is_causal=True, scale=scale,
+                                              enable_gqa=True)
+    out.copy_(attended[0, :, context - n :].transpose(0, 1))
+
+
+_PREFIX_PATHS = {"padded": _padded_causal, "split": _prefix_then_causal}
 
 
 def _window_mask(first_query: int, rows: int, first_key: int, end: int, window: int,
