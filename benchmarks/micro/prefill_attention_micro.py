@@ -57,7 +57,7 @@ def best_in_turns(fns: list, reps: int) -> list[float]:
     """The best time of each function, calling them in turns."""
     for fn in fns:
         fn()
-    times = [[] for _ in fns]
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(reps):
         for fn, out in zip(fns, times):
             start = time.perf_counter()
