@@ -6,7 +6,7 @@ Reads every thread's user + system time from ``/proc/PID/task/*/stat`` each ``--
 seconds (threads that start in the window count from zero, threads that end keep their
 last reading) and names them by ``py-spy dump --json --nonblocking`` (its ``os_thread_id``
 and ``thread_name``) when py-spy is installed; threads no Python frame runs on (torch's
-OpenMP pool) are "native". Prints each name's CPU seconds and share of the window.
+OpenMP pool) are "native", the thread whose id is the process's "MainThread". Prints each name's CPU seconds and share of the window.
 
     python benchmarks/real/thread_cpu.py --match "memserve.workers" --seconds 300
 """
@@ -63,8 +63,8 @@ def python_thread_names(pid: int) -> dict[int, str]:
                             capture_output=True, text=True, timeout=60)
     if result.returncode != 0:
         return {}
-    return {t["os_thread_id"]: t.get("thread_name") or "unnamed" for t in json.loads(result.stdout)
-            if t.get("os_thread_id")}
+    return {t["os_thread_id"]: t["thread_name"] for t in json.loads(result.stdout)
+            if t.get("os_thread_id") and t.get("thread_name")}
 
 
 def main() -> None:
@@ -90,7 +90,9 @@ def main() -> None:
     elapsed = time.monotonic() - start
     by_name: dict[str, float] = defaultdict(float)
     for tid, seconds in last.items():
-        by_name[names.get(tid, "native")] += seconds - first.get(tid, 0.0)
+        # py-spy leaves the main thread (its id is the process's) unnamed in some processes.
+        name = names.get(tid) or ("MainThread" if tid == pid else "native")
+        by_name[name] += seconds - first.get(tid, 0.0)
     print(f"pid {pid}, {elapsed:.0f} s: {sum(by_name.values()):.1f} CPU s "
           f"({sum(by_name.values()) / elapsed:.2f} cores)")
     for name, seconds in sorted(by_name.items(), key=lambda item: -item[1]):
