@@ -38,9 +38,11 @@ def run(spec: dict) -> dict:
     out["host"] = generate(engine, prompts, n, tag="host")
     mempool.flush_saves()
     stats = engine.stats()
-    return {**out, "swapped_in": stats["num_swapped_in"], "free": mempool.stats()["device"]["free"],
-            "total": mempool.stats()["device"]["total"], "drafted": stats["spec_draft_tokens_total"],
-            "accepted": stats["spec_accepted_tokens_total"]}
+    result = {**out, "swapped_in": stats["num_swapped_in"], "free": mempool.stats()["device"]["free"],
+              "total": mempool.stats()["device"]["total"], "drafted": stats["spec_draft_tokens_total"],
+              "accepted": stats["spec_accepted_tokens_total"]}
+    engine.close()  # as a worker stops: its threads finish before the interpreter exits
+    return result
 
 
 if __name__ == "__main__":
