@@ -21,7 +21,7 @@ rank (``GroupMover``); its own loads copy only its share, as every rank's do.
 
 On CUDA, pure decode steps replay CUDA graphs captured when the runner starts
 (``model/decode_graphs.py``; ``--enforce-eager`` turns them off, and a model that cannot be
-captured, ``capturable`` false, runs without); prefills and mixed steps run eagerly. On
+captured runs without them, logging ``eager_reason``'s why); prefills and mixed steps run eagerly. On
 CPU every step runs eagerly."""
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from memserve.workers.layer_preload import LayerwisePreloader
 from memserve.workers.model import cpu_kernels
 from memserve.workers.model.attention import CPU_ATTENTIONS, AttentionMetadata
 from memserve.workers.model.attention_backend import resolve_attention_backend
-from memserve.workers.model.decode_graphs import DecodeGraphs
+from memserve.workers.model.decode_graphs import DecodeGraphs, eager_reason
 from memserve.workers.model.dtype import resolve_dtype
 from memserve.workers.model.grammar import GrammarMatchers
 from memserve.workers.model.kv_shift import shift_blocks
@@ -100,9 +100,7 @@ class ModelRunner:
                      cfg.cpu_prefill_attention)
         self.attention_backend = resolve_attention_backend(cfg, self.device, self.model_config.head_dim, self.dtype)
         self.num_layers = self.model_config.num_layers
-        # A captured graph would replay the step's LoRA rows of capture time: adapters run eagerly.
-        use_graphs = (self.device.type == "cuda" and not cfg.enforce_eager and self.model.capturable
-                      and not cfg.enable_lora)
+        use_graphs = self.device.type == "cuda" and not cfg.enforce_eager and self._graph_capturable(cfg, tp.size)
         self.pools = KVPools.create(self.model_config, cfg, self.dtype, self.device, scratch_block=use_graphs)
         local: BlockMover = self.pools  # this rank's tiers
         self.disk: DiskStore | None = None
@@ -144,6 +142,14 @@ class ModelRunner:
                                        self.pools.scratch_block, cfg.max_num_seqs, -(-max_len // self.block_size),
                                        self.attention_backend)
             self.graphs.capture()
+
+    def _graph_capturable(self, cfg: EngineConfig, tp_size: int) -> bool:
+        """Whether CUDA graphs may capture this model's decode steps; logs why not."""
+        reason = eager_reason(self.model, self.attention_backend, self.dtype,
+                              torch.cuda.get_device_capability(self.device), tp_size, cfg.enable_lora)
+        if reason is not None:
+            log.info("decode steps run eagerly, without CUDA graphs: %s", reason)
+        return reason is None
 
     def _preloader(self, cfg: EngineConfig, local: BlockMover) -> LayerwisePreloader:
         """Loads into the device tier, from this rank's own tiers (``local``), on a copy stream."""

@@ -4,7 +4,7 @@ embedded SmolLM2 when it is installed and for tiny random Llama, Qwen2 and Qwen3
 in bfloat16 the first 16 tokens agree on at least 90% of 32 ShareGPT prompts; a prefix
 hit and a round trip through the host tier (layer-wise preloading on and off) give the
 tokens computed without a cache; decode steps replayed from CUDA graphs give the eager
-steps' tokens. The engines attend with --attention-backend auto (triton where it loads),
+steps' tokens, for windowed, soft-capped and expert models too (through the Triton kernel). The engines attend with --attention-backend auto (triton where it loads),
 or with the backend MEMSERVE_TEST_ATTENTION_BACKEND names (scripts/gpu_check runs the
 float32 and graph tests again with sdpa and xformers)."""
 
@@ -22,6 +22,7 @@ from memserve.kvcache.address import Tier, addr_tier
 from memserve.model_files.gguf_convert import ensure_model_dir
 from memserve.testing.random_models import TINY_SIZES, save_tiny_model
 from memserve.workers.engine.engine import Engine
+from memserve.workers.model.decode_graphs import eager_reason
 from memserve.workers.real_engine import build_engine
 from memserve.workload.dataset import default_sharegpt_path, load_conversations
 
@@ -161,3 +162,20 @@ def test_graph_replay_gives_the_eager_tokens(model):
     prompts = plain_prompts(name, folder) + sharegpt_prompts(name, folder, 6)
     assert generate(graphed, prompts, NEW_TOKENS) == generate(eager, prompts, NEW_TOKENS)
     assert sum(replayed) >= NEW_TOKENS // 2
+
+
+@pytest.mark.parametrize("family", ["gemma2", "mistral", "qwen3_moe"])
+def test_windowed_soft_capped_and_expert_models_replay_graphs(tmp_path, family):
+    """Windows and soft-capped scores captured through the Triton kernel, experts in
+    bfloat16 where torch's grouped GEMM reads its offsets on the device: the eager tokens."""
+    save_tiny_model(tmp_path, family)
+    dtype = "bfloat16" if family == "qwen3_moe" else "float32"
+    eager = engine_for(tmp_path, dtype, attention_backend="triton", enforce_eager=True)
+    reason = eager_reason(eager.runner.model, "triton", eager.runner.dtype, torch.cuda.get_device_capability(), 1,
+                          False)
+    if reason is not None:
+        pytest.skip(reason)
+    graphed = engine_for(tmp_path, dtype, attention_backend="triton")
+    assert graphed.runner.graphs is not None and graphed.runner.graphs.num_graphs > 0
+    prompts = plain_prompts(family, tmp_path)
+    assert generate(graphed, prompts, NEW_TOKENS) == generate(eager, prompts, NEW_TOKENS)

@@ -3,9 +3,11 @@ TRITON_INTERPRET=1 (triton chooses its interpreter as it is imported, and a test
 has usually imported it already, through transformers): ``python
 tests/helpers/triton_backend_run.py SPEC_JSON`` prints the results as JSON on its last line.
 
-SPEC: ``engines``, by name: folder, prompts, new_tokens and options (EngineConfig
-fields); each engine generates the prompts cold (``cold``) and again from its prefix cache
-(``hit``), and counts the drafts it verified. ``plans``: the largest difference between
+SPEC: ``engines``, by name: folder, prompts, new_tokens, options (EngineConfig fields)
+and whether its pure decode steps replay CUDA graphs (``graphs``, captured by re-running:
+``helpers/eager_graphs.py``); each engine generates the prompts cold (``cold``) and again
+from its prefix cache (``hit``), and counts the drafts it verified and the graphs it
+replayed. ``plans``: the largest difference between
 the Triton kernel's output and the SDPA path's for a mixed batch (decode rows, verify
 rows, a chunk after a cached prefix, a prompt) and for a CUDA-graph decode plan run
 eagerly, each for the windows and soft-caps listed."""
@@ -21,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from helpers.eager_graphs import EagerCapture, graphed_engine  # noqa: E402
 from helpers.engine_generate import generate  # noqa: E402
 
 from memserve.config import EngineConfig  # noqa: E402
@@ -34,6 +37,7 @@ from memserve.workers.model.attention import (  # noqa: E402
 from memserve.workers.real_engine import build_engine  # noqa: E402
 
 HEADS, KV_HEADS, DIM, BLOCK_SIZE = 4, 2, 32, 8
+GRAPH_BLOCKS = 4  # the widest decode graph of an engine with ``graphs``: 4 blocks of 16
 # (new tokens, context after the step): a decode row, verify rows of a decode with two
 # drafts, a chunk after a cached prefix, a prompt with nothing cached.
 MIXED = [(1, 40), (3, 30), (12, 45), (20, 20)]
@@ -43,11 +47,12 @@ def run_engine(spec: dict) -> dict:
     folder = Path(spec["folder"])
     cfg = EngineConfig(model=str(folder), dtype="float32", num_blocks=64, max_num_seqs=8, attention_backend="triton",
                        cpu_prefill_attention="sdpa", **spec.get("options", {}))
-    engine = build_engine(cfg, folder)
+    capture = EagerCapture()
+    engine = graphed_engine(cfg, folder, GRAPH_BLOCKS, capture) if spec.get("graphs") else build_engine(cfg, folder)
     assert engine.runner.attention_backend == "triton"
     prompts, n = spec["prompts"], spec["new_tokens"]
     out = {"cold": generate(engine, prompts, n), "hit": generate(engine, prompts, n, tag="hit")}
-    return {**out, "drafts": engine.scheduler.draft_tokens_total}
+    return {**out, "drafts": engine.scheduler.draft_tokens_total, "replays": capture.replays}
 
 
 def both_plans(meta: AttentionMetadata, window: int, softcap: float) -> list[AttentionPlan]:

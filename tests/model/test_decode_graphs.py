@@ -1,40 +1,27 @@
 """The decode-graph path (workers/model/decode_graphs.py) run eagerly on the CPU: what a
 CUDA graph would capture, replayed by re-running it, must give the eager path's hidden
 states and greedy tokens, write nothing but the scratch block for its padding rows, and
-call every layer hook. tests/cuda checks real capture and replay on a GPU."""
+call every layer hook; which models are captured, and why the others are not.
+tests/cuda checks real capture and replay on a GPU; test_triton_backend.py the graphs of
+a windowed, soft-capped model through the Triton kernel."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers.eager_graphs import EagerCapture, graphed_engine
 from helpers.engine_generate import generate
 
 from memserve.config import EngineConfig
 from memserve.model_files.generation import eos_token_ids
 from memserve.testing.random_models import TINY_SIZES, save_tiny_model
 from memserve.workers.engine.engine import Engine
-from memserve.workers.model.attention import AttentionMetadata, allocate_kv_cache
-from memserve.workers.model.decode_graphs import DecodeGraphs, decode_buckets
+from memserve.workers.model.attention import AttentionMetadata, AttentionPlan, allocate_kv_cache
+from memserve.workers.model.decode_graphs import DecodeGraphs, decode_buckets, eager_reason
 from memserve.workers.model.loader import load_model
 from memserve.workers.model_runner import ModelRunner
 
 BS = 16
-
-
-class EagerCapture:
-    """A stand-in for CUDA graph capture: a replay re-runs the captured forward into its output."""
-
-    def __init__(self) -> None:
-        self.replays = 0
-
-    def __call__(self, forward):
-        out = forward()
-
-        def replay() -> None:
-            self.replays += 1
-            out.copy_(forward())
-
-        return replay, out
 
 
 def test_buckets_are_powers_of_two_capped_by_context_tokens():
@@ -110,14 +97,41 @@ def test_runner_replays_decode_steps_with_the_eager_tokens(tiny_llama):
     eager prefills and mixed steps, the same tokens as a runner without graphs."""
     cfg = EngineConfig(model=str(tiny_llama), dtype="float32", num_blocks=40, max_num_seqs=4)
     eager = Engine(cfg, ModelRunner(cfg, tiny_llama), eos_token_ids(tiny_llama))
-    runner = ModelRunner(cfg, tiny_llama)
-    runner.pools.num_device_blocks -= 1  # the last block becomes the scratch block
-    scratch = runner.pools.num_device_blocks
-    runner.graphs = DecodeGraphs(runner.model, runner.pools.device, runner.layout, BS, scratch, 4, 16)
     capture = EagerCapture()
-    runner.graphs.capture(capture)
-    graphed = Engine(cfg, runner, eos_token_ids(tiny_llama))
+    graphed = graphed_engine(cfg, tiny_llama, 16, capture)
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, TINY_SIZES["vocab_size"], (n,), generator=gen).tolist() for n in (9, 70, 33)]
     assert generate(graphed, prompts, 12) == generate(eager, prompts, 12)
     assert capture.replays >= 8  # the pure decode steps (most of the 14) were replayed
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3_text", "mistral", "qwen3_moe", "mixtral"])
+def test_which_models_graphs_capture(tmp_path, family):
+    """Windows and soft-caps are captured through the Triton kernel only; experts in bf16 on
+    Hopper and Blackwell only; never with tensor parallelism or adapters."""
+    save_tiny_model(tmp_path, family)
+    model = load_model(tmp_path, torch.float32, "cpu")
+    bf16, hopper, ampere = torch.bfloat16, (9, 0), (8, 0)
+    attends_plainly = family in ("llama", "qwen3_moe", "mixtral")
+    assert (eager_reason(model, "sdpa", bf16, hopper, 1, False) is None) == attends_plainly
+    assert (eager_reason(model, "xformers", bf16, hopper, 1, False) is None) == attends_plainly
+    assert eager_reason(model, "triton", bf16, hopper, 1, False) is None
+    moe = family in ("qwen3_moe", "mixtral")
+    for dtype, capability in ((bf16, ampere), (torch.float16, hopper), (torch.float32, (10, 0))):
+        reason = eager_reason(model, "triton", dtype, capability, 1, False)
+        assert (reason is not None and "grouped GEMM" in reason) == moe
+    assert eager_reason(model, "triton", bf16, (10, 0), 1, False) is None
+    assert "collectives" in str(eager_reason(model, "triton", bf16, hopper, 2, False))
+    assert "LoRA" in str(eager_reason(model, "triton", bf16, hopper, 1, True))
+
+
+def test_static_plans_apply_windows_only_through_triton():
+    slots, tables, lens = torch.tensor([3, 20]), torch.tensor([[0], [1]]), torch.tensor([4, 5])
+    plans = AttentionPlan.static_windows(slots, tables, lens, BS, "aggregated", "triton", (0, 7, 0, 7), 5.0)
+    assert sorted(plans) == [0, 7] and plans[7].window == 7 and plans[0].window == 0
+    assert plans[0].softcap == plans[7].softcap == 5.0 and plans[0].triton is plans[7].triton
+    assert list(AttentionPlan.static_windows(slots, tables, lens, BS, "aggregated", "sdpa", (0, 0))) == [0]
+    with pytest.raises(ValueError, match="triton"):
+        AttentionPlan.static_windows(slots, tables, lens, BS, "aggregated", "sdpa", (0, 7))
+    with pytest.raises(ValueError, match="triton"):
+        AttentionPlan.static_windows(slots, tables, lens, BS, "aggregated", "sdpa", (0,), 5.0)

@@ -2,7 +2,8 @@
 random models served by the engine decode transformers' greedy tokens token for token,
 cold and from the prefix cache, with prompts prefilled in chunks of 16 beside other
 requests' decodes: Llama (GQA) with n-gram drafts, so that decodes with verify rows share
-steps with the chunks, and Gemma 2 (a sliding and a global layer, soft-capped scores).
+steps with the chunks, and Gemma 2 (a sliding and a global layer, soft-capped scores),
+also with its pure decode steps replayed from CUDA-graph plans.
 The plans alone: the kernel's output equals the SDPA path's for a batch of decode rows,
 verify rows, a chunk after a cached prefix and a prompt (both KV layouts, a window, a
 soft-cap), and for a CUDA-graph decode plan run eagerly.
@@ -50,6 +51,8 @@ DRAFTS = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
 # in its prompt and n-gram drafts are proposed.
 MODELS = {"llama": {"num_hidden_layers": 2, "vocab_size": 64}, "gemma2": {"num_hidden_layers": 2}}
 OPTIONS = {"llama": {**CHUNKED, **DRAFTS}, "gemma2": CHUNKED}
+# Engines whose pure decode steps replay CUDA-graph plans (captured by re-running them).
+GRAPHED = {"gemma2-graphs": "gemma2"}
 CPU = torch.device("cpu")
 F32 = torch.float32
 
@@ -70,6 +73,9 @@ def served(tmp_path_factory) -> dict:
         ids = prompts(sizes.get("vocab_size", 512))
         references[family] = transformers_greedy(hf, ids, NEW_TOKENS)
         engines[family] = {"folder": str(folder), "prompts": ids, "new_tokens": NEW_TOKENS, "options": OPTIONS[family]}
+    for name, family in GRAPHED.items():
+        engines[name] = {**engines[family], "graphs": True}
+        references[name] = references[family]
     spec = {"engines": engines, "plans": [[0, 0.0, "aggregated"], [7, 0.0, "layer-major"], [0, 5.0, "aggregated"]],
             "static": ["aggregated", "layer-major"]}
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -81,15 +87,17 @@ def served(tmp_path_factory) -> dict:
     return out
 
 
-@pytest.mark.parametrize("family", sorted(MODELS))
-def test_served_tokens_match_transformers(served, family):
-    got, reference = served["engines"][family]
+@pytest.mark.parametrize("name", sorted(MODELS) + sorted(GRAPHED))
+def test_served_tokens_match_transformers(served, name):
+    got, reference = served["engines"][name]
     assert [tokens for tokens, _ in got["cold"]] == reference
     assert [cached for _, cached in got["cold"]] == [0] * len(PROMPT_LENGTHS)
     assert [tokens for tokens, _ in got["hit"]] == reference
     assert [cached for _, cached in got["hit"]] == [(n - 1) // BLOCK_SIZE * BLOCK_SIZE for n in PROMPT_LENGTHS]
-    if "speculative_config" in OPTIONS[family]:
+    if "speculative_config" in OPTIONS.get(name, {}):
         assert got["drafts"] > 0  # decodes with verify rows ran
+    # A graphed engine's pure decode steps (a window and soft-capped scores) were replayed.
+    assert (got["replays"] > 0) == (name in GRAPHED)
 
 
 def test_plans_attend_like_sdpa(served):

@@ -299,6 +299,25 @@ class AttentionPlan:
                    static_decode=StaticDecode(block_tables, key_mask))
 
     @classmethod
+    def static_windows(cls, slots: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                       block_size: int, layout: str, backend: str, windows: Iterable[int],
+                       softcap: float = 0.0) -> dict[int, AttentionPlan]:
+        """``static``'s plan for each distinct window of a model's layers. Windows and
+        soft-caps only through the Triton kernel: the static SDPA plan applies neither."""
+        plan = cls.static(slots, block_tables, context_lens, block_size, layout, backend)
+        if plan.triton is not None:
+            return plan.for_windows(windows, softcap)
+        if any(windows) or softcap:
+            raise ValueError("a static decode plan applies windows and soft-caps only with the triton backend")
+        return {0: plan}
+
+    def for_windows(self, windows: Iterable[int], softcap: float) -> dict[int, AttentionPlan]:
+        """This Triton plan for each distinct window of ``windows``: one TritonBatch for all,
+        so a step's device tensors are made once, whatever the windows."""
+        assert self.triton is not None
+        return {w: dataclasses.replace(self, window=w, softcap=softcap, _buffers={}) for w in dict.fromkeys(windows)}
+
+    @classmethod
     def build(cls, meta: AttentionMetadata, device: torch.device, window: int = 0,
               softcap: float = 0.0) -> AttentionPlan:
         if meta.layout not in KV_LAYOUTS:
@@ -351,12 +370,11 @@ class AttentionPlan:
     def build_windows(cls, meta: AttentionMetadata, device: torch.device, windows: Iterable[int],
                       softcap: float = 0.0) -> dict[int, AttentionPlan]:
         """One plan per distinct window of a model's layers (Gemma's sliding and global
-        layers). Triton plans differ by their window alone: they share one TritonBatch, so
-        the step's device tensors are made once, whatever the windows."""
-        first, *rest = dict.fromkeys(windows)
+        layers); Triton plans differ by their window alone (``for_windows``)."""
+        first, *rest = distinct = list(dict.fromkeys(windows))
         plan = cls.build(meta, device, first, softcap)
         if plan.triton is not None:
-            return {first: plan, **{w: dataclasses.replace(plan, window=w, _buffers={}) for w in rest}}
+            return plan.for_windows(distinct, softcap)
         return {first: plan, **{w: cls.build(meta, device, w, softcap) for w in rest}}
 
     def gather(self, cache: torch.Tensor, block_tables: torch.Tensor, buffer: str,

@@ -11,7 +11,8 @@ padding.
 Invariants:
 
 - A graph holds the model's forward pass only (embedding to final norm) over the static
-  attention plan (``AttentionPlan.static``), which reads no host data: positions, slots,
+  attention plans (``AttentionPlan.static_windows``: one per window of the model's layers,
+  the Triton kernel's where a model has windows or soft-capped scores), which read no host data: positions, slots,
   block tables and context lengths are columns of the bucket's device input buffer, and
   masks are computed from them on the device. Logits and sampling stay eager.
 - Padding rows write their K/V into the scratch block, a device block past those the
@@ -28,6 +29,8 @@ Invariants:
 - Buckets hold at most ``MAX_CONTEXT_TOKENS`` padded context tokens: beyond that the
   attention's reads dominate a step rather than its launches, and such steps, like
   prefills and mixed steps, run eagerly.
+- A model whose forward pass cannot be captured runs every step eagerly, for the reason
+  ``eager_reason`` gives (logged at start).
 """
 
 from __future__ import annotations
@@ -51,6 +54,10 @@ MIN_WIDTH_BLOCKS = 8  # the narrowest bucket: padding a short context costs litt
 # Attention kernels a graph may capture: the memory-efficient one takes the padding mask
 # (flash takes none); cuDNN's is left out, its support for capture varying with versions.
 CAPTURED_ATTENTION = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+# torch's grouped GEMM (F.grouped_mm, the MoE experts) runs its CUTLASS kernel, offsets read
+# on the device, for bfloat16 on these major compute capabilities (Hopper, Blackwell); its
+# fallback copies the offsets to the host (aten/src/ATen/native/cuda/GroupedBlas.cpp).
+GROUPED_MM_DEVICE_MAJORS = (9, 10)
 INPUT_COLUMNS = 4  # token id, position, slot, context length; then the block table
 
 # Captures ``forward``: returns the replay and the output tensor each replay refills.
@@ -73,6 +80,24 @@ def decode_buckets(max_batch: int, max_blocks: int, block_size: int) -> list[tup
     buckets = [(b, w) for b in powers_of_two_up_to(max_batch) for w in widths
                if b * w * block_size <= MAX_CONTEXT_TOKENS]
     return sorted(buckets, key=lambda bw: (bw[0] * bw[1], bw), reverse=True)
+
+
+def eager_reason(model: LlamaForCausalLM, backend: str, dtype: torch.dtype, capability: tuple[int, int],
+                 tp_size: int, lora: bool) -> str | None:
+    """Why ``model``'s decode steps run eagerly on a GPU of compute ``capability`` with
+    attention ``backend``; None where graphs capture them."""
+    config = model.config
+    if (any(model.layer_windows) or config.attn_logit_softcapping is not None) and backend != "triton":
+        return ("its sliding windows or soft-capped scores are applied, among the paths a graph captures, by the "
+                "Triton kernel alone (--attention-backend triton)")
+    if config.sparse_layers and not (dtype == torch.bfloat16 and capability[0] in GROUPED_MM_DEVICE_MAJORS):
+        return ("torch's grouped GEMM of its experts reads their row offsets on the host except in bfloat16 on "
+                "compute capability 9.x or 10.x, and a graph cannot capture a read by the host")
+    if tp_size > 1:
+        return "its ranks' collectives follow rank 0's plan step by step, which the graphs do not capture"
+    if lora:
+        return "a graph would replay the LoRA rows of the step it was captured in"
+    return None
 
 
 def cuda_graph(forward: Callable[[], torch.Tensor], pool: _POOL_HANDLE) -> tuple[Callable[[], None], torch.Tensor]:
@@ -130,11 +155,11 @@ class DecodeGraphs:
 
     def _forward(self, inputs: torch.Tensor) -> torch.Tensor:
         ids, positions, slots, context_lens = (inputs[:, i] for i in range(INPUT_COLUMNS))
-        plan = AttentionPlan.static(slots, inputs[:, INPUT_COLUMNS:], context_lens, self.block_size, self.layout,
-                                    self.attention_backend)
+        plans = AttentionPlan.static_windows(slots, inputs[:, INPUT_COLUMNS:], context_lens, self.block_size,
+                                             self.layout, self.attention_backend, self.model.layer_windows,
+                                             self.model.config.attn_logit_softcapping or 0.0)
         with sdpa_kernel(CAPTURED_ATTENTION):
-            # Every layer attends the whole context: a model with windows is not capturable.
-            return self.model.forward_planned(ids, positions, self.kv_cache, {0: plan})
+            return self.model.forward_planned(ids, positions, self.kv_cache, plans)
 
     def _padding(self, width: int) -> list[int]:
         """A padding row: token 0 at position 0, written to and attending the scratch block."""

@@ -206,13 +206,6 @@ class LlamaForCausalLM(nn.Module):
         self.layer_rotaries = tuple(local if i in config.sliding_layers else self.rotary
                                     for i in range(config.num_layers))
         self.layer_windows = tuple(config.layer_window(i) for i in range(config.num_layers))  # 0: no window
-        # Whether CUDA graphs may capture the decode step: not a sparse MLP, whose grouped
-        # GEMM may read its per-expert offsets on the host (moe.py), nor a sliding window or
-        # soft-capped attention scores, which the static decode plan a graph replays does
-        # not apply.
-        # Collectives between ranks are not captured either.
-        self.capturable = (not config.sparse_layers and config.sliding_window is None
-                           and config.attn_logit_softcapping is None and tp.size == 1)
 
     @torch.inference_mode()
     def forward(

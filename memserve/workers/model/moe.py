@@ -16,9 +16,9 @@ Invariants:
   sorted by expert, and one grouped GEMM (``F.grouped_mm``) runs each expert over its
   contiguous slice of rows. Cost is that of the chosen experts only, never E dense MLPs.
 - The grouping is computed on the device (no host round trip of per-expert counts here);
-  torch's generic grouped-GEMM kernel (any dtype but bf16 on the newest GPUs) may still
-  read the offsets on the host, so MoE models are not captured in CUDA graphs
-  (``LlamaForCausalLM.capturable``).
+  torch's generic grouped-GEMM kernel (any dtype but bf16 on Hopper and Blackwell) still
+  reads the offsets on the host, so only there are MoE models captured in CUDA graphs
+  (``decode_graphs.eager_reason``).
 """
 
 from __future__ import annotations
