@@ -8,6 +8,7 @@ import asyncio
 import json
 import time
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from helpers.paths import SHARED_DATA
 from memserve.config import EngineConfig
@@ -26,22 +27,26 @@ SHAREGPT = SHARED_DATA / "sharegpt-sample.jsonl"
 async def pd_cluster(roles: list[str], pd_mode: str = "pd-caching-3", num_blocks: int = 128,
                      heartbeat_timeout_s: float = 5.0, handoff_timeout_s: float = 5.0,
                      transfer_mode: str = "by-request-agg", kv_same_host_transport: str = "shm",
-                     tensor_parallel_size: int = 1, **engine_options):
-    """(client, tokenizer) over ``roles`` workers (of ``tensor_parallel_size`` ranks each);
-    stopped on exit. The workers share one machine: KV moves in place (shm) or as ZeroMQ
-    frames (zmq). ``engine_options``: more ``EngineConfig`` fields (LoRA adapters, say)."""
-    model_dir = ensure_model_dir(None)
+                     tensor_parallel_size: int = 1, model_dir: Path | None = None, gpus: list[int] | None = None,
+                     **engine_options):
+    """(client, tokenizer) over ``roles`` workers (of ``tensor_parallel_size`` ranks each) of
+    ``model_dir`` (None: the embedded SmolLM2), on the CPU or on ``gpus`` as ``--instances``
+    places them; stopped on exit. The workers share one machine: KV moves in place (shm:
+    shared memory on the CPU, CUDA IPC on GPUs) or as ZeroMQ frames (zmq).
+    ``engine_options``: more ``EngineConfig`` fields (LoRA adapters, say)."""
+    model_dir = model_dir or ensure_model_dir(None)
     channel = GatewayChannel()
     configs = plan_workers(EngineConfig(model=str(model_dir), dtype="float32", num_blocks=num_blocks,
                                         transfer_mode=transfer_mode, kv_same_host_transport=kv_same_host_transport,
                                         tensor_parallel_size=tensor_parallel_size, **engine_options),
-                           channel.address, len(roles), None, roles)
+                           channel.address, len(roles), gpus, roles)
     apply_pd_mode(configs, pd_mode)
     client = ZmqEngineClient(channel, Cluster(configs, heartbeat_timeout_s), BLOCK, pd_mode=pd_mode,
                              handoff_timeout_s=handoff_timeout_s)
     await client.start()
     try:
-        yield client, Tokenizer.from_folder(model_dir)
+        # A random model's folder has no tokenizer: its tests send token ids.
+        yield client, Tokenizer.from_folder(model_dir) if (model_dir / "tokenizer.json").exists() else None
     finally:
         await client.close()
 
