@@ -166,6 +166,11 @@ def report(summary: dict) -> None:
             print(f"  rate {r['rate']:g}/s: TTFT {_fmt(r['p99_ttft_lower_x'], 2)}x, TBT {_fmt(r['p99_tbt_lower_x'], 2)}x, "
                   f"TTFT att {r['ttft_attainment_gain']:+.3f}, TBT att {r['tbt_attainment_gain']:+.3f}")
         print(f"  sustainable rate: {_fmt(per_rate['sustainable_rate_x'], 2)}x")
+    if summary["vs_baseline"]:  # one line for scripts/gpu_check's table: the highest rate
+        print("summary: " + "; ".join(
+            f"{policy} vs {summary['baseline']} at {r['rate']:g}/s: TBT att {r['tbt_attainment_gain']:+.3f}, "
+            f"TTFT att {r['ttft_attainment_gain']:+.3f}"
+            for policy, per_rate in summary["vs_baseline"].items() for r in per_rate["per_rate"][-1:]))
 
 
 def summarize(args: argparse.Namespace, slos: ReplayOptions, sweeps: dict[str, list[dict]]) -> dict:

@@ -5,7 +5,13 @@
   decode kernel, the blocked or SDPA prefill: ``--cpu-attention``,
   ``--cpu-prefill-attention``).
 - ``xformers``: on CUDA, one xformers call per layer over the gathered blocks; a batch of
-  a windowed or soft-capped model takes the SDPA path (xformers applies neither).
+  a windowed or soft-capped model takes the SDPA path (xformers applies neither). Not
+  over xformers' paged biases, which no kernel of the xformers memserve installs
+  (0.0.35) runs at a block size of 16: its flash operator is, without the flash_attn
+  package, PyTorch's flash kernel, which reads no block table; the flash_attn package's
+  paged kernels take pages of a multiple of 256 tokens; its Triton split-K operator
+  takes pages of a multiple of 64 and one query length for the whole batch (decode rows
+  alone). The Triton kernel below is the paged path.
 - ``triton``: the Triton kernel that reads K/V in place through the block tables
   (triton_attention.py, given the step by triton_batch.py).
 
