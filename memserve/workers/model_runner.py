@@ -19,10 +19,10 @@ shard of the model, its heads' share of every KV pool. Rank 0's is given the oth
 (``followers``): it sends them each step's plan, and the MemPool's block moves go to every
 rank (``GroupMover``); its own loads copy only its share, as every rank's do.
 
-On CUDA, pure decode steps replay CUDA graphs captured when the runner starts
-(``model/decode_graphs.py``; ``--enforce-eager`` turns them off, and a model that cannot be
-captured runs without them, logging ``eager_reason``'s why); prefills and mixed steps run eagerly. On
-CPU every step runs eagerly."""
+On CUDA, decode steps (with their drafts, over the Triton kernel) replay CUDA graphs
+captured when the runner starts (``model/decode_graphs.py``; ``--enforce-eager`` turns them
+off, and a model that cannot be captured runs without them, logging ``eager_reason``'s
+why); steps with longer rows (prefill chunks) run eagerly. On CPU every step runs eagerly."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ from memserve.workers.layer_preload import LayerwisePreloader
 from memserve.workers.model import cpu_kernels
 from memserve.workers.model.attention import CPU_ATTENTIONS, AttentionMetadata
 from memserve.workers.model.attention_backend import resolve_attention_backend
-from memserve.workers.model.decode_graphs import DecodeGraphs, eager_reason
+from memserve.workers.model.decode_graphs import DecodeGraphs, eager_reason, graph_row_tokens
 from memserve.workers.model.dtype import resolve_dtype
 from memserve.workers.model.grammar import GrammarMatchers
 from memserve.workers.model.kv_shift import shift_blocks
@@ -140,7 +140,7 @@ class ModelRunner:
                           self.num_blocks * self.block_size)
             self.graphs = DecodeGraphs(self.model, self.pools.device, self.layout, self.block_size,
                                        self.pools.scratch_block, cfg.max_num_seqs, -(-max_len // self.block_size),
-                                       self.attention_backend)
+                                       self.attention_backend, graph_row_tokens(cfg, self.attention_backend))
             self.graphs.capture()
 
     def _graph_capturable(self, cfg: EngineConfig, tp_size: int) -> bool:
@@ -231,8 +231,8 @@ class ModelRunner:
             self._set_lora_rows(plan, query_start_loc)
         hooks = self._layer_hooks(plan, extra)
         hidden = None
-        if self.graphs is not None and len(input_ids) == len(plan.chunks):  # one new token each: pure decode
-            hidden = self.graphs.run(input_ids, positions, slots, context_lens, tables, hooks)
+        if self.graphs is not None:  # a step of rows that fit a graph: decodes, with their drafts
+            hidden = self.graphs.run(input_ids, positions, slots, query_start_loc, context_lens, tables, hooks)
         if hidden is None:
             width = max(len(t) for t in tables)
             meta = AttentionMetadata(

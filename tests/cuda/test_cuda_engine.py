@@ -4,7 +4,8 @@ embedded SmolLM2 when it is installed and for tiny random Llama, Qwen2 and Qwen3
 in bfloat16 the first 16 tokens agree on at least 90% of 32 ShareGPT prompts; a prefix
 hit and a round trip through the host tier (layer-wise preloading on and off) give the
 tokens computed without a cache; decode steps replayed from CUDA graphs give the eager
-steps' tokens, for windowed, soft-capped and expert models too (through the Triton kernel). The engines attend with --attention-backend auto (triton where it loads),
+steps' tokens, for windowed, soft-capped and expert models and decodes with drafts too
+(through the Triton kernel). The engines attend with --attention-backend auto (triton where it loads),
 or with the backend MEMSERVE_TEST_ATTENTION_BACKEND names (scripts/gpu_check runs the
 float32 and graph tests again with sdpa and xformers)."""
 
@@ -164,18 +165,28 @@ def test_graph_replay_gives_the_eager_tokens(model):
     assert sum(replayed) >= NEW_TOKENS // 2
 
 
-@pytest.mark.parametrize("family", ["gemma2", "mistral", "qwen3_moe"])
-def test_windowed_soft_capped_and_expert_models_replay_graphs(tmp_path, family):
+DRAFTS = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}}
+
+
+@pytest.mark.parametrize("family", ["gemma2", "mistral", "qwen3_moe", "llama"])
+def test_windowed_soft_capped_expert_and_drafting_models_replay_graphs(tmp_path, family):
     """Windows and soft-capped scores captured through the Triton kernel, experts in
-    bfloat16 where torch's grouped GEMM reads its offsets on the device: the eager tokens."""
-    save_tiny_model(tmp_path, family)
+    bfloat16 where torch's grouped GEMM reads its offsets on the device, decodes with
+    n-gram drafts (Llama over a 64-token vocabulary, so that drafts are found): the eager
+    tokens."""
+    save_tiny_model(tmp_path, family, **({"vocab_size": 64} if family == "llama" else {}))
     dtype = "bfloat16" if family == "qwen3_moe" else "float32"
-    eager = engine_for(tmp_path, dtype, attention_backend="triton", enforce_eager=True)
+    options = {"attention_backend": "triton", **(DRAFTS if family == "llama" else {})}
+    eager = engine_for(tmp_path, dtype, enforce_eager=True, **options)
     reason = eager_reason(eager.runner.model, "triton", eager.runner.dtype, torch.cuda.get_device_capability(), 1,
                           False)
     if reason is not None:
         pytest.skip(reason)
-    graphed = engine_for(tmp_path, dtype, attention_backend="triton")
+    graphed = engine_for(tmp_path, dtype, **options)
     assert graphed.runner.graphs is not None and graphed.runner.graphs.num_graphs > 0
-    prompts = plain_prompts(family, tmp_path)
+    gen = torch.Generator().manual_seed(0)
+    vocab = 64 if family == "llama" else TINY_SIZES["vocab_size"]
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (5, 40, 17, 70)]
     assert generate(graphed, prompts, NEW_TOKENS) == generate(eager, prompts, NEW_TOKENS)
+    if family == "llama":
+        assert graphed.scheduler.draft_tokens_total > 0

@@ -7,7 +7,7 @@ SPEC: ``engines``, by name: folder, prompts, new_tokens, options (EngineConfig f
 and whether its pure decode steps replay CUDA graphs (``graphs``, captured by re-running:
 ``helpers/eager_graphs.py``); each engine generates the prompts cold (``cold``) and again
 from its prefix cache (``hit``), and counts the drafts it verified and the graphs it
-replayed. ``plans``: the largest difference between
+replayed (those of rows of several tokens apart). ``plans``: the largest difference between
 the Triton kernel's output and the SDPA path's for a mixed batch (decode rows, verify
 rows, a chunk after a cached prefix, a prompt) and for a CUDA-graph decode plan run
 eagerly, each for the windows and soft-caps listed."""
@@ -52,7 +52,10 @@ def run_engine(spec: dict) -> dict:
     assert engine.runner.attention_backend == "triton"
     prompts, n = spec["prompts"], spec["new_tokens"]
     out = {"cold": generate(engine, prompts, n), "hit": generate(engine, prompts, n, tag="hit")}
-    return {**out, "drafts": engine.scheduler.draft_tokens_total, "replays": capture.replays}
+    graphs = engine.runner.graphs
+    # Replays of graphs whose rows hold several tokens: decodes with drafts.
+    wide = sum(n for (_, _, tokens), n in zip(graphs.buckets, capture.replays_of) if tokens > 1) if graphs else 0
+    return {**out, "drafts": engine.scheduler.draft_tokens_total, "replays": capture.replays, "wide_replays": wide}
 
 
 def both_plans(meta: AttentionMetadata, window: int, softcap: float) -> list[AttentionPlan]:

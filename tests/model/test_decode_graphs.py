@@ -77,7 +77,7 @@ def test_static_decode_matches_the_eager_decode_and_writes_only_the_scratch_bloc
         contexts = [p + 1 for p in positions]
         hooks = Recorder()
         before = cache.clone()
-        got = graphs.run(tokens, positions, step_slots, contexts, tables, hooks)
+        got = graphs.run(tokens, positions, step_slots, [0, 1, 2, 3], contexts, tables, hooks)
         assert got is not None and got.shape[0] == 3
         assert hooks.calls == [("before", i) for i in range(3)] + [("after", i) for i in range(3)]
         written = {s // BS for s in step_slots} | {scratch}
@@ -89,7 +89,8 @@ def test_static_decode_matches_the_eager_decode_and_writes_only_the_scratch_bloc
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
         tokens = model.compute_logits(got).argmax(-1).tolist()
         assert tokens == model.compute_logits(expected).argmax(-1).tolist()
-    assert graphs.run([1], [200], [0], [201], [list(range(13))], Recorder()) is None  # 13 blocks: no bucket
+    assert graphs.run([1], [200], [0], [0, 1], [201], [list(range(13))], Recorder()) is None  # 13 blocks: no bucket
+    assert graphs.run([1, 2], [40, 41], [0, 1], [0, 2], [42], [[3, 9, 4]], Recorder()) is None  # 2 tokens a row
 
 
 def test_runner_replays_decode_steps_with_the_eager_tokens(tiny_llama):

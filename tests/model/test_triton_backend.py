@@ -3,7 +3,8 @@ random models served by the engine decode transformers' greedy tokens token for 
 cold and from the prefix cache, with prompts prefilled in chunks of 16 beside other
 requests' decodes: Llama (GQA) with n-gram drafts, so that decodes with verify rows share
 steps with the chunks, and Gemma 2 (a sliding and a global layer, soft-capped scores),
-also with its pure decode steps replayed from CUDA-graph plans.
+both also with their decode steps replayed from CUDA-graph plans (Llama's with the
+verify rows of their drafts, padded to the most drafts).
 The plans alone: the kernel's output equals the SDPA path's for a batch of decode rows,
 verify rows, a chunk after a cached prefix and a prompt (both KV layouts, a window, a
 soft-cap), and for a CUDA-graph decode plan run eagerly.
@@ -52,7 +53,7 @@ DRAFTS = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
 MODELS = {"llama": {"num_hidden_layers": 2, "vocab_size": 64}, "gemma2": {"num_hidden_layers": 2}}
 OPTIONS = {"llama": {**CHUNKED, **DRAFTS}, "gemma2": CHUNKED}
 # Engines whose pure decode steps replay CUDA-graph plans (captured by re-running them).
-GRAPHED = {"gemma2-graphs": "gemma2"}
+GRAPHED = {"gemma2-graphs": "gemma2", "llama-graphs": "llama"}
 CPU = torch.device("cpu")
 F32 = torch.float32
 
@@ -94,10 +95,12 @@ def test_served_tokens_match_transformers(served, name):
     assert [cached for _, cached in got["cold"]] == [0] * len(PROMPT_LENGTHS)
     assert [tokens for tokens, _ in got["hit"]] == reference
     assert [cached for _, cached in got["hit"]] == [(n - 1) // BLOCK_SIZE * BLOCK_SIZE for n in PROMPT_LENGTHS]
-    if "speculative_config" in OPTIONS.get(name, {}):
+    if "speculative_config" in OPTIONS[GRAPHED.get(name, name)]:
         assert got["drafts"] > 0  # decodes with verify rows ran
-    # A graphed engine's pure decode steps (a window and soft-capped scores) were replayed.
+    # A graphed engine's decode steps were replayed: Gemma's with a window and soft-capped
+    # scores, Llama's with their drafts' verify rows too.
     assert (got["replays"] > 0) == (name in GRAPHED)
+    assert (got["wide_replays"] > 0) == (name == "llama-graphs")
 
 
 def test_plans_attend_like_sdpa(served):

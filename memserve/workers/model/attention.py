@@ -286,13 +286,16 @@ class AttentionPlan:
 
     @classmethod
     def static(cls, slots: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-               layout: str, backend: str = "sdpa") -> AttentionPlan:
-        """The plan of a decode batch held in device tensors (slots and context_lens [B],
-        block_tables [B, W]), built by device ops alone so that a CUDA graph captures it:
-        the Triton kernel's arguments with ``backend`` triton, else a gathered SDPA plan."""
+               layout: str, backend: str = "sdpa", row_tokens: int = 1) -> AttentionPlan:
+        """The plan of a batch of B rows of ``row_tokens`` new tokens each held in device
+        tensors (slots [B * row_tokens], context_lens [B], block_tables [B, W]), built by
+        device ops alone so that a CUDA graph captures it: the Triton kernel's arguments
+        with ``backend`` triton, else (one token a row) a gathered SDPA plan."""
         if backend == "triton":
             return cls(layout, slots // block_size, slots % block_size, [], [], None,
-                       triton=TritonBatch.static(context_lens, block_tables))
+                       triton=TritonBatch.static(context_lens, block_tables, row_tokens))
+        if row_tokens != 1:
+            raise ValueError("a static plan of rows of several tokens needs the triton backend")
         key_pos = torch.arange(block_tables.shape[1] * block_size, device=slots.device)
         key_mask = (key_pos[None, :] < context_lens[:, None])[:, None, None, :]
         return cls(layout, slots // block_size, slots % block_size, [], [], None,
@@ -301,10 +304,10 @@ class AttentionPlan:
     @classmethod
     def static_windows(cls, slots: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                        block_size: int, layout: str, backend: str, windows: Iterable[int],
-                       softcap: float = 0.0) -> dict[int, AttentionPlan]:
+                       softcap: float = 0.0, row_tokens: int = 1) -> dict[int, AttentionPlan]:
         """``static``'s plan for each distinct window of a model's layers. Windows and
         soft-caps only through the Triton kernel: the static SDPA plan applies neither."""
-        plan = cls.static(slots, block_tables, context_lens, block_size, layout, backend)
+        plan = cls.static(slots, block_tables, context_lens, block_size, layout, backend, row_tokens)
         if plan.triton is not None:
             return plan.for_windows(windows, softcap)
         if any(windows) or softcap:

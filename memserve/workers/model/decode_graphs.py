@@ -3,10 +3,12 @@
 A decode step of a small model on a GPU is mostly kernel launches: dozens per layer,
 each costing the host more time than the GPU spends running it. A CUDA graph captured
 once launches them all in one call. A graph fixes the shapes and addresses of its tensors, so
-one is captured per bucket, ``(batch, width)``: up to ``batch`` rows of one new token each
-whose contexts fit ``width`` blocks. A step runs in the smallest bucket that holds it;
-its inputs are copied into that bucket's input buffer and the rows it does not fill are
-padding.
+one is captured per bucket, ``(batch, width, tokens)``: up to ``batch`` rows of ``tokens``
+new tokens each whose contexts fit ``width`` blocks. Rows are of one token (decodes), and
+with n-gram drafts and the Triton kernel also of a decode and its most drafts (a row with
+fewer, or a short prefill chunk, is padded after its last token). A step runs in the
+smallest bucket that holds it; its inputs are copied into that bucket's input buffer and
+the rows and tokens it does not fill are padding.
 
 Invariants:
 
@@ -17,7 +19,9 @@ Invariants:
   masks are computed from them on the device. Logits and sampling stay eager.
 - Padding rows write their K/V into the scratch block, a device block past those the
   MemPool hands out, and attend it alone: they never touch a real block. Block-table
-  columns past a row's context point at it too (masked).
+  columns past a row's context point at it too (masked). A row's padding tokens come
+  after its own and write the scratch block too; in causal order only they attend past
+  the row's context, and their outputs are dropped.
 - A graph holds the addresses of the model's weights and of the device KV pool, both
   allocated once at start and never replaced.
 - Graphs share one memory pool and are captured largest first, so that the smaller ones
@@ -42,7 +46,9 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from memserve.config import EngineConfig
 from memserve.workers.engine.layer_hooks import LayerHooks
+from memserve.workers.engine.ngram_proposer import NgramConfig
 from memserve.workers.model.attention import AttentionPlan
 from memserve.workers.model.llama import LlamaForCausalLM
 
@@ -58,7 +64,6 @@ CAPTURED_ATTENTION = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION
 # on the device, for bfloat16 on these major compute capabilities (Hopper, Blackwell); its
 # fallback copies the offsets to the host (aten/src/ATen/native/cuda/GroupedBlas.cpp).
 GROUPED_MM_DEVICE_MAJORS = (9, 10)
-INPUT_COLUMNS = 4  # token id, position, slot, context length; then the block table
 
 # Captures ``forward``: returns the replay and the output tensor each replay refills.
 Capture = Callable[[Callable[[], torch.Tensor]], tuple[Callable[[], None], torch.Tensor]]
@@ -100,6 +105,14 @@ def eager_reason(model: LlamaForCausalLM, backend: str, dtype: torch.dtype, capa
     return None
 
 
+def graph_row_tokens(cfg: EngineConfig, backend: str) -> tuple[int, ...]:
+    """The new tokens a row of a captured step may have: one (a decode), and with n-gram
+    drafts and the Triton kernel also a decode and its most drafts (fewer are padded)."""
+    if cfg.speculative_config and backend == "triton":
+        return 1, 1 + NgramConfig.from_dict(cfg.speculative_config).num_speculative_tokens
+    return (1,)
+
+
 def cuda_graph(forward: Callable[[], torch.Tensor], pool: _POOL_HANDLE) -> tuple[Callable[[], None], torch.Tensor]:
     """Capture ``forward`` into a CUDA graph drawing on memory pool ``pool``. One eager run
     on a side stream first (as torch's documentation asks) initialises what is created
@@ -119,24 +132,37 @@ def cuda_graph(forward: Callable[[], torch.Tensor], pool: _POOL_HANDLE) -> tuple
 
 @dataclass
 class _Graph:
-    inputs: torch.Tensor  # [batch, INPUT_COLUMNS + width] long, on the device
+    inputs: torch.Tensor  # [batch, input_columns(tokens) + width] long, on the device
     replay: Callable[[], None]
-    out: torch.Tensor  # [batch, hidden]
+    out: torch.Tensor  # [batch * tokens, hidden]
+
+
+def input_columns(tokens: int) -> int:
+    """Columns of a row of ``tokens`` new tokens before its block table: their ids,
+    positions and slots, then the row's context length."""
+    return 3 * tokens + 1
 
 
 class DecodeGraphs:
-    """The decode graphs of one model over one KV pool."""
+    """The decode graphs of one model over one KV pool, for rows of each of ``row_tokens``
+    new tokens (1: decode rows; 1 + k: a decode and its k drafts, with the Triton kernel)."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, layout: str, block_size: int,
-                 scratch_block: int, max_batch: int, max_blocks: int, attention_backend: str = "sdpa") -> None:
+                 scratch_block: int, max_batch: int, max_blocks: int, attention_backend: str = "sdpa",
+                 row_tokens: tuple[int, ...] = (1,)) -> None:
+        if max(row_tokens) > 1 and attention_backend != "triton" or max(row_tokens) > block_size:
+            raise ValueError(f"rows of {max(row_tokens)} tokens are captured only with the triton backend, "
+                             f"and at most a block ({block_size}) of them")
         self.model = model
         self.attention_backend = attention_backend  # triton: the graphs capture the Triton kernel's launches
         self.kv_cache = kv_cache
         self.layout = layout
         self.block_size = block_size
         self.scratch_block = scratch_block
-        self.buckets = decode_buckets(max_batch, max_blocks, block_size)
-        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self.row_tokens = sorted(row_tokens)
+        self.buckets = [(b, w, q) for b, w in decode_buckets(max_batch, max_blocks, block_size)
+                        for q in reversed(self.row_tokens)]
+        self._graphs: dict[tuple[int, int, int], _Graph] = {}
 
     @property
     def num_graphs(self) -> int:
@@ -148,42 +174,59 @@ class DecodeGraphs:
         Inputs are all padding meanwhile, so only the scratch block is written."""
         if capture is None:
             capture = partial(cuda_graph, pool=torch.cuda.graph_pool_handle())
-        for batch, width in self.buckets:
-            inputs = torch.tensor([self._padding(width)] * batch, dtype=torch.long, device=self.kv_cache.device)
-            replay, out = capture(partial(self._forward, inputs))
-            self._graphs[(batch, width)] = _Graph(inputs, replay, out)
+        for batch, width, tokens in self.buckets:
+            inputs = torch.tensor([self._padding(width, tokens)] * batch, dtype=torch.long,
+                                  device=self.kv_cache.device)
+            replay, out = capture(partial(self._forward, inputs, tokens))
+            self._graphs[(batch, width, tokens)] = _Graph(inputs, replay, out)
 
-    def _forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        ids, positions, slots, context_lens = (inputs[:, i] for i in range(INPUT_COLUMNS))
-        plans = AttentionPlan.static_windows(slots, inputs[:, INPUT_COLUMNS:], context_lens, self.block_size,
+    def _forward(self, inputs: torch.Tensor, tokens: int) -> torch.Tensor:
+        ids, positions, slots = (inputs[:, i * tokens: (i + 1) * tokens].flatten() for i in range(3))
+        columns = input_columns(tokens)
+        plans = AttentionPlan.static_windows(slots, inputs[:, columns:], inputs[:, columns - 1], self.block_size,
                                              self.layout, self.attention_backend, self.model.layer_windows,
-                                             self.model.config.attn_logit_softcapping or 0.0)
+                                             self.model.config.attn_logit_softcapping or 0.0, tokens)
         with sdpa_kernel(CAPTURED_ATTENTION):
             return self.model.forward_planned(ids, positions, self.kv_cache, plans)
 
-    def _padding(self, width: int) -> list[int]:
-        """A padding row: token 0 at position 0, written to and attending the scratch block."""
-        return [0, 0, self.scratch_block * self.block_size, 1] + [self.scratch_block] * width
+    def _padding(self, width: int, tokens: int) -> list[int]:
+        """A padding row: token 0 at positions 0 on, written to and attending the scratch block."""
+        scratch = self.scratch_block * self.block_size
+        return ([0] * tokens + list(range(tokens)) + [scratch + j for j in range(tokens)] + [tokens]
+                + [self.scratch_block] * width)
 
-    def bucket(self, rows: int, blocks: int) -> tuple[int, int] | None:
-        """The smallest captured bucket holding ``rows`` rows of at most ``blocks`` blocks."""
-        fits = [(b * w, (b, w)) for b, w in self._graphs if b >= rows and w >= blocks]
+    def bucket(self, rows: int, blocks: int, tokens: int) -> tuple[int, int, int] | None:
+        """The smallest captured bucket holding ``rows`` rows of ``tokens`` new tokens (padded
+        to them) and at most ``blocks`` blocks each."""
+        fits = [(b * w, (b, w, q)) for b, w, q in self._graphs if b >= rows and w >= blocks and q == tokens]
         return min(fits)[1] if fits else None
 
     @torch.inference_mode()
-    def run(self, input_ids: list[int], positions: list[int], slots: list[int], context_lens: list[int],
-            tables: list[list[int]], hooks: LayerHooks) -> torch.Tensor | None:
-        """The hidden states [rows, hidden] of a decode batch (one new token per row) from
-        its bucket's graph; None when no bucket holds it (the caller runs it eagerly)."""
-        widths = [-(-n // self.block_size) for n in context_lens]
-        key = self.bucket(len(input_ids), max(widths))
+    def run(self, input_ids: list[int], positions: list[int], slots: list[int], query_start_loc: list[int],
+            context_lens: list[int], tables: list[list[int]], hooks: LayerHooks) -> torch.Tensor | None:
+        """The hidden states [tokens, hidden] of a step whose sequences' new tokens (rows
+        ``query_start_loc``) fit a bucket's graph; None when none holds it (the caller runs
+        it eagerly). A row of fewer tokens than its bucket's is padded after its last:
+        those tokens write the scratch block, sit at its last token's position, and only
+        they attend past its context (causal order), so its own tokens are untouched."""
+        counts = [end - start for start, end in zip(query_start_loc, query_start_loc[1:])]
+        tokens = next((q for q in self.row_tokens if q >= max(counts)), 0)
+        widest = max(-(-(n + tokens - c) // self.block_size) for n, c in zip(context_lens, counts))
+        key = self.bucket(len(counts), widest, tokens)
         if key is None:
             return None
-        batch, width = key
+        batch, width, tokens = key
         graph = self._graphs[key]
-        rows = [[token, pos, slot, n] + table[:w] + [self.scratch_block] * (width - w)
-                for token, pos, slot, n, table, w in zip(input_ids, positions, slots, context_lens, tables, widths)]
-        rows += [self._padding(width)] * (batch - len(rows))
+        scratch = self.scratch_block * self.block_size
+        rows = []
+        for r, (count, context, table) in enumerate(zip(counts, context_lens, tables)):
+            rows_of = slice(query_start_loc[r], query_start_loc[r + 1])
+            pad = tokens - count
+            table = table[: -(-(context + pad) // self.block_size)]
+            rows.append(input_ids[rows_of] + [0] * pad + positions[rows_of] + [positions[rows_of][-1]] * pad
+                        + slots[rows_of] + [scratch + j for j in range(pad)] + [context + pad]
+                        + table + [self.scratch_block] * (width - len(table)))
+        rows += [self._padding(width, tokens)] * (batch - len(rows))
         graph.inputs.copy_(torch.tensor(rows, dtype=torch.long))
         num_layers = len(self.model.model.layers)
         for layer in range(num_layers):
@@ -191,4 +234,7 @@ class DecodeGraphs:
         graph.replay()
         for layer in range(num_layers):
             hooks.after_layer(layer)
-        return graph.out[: len(input_ids)]
+        if tokens == 1:
+            return graph.out[: len(input_ids)]
+        taken = [r * tokens + j for r, count in enumerate(counts) for j in range(count)]
+        return graph.out[torch.tensor(taken, device=graph.out.device)]

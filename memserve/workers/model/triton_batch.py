@@ -34,11 +34,11 @@ class TritonBatch:
         return cls(lens[:starts], lens[starts:], block_tables.to(device=device, dtype=torch.int32))
 
     @classmethod
-    def static(cls, context_lens: torch.Tensor, block_tables: torch.Tensor) -> TritonBatch:
-        """A decode batch held in device tensors (one new token per row: context_lens [B],
-        block_tables [B, W]), by device ops alone, so that a CUDA graph captures it."""
+    def static(cls, context_lens: torch.Tensor, block_tables: torch.Tensor, row_tokens: int = 1) -> TritonBatch:
+        """A batch held in device tensors (``row_tokens`` new tokens per row: context_lens
+        [B], block_tables [B, W]), by device ops alone, so that a CUDA graph captures it."""
         rows = context_lens.shape[0]
-        starts = torch.arange(rows + 1, dtype=torch.int32, device=context_lens.device)
+        starts = torch.arange(0, (rows + 1) * row_tokens, row_tokens, dtype=torch.int32, device=context_lens.device)
         return cls(starts, context_lens.to(torch.int32), block_tables.to(torch.int32))
 
 
