@@ -10,6 +10,7 @@ what it caches goes to disk)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -51,4 +52,8 @@ def run(spec: dict) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(run(json.loads(sys.argv[1]))))
+    print(json.dumps(run(json.loads(sys.argv[1]))), flush=True)
+    # The results are out. Skip the interpreter's teardown: destroying torch.distributed's
+    # groups there has aborted this process once in about thirty runs ("terminate called
+    # without an active exception"), which is not what the tests check.
+    os._exit(0)
