@@ -27,6 +27,7 @@ from helpers.eager_graphs import EagerCapture, graphed_engine  # noqa: E402
 from helpers.engine_generate import generate  # noqa: E402
 
 from memserve.config import EngineConfig  # noqa: E402
+from memserve.testing.paged_batch import paged_batch  # noqa: E402
 from memserve.workers.model.attention import (  # noqa: E402
     AttentionMetadata,
     AttentionPlan,
@@ -64,31 +65,14 @@ def both_plans(meta: AttentionMetadata, window: int, softcap: float) -> list[Att
                                 softcap) for backend in ("sdpa", "triton")]
 
 
-def mixed_batch(gen: torch.Generator, specs: list[tuple[int, int]]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-    """(query_start_loc, block tables over shuffled block ids [S, widest + 1], slots of the
-    new tokens) for sequences of (new tokens, context)."""
-    widths = [-(-ctx // BLOCK_SIZE) for _, ctx in specs]
-    ids = torch.randperm(sum(widths) + 4, generator=gen)
-    tables = torch.zeros(len(specs), max(widths) + 1, dtype=torch.long)
-    slots, starts, used = [], [0], 0
-    for s, ((q_len, ctx), width) in enumerate(zip(specs, widths)):
-        tables[s, :width] = ids[used: used + width]
-        used += width
-        slots += [int(tables[s, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE for p in range(ctx - q_len, ctx)]
-        starts.append(starts[-1] + q_len)
-    return starts, tables, torch.tensor(slots)
-
-
 def plan_difference(window: int, softcap: float, layout: str) -> float:
     """Largest |Triton - SDPA| over a mixed batch's outputs, float32, layer 1 of a pool of 2."""
     gen = torch.Generator().manual_seed(window * 10 + int(softcap))
-    starts, tables, slots = mixed_batch(gen, MIXED)
-    num_blocks = int(tables.max()) + 5
-    meta = AttentionMetadata(slots, starts, [ctx for _, ctx in MIXED], tables, BLOCK_SIZE, layout,
-                             cpu_attention="torch", cpu_prefill="sdpa")
-    pool = allocate_kv_cache(num_blocks, 2, BLOCK_SIZE, KV_HEADS, DIM, torch.float32, "cpu", layout).normal_(
+    batch = paged_batch(gen, MIXED, BLOCK_SIZE)
+    meta = batch.metadata(BLOCK_SIZE, layout, "sdpa", torch.device("cpu"))
+    pool = allocate_kv_cache(batch.num_blocks, 2, BLOCK_SIZE, KV_HEADS, DIM, torch.float32, "cpu", layout).normal_(
         generator=gen)
-    num_tokens = starts[-1]
+    num_tokens = batch.query_start_loc[-1]
     qkv = torch.randn(num_tokens, HEADS + 2 * KV_HEADS, DIM, generator=gen)
     q, k, v = qkv.split([HEADS, KV_HEADS, KV_HEADS], dim=1)  # strided views, as the model has them
     outputs = []
@@ -103,9 +87,9 @@ def static_difference(layout: str) -> float:
     eagerly: one new token per row, every row's table as wide as the widest."""
     gen = torch.Generator().manual_seed(7)
     specs = [(1, 40), (1, 9), (1, 17)]
-    _, tables, slots = mixed_batch(gen, specs)
-    context_lens = torch.tensor([ctx for _, ctx in specs])
-    pool = allocate_kv_cache(int(tables.max()) + 5, 2, BLOCK_SIZE, KV_HEADS, DIM, torch.float32, "cpu",
+    batch = paged_batch(gen, specs, BLOCK_SIZE)
+    tables, slots, context_lens = batch.block_tables, batch.slots, torch.tensor(batch.context_lens)
+    pool = allocate_kv_cache(batch.num_blocks, 2, BLOCK_SIZE, KV_HEADS, DIM, torch.float32, "cpu",
                              layout).normal_(generator=gen)
     qkv = torch.randn(len(specs), HEADS + 2 * KV_HEADS, DIM, generator=gen)
     q, k, v = qkv.split([HEADS, KV_HEADS, KV_HEADS], dim=1)
