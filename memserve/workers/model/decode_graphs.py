@@ -13,10 +13,11 @@ the rows and tokens it does not fill are padding.
 Invariants:
 
 - A graph holds the model's forward pass only (embedding to final norm) over the static
-  attention plans (``AttentionPlan.static_windows``: one per window of the model's layers,
-  the Triton kernel's where a model has windows or soft-capped scores), which read no host data: positions, slots,
-  block tables and context lengths are columns of the bucket's device input buffer, and
-  masks are computed from them on the device. Logits and sampling stay eager.
+  attention plans (``AttentionPlan.static_windows``: one per window of the model's
+  layers, the Triton kernel's where a model has windows or soft-capped scores), which
+  read no host data: token ids, positions, slots, block tables and context lengths are
+  columns of the bucket's device input buffer, and masks are computed from them on the
+  device. Logits and sampling stay eager.
 - Padding rows write their K/V into the scratch block, a device block past those the
   MemPool hands out, and attend it alone: they never touch a real block. Block-table
   columns past a row's context point at it too (masked). A row's padding tokens come
@@ -32,7 +33,7 @@ Invariants:
   (a KV load still streaming is waited for whole) and every ``after_layer`` after it.
 - Buckets hold at most ``MAX_CONTEXT_TOKENS`` padded context tokens: beyond that the
   attention's reads dominate a step rather than its launches, and such steps, like
-  prefills and mixed steps, run eagerly.
+  steps with longer rows (prefill chunks), run eagerly.
 - A model whose forward pass cannot be captured runs every step eagerly, for the reason
   ``eager_reason`` gives (logged at start).
 """
