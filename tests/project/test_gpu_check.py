@@ -27,6 +27,6 @@ def test_dry_run_takes_every_step(tmp_path):
     rows = summary[[line.split()[:1] for line in summary].index(["step"]) + 1 :]
     steps = {line.split()[0]: line.split()[1] for line in rows}
     expected = {step: "ok" for step in ("setup", "tests", "roofline", "backends", "decode", "preload", "transfer",
-                                        "slo")}
+                                        "pd", "slo")}
     assert steps == expected, "\n".join(summary)
     assert "skipped" in (tmp_path / "tests.log").read_text()  # no CUDA here: the CUDA tests skip, cleanly
