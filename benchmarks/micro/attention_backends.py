@@ -14,7 +14,7 @@ of 16, bf16), their blocks scattered over the pool:
 For each backend that runs here: the largest difference from a float32 SDPA reference (on
 the same inputs widened), relative to the reference's largest magnitude, sdpa in the
 model's dtype included as the yardstick; the median time of one call over ``--reps``
-(device events on CUDA); and its speed against sdpa's. Backends that cannot run here
+(``gpu_roofline.timed``, whose shapes these are); and its speed against sdpa's. Backends that cannot run here
 (xformers not installed, triton on the CPU without ``TRITON_INTERPRET=1``) are named and
 skipped. On the CPU (``--device cpu --shape tiny --dtype float32``) it checks the script,
 not the figures.
@@ -26,19 +26,23 @@ not the figures.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
+from gpu_roofline import BLOCK_SIZE, SHAPES, timed
 
 from memserve.testing.paged_batch import PagedBatch, paged_batch
 from memserve.workers.model.attention import AttentionPlan, allocate_kv_cache, layer_kv, paged_attention
 from memserve.workers.model.attention_backend import choose_attention_backend
 
-SHAPES = {"llama3-8b": (32, 8, 128), "tiny": (4, 2, 32)}  # query heads, KV heads, head dim
-BLOCK_SIZE = 16
 LAYOUT = "aggregated"
+
+
+def attention_shape(shape: str) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of gpu_roofline's model ``shape``."""
+    config = SHAPES[shape]
+    heads = config["num_attention_heads"]
+    return heads, config["num_key_value_heads"], config["hidden_size"] // heads
 
 
 def batches(args: argparse.Namespace, gen: torch.Generator) -> dict[str, PagedBatch]:
@@ -47,25 +51,6 @@ def batches(args: argparse.Namespace, gen: torch.Generator) -> dict[str, PagedBa
     chunk = min(512, args.context)
     mixed = decodes + [(4, n) for n in spread[:4]] + [(chunk, args.context + chunk), (chunk, chunk)]
     return {"decode": paged_batch(gen, decodes, BLOCK_SIZE), "mixed": paged_batch(gen, mixed, BLOCK_SIZE)}
-
-
-def timed(call: Callable[[], torch.Tensor], device: torch.device, reps: int) -> float:
-    """Median milliseconds of ``call`` after one warm-up call (compilation, buffers)."""
-    call()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            call()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            began = time.perf_counter()
-            call()
-            times.append((time.perf_counter() - began) * 1e3)
-    return statistics.median(times)
 
 
 def attend(batch: PagedBatch, backend: str, pool: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -89,7 +74,8 @@ def runnable(backends: list[str], device: torch.device, dim: int, dtype: torch.d
 
 def compare(args: argparse.Namespace) -> list[dict]:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    heads, kv_heads, dim = SHAPES[args.shape]
+    heads, kv_heads, dim = attention_shape(args.shape)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     backends = runnable(args.backends, device, dim, dtype)
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
@@ -103,7 +89,7 @@ def compare(args: argparse.Namespace) -> list[dict]:
         for name, backend in backends.items():
             call = attend(batch, backend, pool, q, k, v, device)
             error = float((call().double() - reference).abs().max()) / scale
-            rows.append({"case": case, "backend": name, "error": error, "ms": timed(call, device, args.reps)})
+            rows.append({"case": case, "backend": name, "error": error, "ms": 1e3 * timed(call, args.reps, sync)})
     return rows
 
 

@@ -6,7 +6,8 @@ Reads every thread's user + system time from ``/proc/PID/task/*/stat`` each ``--
 seconds (threads that start in the window count from zero, threads that end keep their
 last reading) and names them by ``py-spy dump --json --nonblocking`` (its ``os_thread_id``
 and ``thread_name``) when py-spy is installed; threads no Python frame runs on (torch's
-OpenMP pool) are "native", the thread whose id is the process's "MainThread". Prints each name's CPU seconds and share of the window.
+OpenMP pool) are "native", the thread whose id is the process's "MainThread". Prints each
+name's CPU seconds and share of the window.
 
     python benchmarks/real/thread_cpu.py --match "memserve.workers" --seconds 300
 """
