@@ -246,7 +246,7 @@ class PrefillSequence:
     block_ids: torch.Tensor | None  # blocks holding its context; None = no cached prefix
     context_len: int
     causal_mask: torch.Tensor | None  # [1, 1, q, context] bool; None = plain causal (no prefix) or blocked
-    prefix_path: str = ""  # after a cached prefix without a mask: "padded" or "split" (_PREFIX_PATHS)
+    prefix_path: str = ""  # after a cached prefix without a mask: "padded" (_padded_causal) or "split"
 
 
 @dataclass
@@ -390,14 +390,14 @@ class AttentionPlan:
         layer costs page faults that doubled CPU decode time. index_select copies whole
         blocks and is several times faster than advanced indexing on CPU."""
         shape = (block_tables.numel(), *cache.shape[1:])
-        out = self._buffer(buffer, shape, cache.dtype, cache.device)
+        out = self.scratch(buffer, shape, cache.dtype, cache.device)
         torch.index_select(cache, 0, block_tables.flatten(), out=out)
         if dtype is not None and dtype != cache.dtype:
-            out = self._buffer(f"{buffer}-wide", shape, dtype, cache.device).copy_(out)
+            out = self.scratch(f"{buffer}-wide", shape, dtype, cache.device).copy_(out)
         tokens = out.view(*block_tables.shape[:-1], -1, *cache.shape[-2:])
         return tokens.transpose(-3, -2)
 
-    def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def scratch(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The reused buffer ``name``, made anew where its shape or dtype changed."""
         out = self._buffers.get(name)
         if out is None or out.shape != shape or out.dtype != dtype:
@@ -572,8 +572,12 @@ def paged_attention(
         if plan.blocked_prefill:
             out[seq.tokens] = _blocked_prefill(q[seq.tokens], keys, values, scale, plan.window, plan.softcap)
             continue
-        if seq.prefix_path:
-            _PREFIX_PATHS[seq.prefix_path](q[seq.tokens], keys, values, scale, out[seq.tokens])
+        if seq.prefix_path == "padded":
+            padded = plan.scratch(f"prefill-{i}-padded", (1, num_heads, seq.context_len, head_dim), q.dtype, q.device)
+            _padded_causal(q[seq.tokens], keys, values, scale, out[seq.tokens], padded)
+            continue
+        if seq.prefix_path == "split":
+            _prefix_then_causal(q[seq.tokens], keys, values, scale, out[seq.tokens])
             continue
         if plan.softcap:
             assert seq.causal_mask is not None  # planned with a mask wherever scores are capped
@@ -682,22 +686,20 @@ def _prefix_then_causal(queries: torch.Tensor, keys: torch.Tensor, values: torch
 
 
 def _padded_causal(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-                   out: torch.Tensor) -> None:
+                   out: torch.Tensor, padded: torch.Tensor) -> None:
     """The same attention as ``_prefix_then_causal``, for a short prefix: the chunk's
     queries placed after as many zero rows as the prefix has keys, so that SDPA's top-left
     ``is_causal`` is the bottom-right alignment, and the zero rows' outputs dropped. The
     waste, prefix^2 / 2 scores a head, is small beside the chunk's own where the prefix is
-    at most a quarter of it (a chat prompt behind its template's cached first block)."""
-    n, num_heads, head_dim = queries.shape
+    at most a quarter of it (a chat prompt behind its template's cached first block).
+    ``padded`` [1, heads, prefix + n, dim] is the plan's buffer that every layer reuses."""
+    n = queries.shape[0]
     context = keys.shape[1]
-    padded = queries.new_zeros(1, num_heads, context, head_dim)
+    padded[0, :, : context - n].zero_()
     padded[0, :, context - n :] = queries.transpose(0, 1)
     attended = F.scaled_dot_product_attention(padded, keys[None], values[None], is_causal=True, scale=scale,
                                               enable_gqa=True)
     out.copy_(attended[0, :, context - n :].transpose(0, 1))
-
-
-_PREFIX_PATHS = {"padded": _padded_causal, "split": _prefix_then_causal}
 
 
 def _window_mask(first_query: int, rows: int, first_key: int, end: int, window: int,
