@@ -97,7 +97,10 @@ def random_model(name: str, sizes: dict[str, Any], seed: int = 0, std: float = 0
     architecture, options = TINY_ARCHITECTURES[name]
     torch.manual_seed(seed)
     config = getattr(transformers, architecture)(**{**sizes, **options, **overrides})
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    # Eager attention wherever scores are soft-capped: SDPA cannot cap them, and some
+    # transformers releases (5.17) still pick SDPA for Gemma 2, dropping the cap.
+    eager = {"attn_implementation": "eager"} if getattr(config, "attn_logit_softcapping", None) else {}
+    model = transformers.AutoModelForCausalLM.from_config(config, **eager).eval()
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, std)  # far from the near-uniform init: decisive greedy choices

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from memserve.workers.model.attention import store_kv
 from memserve.workers.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -49,6 +50,6 @@ def shift_blocks(kv_cache: torch.Tensor, layout: str, rotary: RotaryEmbedding | 
     shape[layer_dim], shape[-1] = layers, -1
     # Each layer's cos and sin, broadcast over the keys' other dims.
     cos, sin = (torch.stack([tables[r][i] for r in rotaries]).view(shape) for i in (0, 1))
-    keys.copy_(apply_rotary(keys.float(), cos, sin))
+    keys.copy_(store_kv(apply_rotary(keys.float(), cos, sin), keys.dtype))  # FP8: clamped as stored
     # As bytes: index_copy_ knows no FP8 (--kv-cache-dtype fp8) on CPU.
     kv_cache.view(torch.uint8).index_copy_(block_dim, torch.tensor(dst_blocks, device=device), blocks.view(torch.uint8))
