@@ -537,10 +537,18 @@ def paged_attention(
     if plan.xformers is not None:
         return _xformers_paged_attention(q, k_cache, v_cache, plan, plan.xformers, scale)
     out = q.new_empty(q.shape)  # contiguous even where q is a view into the fused projection
-    num_heads, head_dim = q.shape[1:]
-    kv_heads = k_cache.shape[-2]
     if plan.kernel_decodes is not None:
         _kernel_decode_attention(out, q, k_cache, v_cache, plan, plan.kernel_decodes, scale)
+    _torch_decodes(out, q, k_cache, v_cache, plan, scale)
+    _torch_prefills(out, q, k, v, k_cache, v_cache, plan, scale)
+    return out
+
+
+def _torch_decodes(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   plan: AttentionPlan, scale: float) -> None:
+    """The plan's decode groups through torch's attention, into ``out``."""
+    num_heads, head_dim = q.shape[1:]
+    kv_heads = k_cache.shape[-2]
     for i, group in enumerate(plan.decodes):
         # GQA folded into the query length: the heads sharing a KV head are that head's
         # query rows, so each key is read once, not once per query head.
@@ -563,6 +571,13 @@ def paged_attention(
         else:
             attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.key_mask, scale=scale)
         out[group.tokens] = attended.reshape(-1, num_heads, head_dim).to(q.dtype)
+
+
+def _torch_prefills(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, plan: AttentionPlan, scale: float) -> None:
+    """The plan's prefill chunks through torch's attention (or the blocked CPU path), into ``out``."""
+    num_heads, head_dim = q.shape[1:]
+    kv_heads = k_cache.shape[-2]
     for i, seq in enumerate(plan.prefills):
         if seq.block_ids is None:
             keys, values = k[seq.tokens].transpose(0, 1), v[seq.tokens].transpose(0, 1)
@@ -597,7 +612,6 @@ def paged_attention(
             enable_gqa=True,
         )
         out[seq.tokens] = attended[0].transpose(0, 1)
-    return out
 
 
 def _kernel_decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
