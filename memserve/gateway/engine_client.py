@@ -26,13 +26,14 @@ from memserve.gateway.request_stream import RETRY, RequestStream
 from memserve.gateway.routing.admission import OFF, Admission, predict
 from memserve.gateway.routing.pd_topology import is_disaggregated
 from memserve.gateway.routing.router import (
+    RESTART_RETRY_AFTER_S,
     LeastLoad,
     RouteDecision,
     Router,
     RouteRequest,
     WorkerView,
 )
-from memserve.ipc.channel import GatewayChannel
+from memserve.ipc.channel import GatewayChannel, WorkerUnreachable
 from memserve.ipc.messages import (
     AbortRequest,
     AddRequest,
@@ -248,7 +249,10 @@ class ZmqEngineClient:
         if decision is not None and decision.pull_from is not None:
             await self.pull_prefix(decision.pull_from, decision.instance, add.prompt_token_ids + add.output_token_ids,
                                    add.params.kv_salt)
-        await self.channel.send(stream.worker, add)
+        try:
+            await self.channel.send(stream.worker, add)
+        except WorkerUnreachable as exc:  # it died a moment ago; the watch loop restarts it
+            raise EngineUnavailable(str(exc), RESTART_RETRY_AFTER_S) from exc
 
     async def _move(self, stream: RequestStream, progress: RequestProgress, add: AddRequest,
                     route: RouteRequest) -> RequestOutput | None:
@@ -269,7 +273,12 @@ class ZmqEngineClient:
         self.moves[move.value] += 1
         log.warning("request %s: worker %d died; %s on worker %d (%d tokens given)", add.request_id, lost,
                     move.value, stream.worker, sum(map(len, progress.tokens)))
-        await self._send(stream, moved, decision)
+        try:
+            await self._send(stream, moved, decision)
+        except EngineUnavailable:
+            if not progress.produced:
+                raise
+            return progress.failed(f"worker {lost} died and worker {stream.worker} is unreachable")
         return None
 
     async def abort(self, request_id: str) -> None:

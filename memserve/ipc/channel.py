@@ -21,6 +21,10 @@ from memserve.ipc.messages import decode, encode
 Buffer = bytes | memoryview
 
 
+class WorkerUnreachable(ConnectionError):
+    """The worker a message is for has no connected socket."""
+
+
 def _identity(instance_id: int) -> bytes:
     return b"w%d" % instance_id
 
@@ -44,7 +48,14 @@ class GatewayChannel:
         self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     async def send(self, instance_id: int, msg: Any, bulk: Sequence[Buffer] = ()) -> None:
-        await self._sock.send_multipart([_identity(instance_id), encode(msg), *bulk], copy=not bulk)
+        """Raises ``WorkerUnreachable`` where the worker's socket is not connected (it died
+        and has not been reaped yet, or it has not connected)."""
+        try:
+            await self._sock.send_multipart([_identity(instance_id), encode(msg), *bulk], copy=not bulk)
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:  # ROUTER_MANDATORY: no such peer now
+                raise WorkerUnreachable(f"worker {instance_id} is not connected") from exc
+            raise
 
     async def recv(self) -> tuple[int, Any, list[zmq.Frame]]:
         ident, header, *bulk = await self._sock.recv_multipart(copy=False)

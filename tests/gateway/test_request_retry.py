@@ -17,6 +17,7 @@ from helpers.fake_engine import FakeEngine, MESSAGES, MODEL, async_test, post, s
 from memserve.gateway.engine_client import ZmqEngineClient
 from memserve.gateway.engine_protocol import EngineUnavailable
 from memserve.gateway.request_retry import MAX_MOVES, Move, choose_move
+from memserve.ipc.channel import WorkerUnreachable
 from memserve.ipc.messages import AddRequest, RequestOutput, SamplingParams, StepOutputs, WorkerStats
 from memserve.text.tokenizer import Tokenizer
 
@@ -45,11 +46,14 @@ class Harness:
 
     def __init__(self, num_workers: int = 2) -> None:
         self.sent: list[tuple[int, object]] = []
+        self.unreachable: set[int] = set()  # workers whose socket is gone, not yet seen dead
         self.cluster = FakeCluster(num_workers)
         self.client = ZmqEngineClient(SimpleNamespace(send=self._send), self.cluster, 16)
         self.client.max_model_len = 1024
 
     async def _send(self, instance: int, msg: object, bulk=()) -> None:
+        if instance in self.unreachable:
+            raise WorkerUnreachable(f"worker {instance} is not connected")
         self.sent.append((instance, msg))
 
     def adds(self) -> list[tuple[int, AddRequest]]:
@@ -224,6 +228,28 @@ async def test_nothing_produced_and_no_live_worker_is_engine_unavailable() -> No
 
     with pytest.raises(EngineUnavailable):
         await run(Harness(), GREEDY, both_die)
+
+
+@async_test
+async def test_a_worker_dead_before_the_gateway_saw_it_is_unavailable_not_an_error() -> None:
+    """Its process killed but not reaped yet: the router still picks it and the send finds
+    no socket. A request with nothing produced is answered 503 with Retry-After; one that
+    gave tokens and cannot move ends with an error output."""
+    h = Harness(1)
+    h.unreachable.add(0)
+    with pytest.raises(EngineUnavailable) as exc:
+        await run(h, GREEDY, lambda h: settle())
+    assert "worker 0 is not connected" in str(exc.value) and exc.value.retry_after_s
+    assert not h.client.streams
+
+    async def moves_to_a_dead_one(h: Harness) -> None:
+        h.emit(0, [5])
+        await settle()
+        h.unreachable.add(1)
+        h.kill(0)
+
+    seen = await run(Harness(), GREEDY, moves_to_a_dead_one)
+    assert tokens(seen) == [5] and seen[-1].error == "worker 0 died and worker 1 is unreachable"
 
 
 @async_test
