@@ -397,11 +397,13 @@ class AttentionPlan:
         tokens = out.view(*block_tables.shape[:-1], -1, *cache.shape[-2:])
         return tokens.transpose(-3, -2)
 
-    def scratch(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The reused buffer ``name``, made anew where its shape or dtype changed."""
+    def scratch(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                zeroed: bool = False) -> torch.Tensor:
+        """The reused buffer ``name``, made anew (of zeros where ``zeroed``) where its shape
+        or dtype changed."""
         out = self._buffers.get(name)
         if out is None or out.shape != shape or out.dtype != dtype:
-            out = self._buffers[name] = torch.empty(shape, dtype=dtype, device=device)
+            out = self._buffers[name] = (torch.zeros if zeroed else torch.empty)(shape, dtype=dtype, device=device)
         return out
 
     def additive_mask(self, group: DecodeGroup, dtype: torch.dtype, buffer: str) -> torch.Tensor:
@@ -588,7 +590,8 @@ def _torch_prefills(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
             out[seq.tokens] = _blocked_prefill(q[seq.tokens], keys, values, scale, plan.window, plan.softcap)
             continue
         if seq.prefix_path == "padded":
-            padded = plan.scratch(f"prefill-{i}-padded", (1, num_heads, seq.context_len, head_dim), q.dtype, q.device)
+            padded = plan.scratch(f"prefill-{i}-padded", (1, num_heads, seq.context_len, head_dim), q.dtype, q.device,
+                                  zeroed=True)
             _padded_causal(q[seq.tokens], keys, values, scale, out[seq.tokens], padded)
             continue
         if seq.prefix_path == "split":
@@ -706,10 +709,10 @@ def _padded_causal(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     ``is_causal`` is the bottom-right alignment, and the zero rows' outputs dropped. The
     waste, prefix^2 / 2 scores a head, is small beside the chunk's own where the prefix is
     at most a quarter of it (a chat prompt behind its template's cached first block).
-    ``padded`` [1, heads, prefix + n, dim] is the plan's buffer that every layer reuses."""
+    ``padded`` [1, heads, prefix + n, dim] is the plan's buffer that every layer reuses,
+    made of zeros: only its last n rows are written."""
     n = queries.shape[0]
     context = keys.shape[1]
-    padded[0, :, : context - n].zero_()
     padded[0, :, context - n :] = queries.transpose(0, 1)
     attended = F.scaled_dot_product_attention(padded, keys[None], values[None], is_causal=True, scale=scale,
                                               enable_gqa=True)
